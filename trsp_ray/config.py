@@ -1,0 +1,313 @@
+"""One typed, validated configuration tree for a run, loadable from YAML with `a.b=value` overrides.
+
+Every section is a frozen dataclass that checks itself in `__post_init__` and raises a one-line
+`TrspError` naming the bad value and what is valid. `to_dict()` gives the plain dict that crosses
+Ray boundaries and lands in MLflow params and the export manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trsp_ray.errors import TrspError
+
+METHODS = ("trsp", "trsp-no-stage2", "trsp-oneshot", "shortgpt", "sleb", "random")
+
+
+def _choice(name: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise TrspError(f"{name}={value!r} is not valid; choose one of {', '.join(map(str, valid))}")
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise TrspError(f"{name}={value!r} is not valid; it must be {bound}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    calib_text: str | None = None  # any text file; default: gensim Wikipedia calibration articles
+    eval_text: str | None = None  # any text file; default: gensim Wikipedia held-out articles
+    seqlen: int = 128  # training / calibration window (tokens)
+    batch_size: int = 4  # windows per optimizer step
+    eval_seqlen: int = 256  # perplexity window (tokens)
+    eval_max_windows: int | None = 48  # cap on held-out windows (None = whole text)
+
+    def __post_init__(self):
+        for name in ("seqlen", "batch_size", "eval_seqlen"):
+            _positive(f"data.{name}", getattr(self, name))
+        if self.eval_max_windows is not None:
+            _positive("data.eval_max_windows", self.eval_max_windows)
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    gate: str = "delta"  # delta: x + s*(f(x)-x); output: s*f(x)
+    protect_head: int = 1  # first layers never dropped
+    protect_tail: int = 1  # last layers never dropped
+
+    def __post_init__(self):
+        _choice("gates.gate", self.gate, ("delta", "output"))
+        _positive("gates.protect_head", self.protect_head, allow_zero=True)
+        _positive("gates.protect_tail", self.protect_tail, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class Stage1Config:
+    lambda1: float = 5e-3  # L1 coefficient on the candidate gates (paper's best)
+    lr: float = 1e-2  # gate learning rate (a scalar needs a large one)
+    first_round_steps: int = 12  # steps of round 1 (its ranking is also the one-shot selection)
+    steps_per_round: int = 4  # steps of every later round (gates are warm-started)
+    selection: str = "iterative"  # iterative | oneshot
+    train_base: bool = False  # also train the base weights, as the reference code does
+    base_lr: float = 2e-5
+
+    def __post_init__(self):
+        _positive("stage1.lambda1", self.lambda1, allow_zero=True)
+        _positive("stage1.lr", self.lr)
+        _positive("stage1.first_round_steps", self.first_round_steps)
+        _positive("stage1.steps_per_round", self.steps_per_round)
+        _choice("stage1.selection", self.selection, ("iterative", "oneshot"))
+        _positive("stage1.base_lr", self.base_lr)
+
+
+@dataclass(frozen=True)
+class Stage2Config:
+    enabled: bool = True
+    lambda2: float = 1e-3  # coefficient of sum_{i in P} d(x_{i+1}, x_i) (paper's best)
+    steps: int = 20
+    lr: float = 1e-4  # learning rate of the weights outside P
+    p_lr_scale: float = 1.0  # learning-rate multiplier for the weights of the layers in P
+    mode: str = "joint"  # joint: all of P at once; sequential: one layer of P per segment
+    norm: str = "l2"  # per-token distance: l2 | l1
+    trainable: str = "all"  # all | lora
+    lora_rank: int = 8
+    # constant: fixed lambda2; ramp: lambda2 grows linearly from 0; anneal: the P layers' residual
+    # contribution is scaled by a factor going 1 -> 0 over anneal_fraction of the steps, so they are
+    # exact identities (removal changes nothing) for the remaining steps.
+    schedule: str = "anneal"
+    anneal_fraction: float = 0.5
+
+    def __post_init__(self):
+        _positive("stage2.lambda2", self.lambda2, allow_zero=True)
+        _positive("stage2.steps", self.steps, allow_zero=True)
+        _positive("stage2.lr", self.lr)
+        _positive("stage2.p_lr_scale", self.p_lr_scale, allow_zero=True)
+        _choice("stage2.mode", self.mode, ("joint", "sequential"))
+        _choice("stage2.norm", self.norm, ("l2", "l1"))
+        _choice("stage2.trainable", self.trainable, ("all", "lora"))
+        _positive("stage2.lora_rank", self.lora_rank)
+        _choice("stage2.schedule", self.schedule, ("constant", "ramp", "anneal"))
+        if not 0.0 < self.anneal_fraction <= 1.0:
+            raise TrspError(f"stage2.anneal_fraction={self.anneal_fraction!r} is not valid; it must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    steps: int = 0  # CE-only fine-tuning of the pruned model; 0 = off
+    lr: float = 1e-4
+    trainable: str = "all"  # all | lora
+    lora_rank: int = 8
+
+    def __post_init__(self):
+        _positive("heal.steps", self.steps, allow_zero=True)
+        _positive("heal.lr", self.lr)
+        _choice("heal.trainable", self.trainable, ("all", "lora"))
+        _positive("heal.lora_rank", self.lora_rank)
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    calib_windows: int = 8  # windows for ShortGPT's Block Influence and SLEB's calibration PPL
+    sleb_windows: int = 4
+
+    def __post_init__(self):
+        _positive("baselines.calib_windows", self.calib_windows)
+        _positive("baselines.sleb_windows", self.sleb_windows)
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True
+    tracking_uri: str | None = None  # default: sqlite:///./runs/mlflow.db
+    experiment: str = "trsp_ray"
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    workers: int = 0  # 0 = single process, no Ray Train
+    strategy: str = "zero3"  # zero3 | ddp
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
+    storage_path: str | None = None  # Ray Train storage; default ./runs/ray
+    max_failures: int = 0
+    checkpoint_every: int = 10  # stage-2 steps between checkpoints (stage 1: every round)
+    gpu_memory_gb: float = 80.0  # per-GPU memory the planner checks against
+
+    def __post_init__(self):
+        _positive("distributed.workers", self.workers, allow_zero=True)
+        _choice("distributed.strategy", self.strategy, ("zero3", "ddp"))
+        _positive("distributed.cpus_per_worker", self.cpus_per_worker)
+        _positive("distributed.grad_accum", self.grad_accum)
+        _positive("distributed.max_failures", self.max_failures, allow_zero=True)
+        _positive("distributed.checkpoint_every", self.checkpoint_every)
+        _positive("distributed.gpu_memory_gb", self.gpu_memory_gb)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str = "smollm2-135m"
+    method: str = "trsp"
+    ratio: float = 0.25  # fraction of decoder layers to drop; n_drop = round(ratio * L)
+    output: str | None = None  # export directory; None = do not export
+    seed: int = 0
+    device: str = "cpu"  # cpu | cuda | auto
+    threads: int | None = None  # torch intra-op threads (None = torch default)
+    data: DataConfig = field(default_factory=DataConfig)
+    gates: GateConfig = field(default_factory=GateConfig)
+    stage1: Stage1Config = field(default_factory=Stage1Config)
+    stage2: Stage2Config = field(default_factory=Stage2Config)
+    heal: HealConfig = field(default_factory=HealConfig)
+    baselines: BaselineConfig = field(default_factory=BaselineConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self):
+        _choice("method", self.method, METHODS)
+        if not 0.0 < self.ratio < 1.0:
+            raise TrspError(f"ratio={self.ratio!r} is not valid; it must be in the open interval (0, 1)")
+        _choice("device", self.device, ("cpu", "cuda", "auto"))
+        if self.threads is not None:
+            _positive("threads", self.threads)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Check/convert a YAML-parsed value against a dataclass field annotation (str form)."""
+    ann = str(annotation).replace(" ", "")
+    optional = "None" in ann
+    if value is None:
+        if optional:
+            return None
+        raise TrspError(f"{name}=None is not valid; it needs a value of type {ann}")
+    base = ann.replace("|None", "").replace("None|", "")
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if base == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if base == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if base == "str":
+            return str(value)
+    except (TypeError, ValueError):
+        raise TrspError(f"{name}={value!r} is not valid; it must be of type {base}") from None
+    return value
+
+
+def from_dict(data: dict, cls: type = RunConfig, prefix: str = "") -> Any:
+    """Build a config dataclass from a nested dict, rejecting unknown keys by name."""
+    if not isinstance(data, dict):
+        raise TrspError(f"config section {prefix or '<root>'!r} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            valid = ", ".join(f"{prefix}{k}" for k in fields)
+            raise TrspError(f"unknown config key {name!r}; valid keys here: {valid}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = from_dict(value, hint, prefix=f"{name}.")
+        else:
+            kwargs[key] = _coerce(value, fields[key].type, name)
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` strings (value parsed as YAML) to a nested dict, returning a new dict."""
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        item = item[2:] if item.startswith("--") else item
+        if "=" not in item:
+            raise TrspError(f"override {item!r} is not valid; write it as key.path=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else None
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise TrspError(f"override {key!r} is not valid; {part!r} is not a config section")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> RunConfig:
+    """Config from an optional YAML file, then `base` values, then overrides (last wins)."""
+    import yaml
+
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise TrspError(f"config file {path!r} does not exist; pass a YAML file")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise TrspError(f"config file {path!r} must hold a YAML mapping, got {type(data).__name__}")
+    merged = apply_overrides(data, [f"{k}={_yaml_value(v)}" for k, v in _flat(base or {}).items()])
+    merged = apply_overrides(merged, overrides or [])
+    return from_dict(merged)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _yaml_value(v: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """dataclasses.replace that accepts dotted keys: replace(cfg, **{"stage1.lambda1": 0.01})."""
+    nested: dict[str, dict] = {}
+    flat = {}
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            flat[key] = value
+    for head, sub in nested.items():
+        flat[head] = replace(getattr(cfg, head), **sub)
+    return dataclasses.replace(cfg, **flat)

@@ -1,0 +1,111 @@
+"""MLflow behind a small tracker, with a do-nothing version for tests and non-zero ranks.
+
+Default store: a local sqlite file (`sqlite:///<dir>/mlflow.db`); any tracking URI works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def default_tracking_uri() -> str:
+    root = Path(os.environ.get("TRSP_RAY_MLFLOW_DIR", Path.cwd() / "runs"))
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root.resolve() / 'mlflow.db'}"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+class NullTracker:
+    """Same interface as MlflowTracker; records nothing."""
+
+    run_id: str | None = None
+
+    @contextlib.contextmanager
+    def run(self, name: str, *, nested: bool = False, tags: dict | None = None) -> Iterator["NullTracker"]:
+        yield self
+
+    def log_params(self, params: dict) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_dict(self, obj: Any, name: str) -> None: ...
+    def log_text(self, text: str, name: str) -> None: ...
+    def log_figure(self, figure, name: str) -> None: ...
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+
+
+class MlflowTracker:
+    """Thin wrapper over the mlflow fluent API. Params are flattened (`a.b.c`); values are str-cast."""
+
+    def __init__(self, *, tracking_uri: str | None, experiment: str):
+        import mlflow
+
+        self._mlflow = mlflow
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        mlflow.set_tracking_uri(self.tracking_uri)
+        mlflow.set_experiment(experiment)
+        self.run_id: str | None = None
+
+    @contextlib.contextmanager
+    def run(self, name: str, *, nested: bool = False, tags: dict | None = None) -> Iterator["MlflowTracker"]:
+        with self._mlflow.start_run(run_name=name, nested=nested, tags=tags) as active:
+            previous, self.run_id = self.run_id, active.info.run_id
+            try:
+                yield self
+            finally:
+                self.run_id = previous
+
+    def log_params(self, params: dict) -> None:
+        flat = {k: str(v)[:6000] for k, v in _flatten(params).items()}
+        items = list(flat.items())
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            self._mlflow.log_params(dict(items[i : i + 100]))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        clean = {k.replace("+", "_plus_"): float(v) for k, v in metrics.items() if v is not None}
+        self._mlflow.log_metrics(clean, step=step)
+
+    def log_dict(self, obj: Any, name: str) -> None:
+        self._mlflow.log_text(json.dumps(obj, indent=2, default=str), name)
+
+    def log_text(self, text: str, name: str) -> None:
+        self._mlflow.log_text(text, name)
+
+    def log_figure(self, figure, name: str) -> None:
+        self._mlflow.log_figure(figure, name)
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self._mlflow.log_artifact(path, artifact_path)
+
+    def set_tags(self, tags: dict) -> None:
+        self._mlflow.set_tags(tags)
+
+
+def make_tracker(*, enabled: bool = True, tracking_uri: str | None = None, experiment: str = "trsp_ray"):
+    """An MlflowTracker, or a NullTracker when disabled (tests, non-zero ranks)."""
+    if not enabled:
+        return NullTracker()
+    return MlflowTracker(tracking_uri=tracking_uri, experiment=experiment)
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    """Write JSON to `path` through a temp file + rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, default=str)
+    os.replace(tmp, path)
