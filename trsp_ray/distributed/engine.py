@@ -1,0 +1,175 @@
+"""DeepSpeed plumbing run inside each worker: sharded model load, the stepper the stage loops use,
+gathered gate access, and a full state dict gathered from the shards for export.
+
+Everything here assumes torch.distributed is already initialised (Ray Train's TorchTrainer does it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed logs every engine build at INFO; keep the job log readable."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def init_deepspeed(*, backend: str) -> None:
+    """Attach DeepSpeed's comm layer to the process group Ray Train created."""
+    import torch._dynamo  # noqa: F401  (zero.Init patches module classes; dynamo must be imported first)
+    import deepspeed
+
+    quiet_deepspeed()
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def load_sharded(path: str, *, ds_config: dict, dtype: torch.dtype):
+    """A *ForCausalLM built partitioned from the start: with ZeRO-3 in `ds_config`, transformers
+    constructs it inside `deepspeed.zero.Init` and loads each checkpoint shard into the partitions,
+    so no rank ever holds the whole model."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    marker = HfDeepSpeedConfig(ds_config)  # read by from_pretrained through a weak reference
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    finally:
+        del marker
+        unset_hf_deepspeed_config()  # later plain models (export, tests) must not be partitioned
+    return model
+
+
+def zero_ready_gates(gates) -> None:
+    """Give each gate shape [1] instead of []: DeepSpeed cannot partition a 0-dim parameter (it
+    views it as bytes to broadcast). The gate math broadcasts identically and values are kept."""
+    for w in gates.wrappers:
+        if w.gate.dim() == 0:
+            w.gate = nn.Parameter(w.gate.detach().reshape(1).clone(), requires_grad=w.gate.requires_grad)
+    gates.gather = gather_context
+
+
+def is_partitioned(model) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def gather_context(params: list[nn.Parameter]):
+    """Full values of ZeRO-3 parameters inside the block; rank 0's edits are kept on exit."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+class DeepSpeedStepper:
+    """The `Stepper` of training.py over a DeepSpeed engine.
+
+    Each worker computes the loss of its own slice of the stage loop's batch (rows
+    rank*m .. rank*m+m-1, m = B / world); the engine averages gradients over workers, so one step
+    equals the single-process step on the whole batch. `skip` > 0 fast-forwards that many steps
+    (no compute, no update) to resume a stage-2 loop that has no resume argument of its own.
+    """
+
+    def __init__(self, model, param_groups: list[dict], *, ds_config: dict, rank: int, world: int):
+        import deepspeed
+
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
+        self.rank, self.world = rank, world
+        self.skip = 0
+
+    def _slice(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch.shape[0] % self.world:
+            raise ValueError(f"batch of {batch.shape[0]} rows does not split over {self.world} workers")
+        m = batch.shape[0] // self.world
+        return batch[self.rank * m:(self.rank + 1) * m].to(self.engine.device)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.skip > 0:
+            return torch.zeros((), requires_grad=True)
+        local = self._slice(batch)
+        return self.engine(input_ids=local, labels=local, use_cache=False).loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.skip == 0:
+            self.engine.backward(loss)
+
+    def step(self) -> None:
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        self.engine.step()
+
+    def _zero3(self) -> bool:
+        return hasattr(self.engine.optimizer, "fp32_partitioned_groups_flat")
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (under ZeRO-3: its partition, fp32 master weights included)."""
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._zero3():
+            # ZeRO-3 takes the list of every rank's state and picks its own entry.
+            self.engine.optimizer.load_state_dict([state] * self.world, load_optimizer_states=True)
+        else:
+            self.engine.optimizer.load_state_dict(state)
+
+    def close(self) -> None:
+        """Remove the engine's hooks so the next stage can build a new engine on the same model."""
+        self.engine.destroy()
+
+
+class StepperFactory:
+    """`make_stepper` for the stage loops: one engine per call, the previous one closed first.
+
+    `on_build(stepper, index)` runs after each build (index 0 = stage 1, 1 = stage 2), e.g. to load
+    a stage-2 checkpoint into the fresh engine.
+    """
+
+    def __init__(self, *, ds_config: dict, rank: int, world: int, activation_checkpointing: bool = False,
+                 on_build=None):
+        self.ds_config, self.rank, self.world = ds_config, rank, world
+        self.activation_checkpointing = activation_checkpointing
+        self.on_build = on_build
+        self.built: list[DeepSpeedStepper] = []
+
+    def __call__(self, model, param_groups: list[dict]) -> DeepSpeedStepper:
+        if self.built:
+            self.built[-1].close()
+        if self.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            # Recompute each decoder layer in backward: activations drop from O(layers) to O(1) layers.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # HF only checkpoints in training mode; these models have no dropout
+        stepper = DeepSpeedStepper(model, param_groups, ds_config=self.ds_config, rank=self.rank, world=self.world)
+        if self.on_build is not None:
+            self.on_build(stepper, len(self.built))
+        self.built.append(stepper)
+        return stepper
+
+
+def gather_state_dict(model, *, rank: int) -> dict[str, torch.Tensor] | None:
+    """The full state dict of a (possibly ZeRO-3 partitioned) model on rank 0, None elsewhere.
+
+    One module at a time is gathered, so peak extra memory per rank is the largest module, and
+    rank 0 ends up holding one CPU copy (what DeepSpeed's 16-bit gather on save also does).
+    """
+    out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for prefix, module in model.named_modules():
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        with gather_context([p for _, p in params]):
+            if out is not None:
+                for name, p in params:
+                    out[f"{prefix}.{name}" if prefix else name] = p.detach().to("cpu", copy=True)
+    if out is not None:  # persistent buffers only: the others are rebuilt from the config
+        for prefix, module in model.named_modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:
+                    out.setdefault(f"{prefix}.{name}" if prefix else name, buf.detach().to("cpu", copy=True))
+    return out

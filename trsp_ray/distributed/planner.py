@@ -1,0 +1,241 @@
+"""Memory planner: per-worker memory of stage 1 and stage 2 under ZeRO-3, from config.json alone.
+
+Model state (bytes per parameter, b = 2 for bf16, 4 for fp32), partitioned over W workers:
+    frozen weights          b / W                 (stage 1 base, LoRA base)
+    trained weights         b + b (grad) + 12 (fp32 master + Adam m, v), all / W
+Offload moves the optimizer's 12 (+ the gradient partition) or the weights to host memory.
+Plus the working set ZeRO-3 gathers (two decoder layers: the current and the prefetched one),
+activations kept for backward (every layer: a gate's gradient flows through all later layers),
+the logits in fp32, DeepSpeed's reduce bucket when weights train, and a fixed runtime overhead
+(CUDA context + allocator slack on GPU; Python, torch and DeepSpeed themselves on CPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trsp_ray.errors import TrspError
+
+GB = 1024**3
+ADAM_FP32 = 12  # fp32 master copy + two Adam moments, bytes per trained parameter
+REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
+OVERHEAD_GB = {"gpu": 2.0, "cpu": 1.0}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the planner needs from config.json."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @property
+    def layer_params(self) -> int:
+        q_o = 2 * self.hidden * self.heads * self.head_dim
+        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        return q_o + k_v + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * self.layer_params + embed + self.hidden
+
+    def lora_params(self, rank: int) -> int:
+        """Adapters on every Linear of every decoder layer: rank x (in + out) each."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        per_layer = (h + q) * 2 + (h + kv) * 2 + (h + i) * 3
+        return self.layers * rank * per_layer
+
+
+def read_shape(path: str) -> Shape:
+    """Shape from a config.json file or a model directory holding one (no weights are read)."""
+    p = Path(path).expanduser()
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise TrspError(f"model config {path!r} not found; pass a config.json or a model directory")
+    c = json.loads(p.read_text())
+    c = c.get("text_config", c)
+    try:
+        heads = c["num_attention_heads"]
+        return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], intermediate=c["intermediate_size"],
+                     layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
+                     head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                     tied=bool(c.get("tie_word_embeddings", False)))
+    except KeyError as exc:
+        raise TrspError(f"model config {path!r} lacks {exc.args[0]!r}; the planner needs a decoder LLM config") from None
+
+
+@dataclass(frozen=True)
+class Setup:
+    workers: int
+    gpu_memory_gb: float = 80.0
+    dtype_bytes: int = 2  # 2 = bf16 (GPU), 4 = fp32 (CPU)
+    micro_batch: int = 1  # windows per worker per step
+    seqlen: int = 2048
+    trainable: str = "all"  # stage 2: all | lora
+    lora_rank: int = 8
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    activation_checkpointing: bool = False
+    train_base: bool = False  # stage 1 also trains the weights
+    device: str = "gpu"  # gpu | cpu (only the fixed overhead differs)
+
+
+@dataclass
+class StagePlan:
+    name: str
+    parts: dict[str, float] = field(default_factory=dict)  # GB per worker on the device
+    host: float = 0.0  # GB per worker moved to host memory by offload
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def _activations_gb(s: Shape, st: Setup) -> float:
+    tokens = st.micro_batch * st.seqlen
+    kv = s.kv_heads * s.head_dim
+    # Saved per token per layer: norms/residuals (~8h, RMSNorm upcasts), q/k/v with RoPE copies
+    # (~3 kv-widths beyond h), SwiGLU gate/up/act/product (4 I); SDPA keeps no score matrix.
+    per_layer = st.dtype_bytes * (8 * s.hidden + 3 * kv + 4 * s.intermediate) + 8 * s.hidden
+    if st.activation_checkpointing:  # only each layer's input is kept; one layer is recomputed
+        layers = s.layers * st.dtype_bytes * s.hidden + per_layer
+    else:
+        layers = s.layers * per_layer
+    logits = s.vocab * 4 * 3  # fp32 logits, log-softmax and their gradient
+    return tokens * (layers + logits) / GB
+
+
+def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int) -> StagePlan:
+    b, w = st.dtype_bytes, st.workers
+    plan = StagePlan(name)
+    weights = (trained + frozen) * b / w
+    if st.offload_params:
+        plan.host += weights / GB
+    else:
+        plan.parts["weights (partition)"] = weights / GB
+    plan.parts["gathered layers"] = 2 * s.layer_params * b / GB
+    if trained:
+        grads, optim = trained * b / w, trained * ADAM_FP32 / w
+        if st.offload_optimizer:
+            plan.host += (optim + trained * 4 / w) / GB
+        else:
+            plan.parts["gradients (partition)"] = grads / GB
+            plan.parts["optimizer fp32 + Adam (partition)"] = optim / GB
+        plan.parts["reduce bucket"] = min(REDUCE_BUCKET, trained) * b / GB
+    plan.parts["activations"] = _activations_gb(s, st)
+    plan.parts["runtime overhead"] = OVERHEAD_GB[st.device]
+    return plan
+
+
+def estimate(s: Shape, st: Setup) -> tuple[StagePlan, StagePlan]:
+    """(stage 1, stage 2) per-worker plans."""
+    p = s.params
+    stage1 = _stage("stage 1", s, st, trained=p if st.train_base else 0, frozen=0 if st.train_base else p)
+    if st.trainable == "lora":
+        stage2 = _stage("stage 2 (lora)", s, st, trained=s.lora_params(st.lora_rank), frozen=p)
+    else:
+        stage2 = _stage("stage 2 (all weights)", s, st, trained=p, frozen=0)
+    return stage1, stage2
+
+
+@dataclass
+class Plan:
+    shape: Shape
+    setup: Setup
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def peak(self) -> float:
+        return max(st.total for st in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.setup.gpu_memory_gb
+
+    def reason(self) -> str:
+        worst = max(self.stages, key=lambda st: st.total)
+        return (f"{worst.name} needs {worst.total:.1f} GB per worker, more than the "
+                f"{self.setup.gpu_memory_gb:g} GB available")
+
+    def suggestion(self) -> str:
+        return "what would fit: " + "; ".join(alternatives(self.shape, self.setup))
+
+
+def plan(s: Shape, st: Setup) -> Plan:
+    return Plan(s, st, estimate(s, st))
+
+
+def min_workers(s: Shape, st: Setup, *, limit: int = 4096) -> int | None:
+    """The smallest world size (a multiple of 8 above 8, whole nodes) at which `st` fits."""
+    from dataclasses import replace
+
+    for w in [1, 2, 4] + list(range(8, limit + 1, 8)):
+        if plan(s, replace(st, workers=w)).fits:
+            return w
+    return None
+
+
+def alternatives(s: Shape, st: Setup) -> list[str]:
+    """Changes that make `st` fit: more workers, offload, LoRA, activation checkpointing."""
+    from dataclasses import replace
+
+    out = []
+    w = min_workers(s, st)
+    if w is not None and w != st.workers:
+        out.append(f"--workers {w} ({math.ceil(w / 8)} node(s) of 8 GPUs)")
+    # Cheapest first: recomputation costs ~30% compute, offload costs PCIe traffic every step.
+    options = [("activation_checkpointing", "--activation-checkpointing"),
+               ("offload_optimizer", "--offload-optimizer"), ("offload_params", "--offload-params")]
+    free = [(a, f) for a, f in options if not getattr(st, a)]
+    subsets = [c for n in range(1, len(free) + 1) for c in itertools.combinations(free, n)]
+    for subset in subsets:
+        if plan(s, replace(st, **{a: True for a, _ in subset})).fits:
+            out.append(" + ".join(f for _, f in subset) + f" at {st.workers} workers")
+            break
+    if st.trainable != "lora" and plan(s, replace(st, trainable="lora")).fits:
+        out.append(f"--trainable lora at {st.workers} workers")
+    return out or ["nothing at this GPU size; use larger GPUs or a smaller micro batch / seqlen"]
+
+
+def format_plan(p: Plan) -> str:
+    st = p.setup
+    lines = [f"model: {p.shape.params / 1e9:.2f}B parameters, {p.shape.layers} layers; {st.workers} workers x "
+             f"{st.gpu_memory_gb:g} GB, {'bf16' if st.dtype_bytes == 2 else 'fp32'}, micro batch {st.micro_batch} x "
+             f"{st.seqlen} tokens"]
+    for stage in p.stages:
+        verdict = "fits" if stage.total <= st.gpu_memory_gb else "DOES NOT FIT"
+        host = f", host {stage.host:.1f} GB" if stage.host else ""
+        lines.append(f"  {stage.name}: {stage.total:.1f} GB per worker ({verdict}{host})")
+        lines += [f"      {k}: {v:.2f} GB" for k, v in stage.parts.items()]
+    lines.append(f"plan {'fits' if p.fits else 'does not fit: ' + p.reason()}")
+    if not p.fits:
+        lines.append(p.suggestion())
+    return "\n".join(lines)
+
+
+def setup_for_run(cfg) -> Setup:
+    d = cfg.distributed
+    return Setup(workers=max(1, d.workers), gpu_memory_gb=d.gpu_memory_gb, dtype_bytes=2 if d.use_gpu else 4,
+                 micro_batch=max(1, cfg.data.batch_size // max(1, d.workers)), seqlen=cfg.data.seqlen,
+                 trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank, offload_params=d.offload_params,
+                 offload_optimizer=d.offload_optimizer, activation_checkpointing=d.activation_checkpointing,
+                 train_base=cfg.stage1.train_base, device="gpu" if d.use_gpu else "cpu")
+
+
+def plan_for_run(cfg, model_path: str) -> Plan:
+    """The plan of a run config; stage 2 counts only when the method trains weights."""
+    p = plan(read_shape(model_path), setup_for_run(cfg))
+    if not (cfg.method in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0):
+        p.stages = p.stages[:1]
+    return p

@@ -1,0 +1,232 @@
+"""The per-worker train loop of a distributed run: stage 1 -> stage 2 -> export, resumable.
+
+Each Ray Train worker runs `train_loop(config)`. The stage loops are the single-process ones
+(`run_stage1`, `run_stage2`); only the stepper (a DeepSpeed engine), gate gathering and
+checkpointing differ. Checkpoints: after every stage-1 round and every `checkpoint_every` stage-2
+steps, each rank writes its own files into one Ray checkpoint (Ray merges the workers' folders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+STATE = "state-rank{rank}.pt"  # stage-1 state (+ this rank's optimizer partition)
+ENGINE_DIR = "engine"  # stage-2 DeepSpeed checkpoint (model + optimizer partitions)
+
+
+class EventLog:
+    """The run's own log: rank 0 appends one JSON line per event (and echoes it to stdout)."""
+
+    def __init__(self, path: str | None, rank: int, attempt: int):
+        self.path = Path(path) if path and rank == 0 else None
+        self.rank, self.attempt = rank, attempt
+
+    def write(self, event: str, **fields) -> None:
+        if self.rank != 0:
+            return
+        record = {"event": event, "attempt": self.attempt, "time": round(time.time(), 3), **fields}
+        print(f"[trsp_ray worker] {json.dumps(record)}", flush=True)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def _attempt(events_path: str | None) -> int:
+    """1 + the number of earlier starts recorded in the log (every rank reads the same file)."""
+    if not events_path or not Path(events_path).exists():
+        return 1
+    lines = Path(events_path).read_text(encoding="utf-8").splitlines()
+    return 1 + sum(json.loads(line)["event"] == "start" for line in lines if line.strip())
+
+
+def _restore_point(rank: int) -> tuple[dict | None, str | None]:
+    """(meta + this rank's stage-1 state, local engine dir or None) of the last Ray checkpoint."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None, None
+    local = checkpoint.to_directory()  # a stable local copy; storage may be remote
+    meta = json.loads((Path(local) / "meta.json").read_text())
+    meta["stage1"] = torch.load(Path(local) / STATE.format(rank=rank), weights_only=False)
+    engine_dir = str(Path(local) / ENGINE_DIR) if (Path(local) / ENGINE_DIR).exists() else None
+    return meta, engine_dir
+
+
+def _save(meta: dict, stage1_state: dict, *, rank: int, engine=None) -> None:
+    """One Ray checkpoint from every rank: meta (rank 0), its own state file, its engine shards."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory(prefix="trsp-ckpt-") as tmp:
+        torch.save(stage1_state, Path(tmp) / STATE.format(rank=rank))
+        if engine is not None:  # collective: every rank writes its partitions
+            engine.save_checkpoint(str(Path(tmp) / ENGINE_DIR), tag="stage2")
+        if rank == 0:
+            (Path(tmp) / "meta.json").write_text(json.dumps(meta))
+        ray.train.report({k: v for k, v in meta.items() if not isinstance(v, (list, dict))},
+                         checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+class FaultInjector:
+    """Kills one worker (SIGKILL, as a lost node would) once, mid stage 1: after `after_steps`
+    steps of round `round` (1-based). A marker file makes it happen exactly once per run."""
+
+    def __init__(self, spec: dict | None, rank: int):
+        self.spec = spec or {}
+        self.armed = bool(spec) and rank == self.spec.get("rank", 1) and not Path(self.spec["marker"]).exists()
+        self.seen = 0
+
+    def check(self, metrics: dict) -> None:
+        if not self.armed or metrics.get("stage1/round") != self.spec["round"] - 1:
+            return
+        self.seen += 1
+        if self.seen >= self.spec.get("after_steps", 1):
+            Path(self.spec["marker"]).write_text(f"killed pid {os.getpid()} at {time.time()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_loop(config: dict) -> None:
+    """Entry point of every Ray Train worker; `config` is the plain dict built by the driver."""
+    import ray.train
+
+    from trsp_ray.config import from_dict
+    from trsp_ray.distributed import engine as eng
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cfg = from_dict(config["run"])
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    eng.init_deepspeed(backend="nccl" if cfg.distributed.use_gpu else "gloo")
+    events = EventLog(config.get("events"), rank, _attempt(config.get("events")))
+    meta, engine_dir = _restore_point(rank)
+    events.write("start", world=world, resumed_from=None if meta is None else meta["label"])
+    bench = _load(config, cfg, rank=rank, world=world)
+    drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank)
+    model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
+                    engine_dir=engine_dir, rank=rank)
+    _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank)
+    events.write("done", drop_order=drop)
+    ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
+
+
+def _load(config: dict, cfg, *, rank: int, world: int):
+    """Tokenizer, calibration ids and the gated model, partitioned from the start under ZeRO-3."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from trsp_ray import assets, families
+    from trsp_ray.distributed import engine as eng
+    from trsp_ray.gates import attach_gates
+    from trsp_ray.perplexity import encode
+
+    path = config["model_path"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    calib_ids = encode(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
+    dtype = torch.bfloat16 if cfg.distributed.use_gpu else torch.float32
+    model = eng.load_sharded(path, ds_config=config["ds_config"], dtype=dtype)
+    gates = attach_gates(model, gate_mode=cfg.gates.gate)
+    eng.zero_ready_gates(gates)
+    factory = eng.StepperFactory(ds_config=config["ds_config"], rank=rank, world=world,
+                                 activation_checkpointing=cfg.distributed.activation_checkpointing)
+    return SimpleNamespace(path=path, tokenizer=tokenizer, calib_ids=calib_ids, model=model, gates=gates,
+                           factory=factory, num_layers=families.num_layers(model))
+
+
+def _batches(cfg, bench, seed_offset: int):
+    from trsp_ray.training import Batches
+
+    d = cfg.data
+    return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset)
+
+
+def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int):
+    """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
+    from trsp_ray.stage1 import candidate_layers, check_drop_count, run_stage1
+
+    s1, g = cfg.stage1, cfg.gates
+    candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+    n_drop = round(cfg.ratio * bench.num_layers)
+    check_drop_count(n_drop, candidates, cfg.ratio, bench.num_layers)
+    fault = FaultInjector(config.get("fault"), rank)
+    last = {"state": meta["stage1"] if meta else None}
+
+    def report(metrics: dict, step: int) -> None:
+        fault.check(metrics)
+        if "stage1/rounds_done" in metrics:
+            events.write("round", round=metrics["stage1/rounds_done"], dropped=metrics["stage1/dropped"], step=step)
+
+    def on_round(state: dict) -> None:
+        last["state"] = state
+        rounds = len(state["round_ends"])
+        _save({"label": f"stage1-round{rounds}", "stage": 1, "rounds_done": rounds,
+               "drop_order": state["drop_order"]}, state, rank=rank)
+
+    result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
+                        candidates=candidates, lambda1=s1.lambda1, lr=s1.lr,
+                        first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
+                        selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
+                        make_stepper=bench.factory, report=report, resume=last["state"], on_round=on_round)
+    drop = (result.round1_ranking if cfg.method == "trsp-oneshot" else result.drop_order)[:n_drop]
+    events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed,
+                 gates=bench.gates.gate_values(), gate_history=result.gate_history)
+    return drop, last["state"]
+
+
+def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
+            engine_dir: str | None, rank: int):
+    """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards."""
+    from trsp_ray.stage2 import run_stage2
+
+    s2 = cfg.stage2
+    if not (cfg.method in ("trsp", "trsp-oneshot") and s2.enabled and s2.steps > 0):
+        return bench.model
+    done = meta.get("stage2_step", 0) if meta and meta["stage"] == 2 else 0
+    every = cfg.distributed.checkpoint_every
+
+    def on_build(stepper, index: int) -> None:
+        if index == 1 and done:  # index 1 = the stage-2 engine (0 was stage 1's)
+            stepper.engine.load_checkpoint(engine_dir, tag="stage2", load_optimizer_states=True,
+                                           load_lr_scheduler_states=False)
+            stepper.skip = done  # the loop replays the batch stream and schedule without compute
+
+    def report(metrics: dict, step: int) -> None:
+        if step > done and step % every == 0 and step < s2.steps:
+            _save({"label": f"stage2-step{step}", "stage": 2, "stage2_step": step, "drop_order": drop},
+                  s1_state, rank=rank, engine=bench.factory.built[-1].engine)
+            events.write("checkpoint", stage=2, step=step)
+
+    bench.factory.on_build = on_build
+    result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 1), drop=drop,
+                        lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale, mode=s2.mode,
+                        norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank, schedule=s2.schedule,
+                        anneal_fraction=s2.anneal_fraction, make_stepper=bench.factory, report=report)
+    updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
+    events.write("stage2_done", steps_computed=result.steps - done, relative_update=updates)
+    return result.model
+
+
+def _export(config: dict, cfg, bench, *, model, drop: list[int], events: EventLog, rank: int) -> None:
+    """Gather the full weights to rank 0, cut the drop set and export with export_model's checks."""
+    import torch.distributed as dist
+
+    from trsp_ray.distributed.engine import gather_state_dict
+    from trsp_ray.distributed.export import export_gathered
+
+    if cfg.output:
+        state = gather_state_dict(model, rank=rank)
+        if rank == 0:
+            target = export_gathered(state, model_path=bench.path, tokenizer=bench.tokenizer, drop=drop,
+                                     output=cfg.output, manifest=config.get("manifest", {}))
+            events.write("exported", path=str(target))
+        dist.barrier()
