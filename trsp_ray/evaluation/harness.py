@@ -43,16 +43,18 @@ def _task_manager(names: list[str], task_dir: Path | None):
     return manager
 
 
-def evaluate_lm(model, tokenizer, *, tasks: list, limit: int | None, batch_size: int = 8,
-                task_manager=None, log_samples: bool = False) -> dict:
-    """Raw `lm_eval.simple_evaluate` output for an in-memory model; `tasks` are names or config dicts."""
+def evaluate_lm(model, tokenizer, *, tasks: list, limit: int | None = None, batch_size: int = 8,
+                task_manager=None, log_samples: bool = False, samples: dict | None = None) -> dict:
+    """Raw `lm_eval.simple_evaluate` output for an in-memory model; `tasks` are names or config dicts.
+
+    `samples` ({task: [doc index, ...]}) picks given items instead of the first `limit`."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines drown our progress
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     return simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=0, limit=check_limit(limit), task_manager=task_manager,
+        model=lm, tasks=tasks, num_fewshot=0, limit=check_limit(limit), samples=samples, task_manager=task_manager,
         bootstrap_iters=0,  # stderr by bootstrap costs minutes on CPU; we report the point estimates
         log_samples=log_samples, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
     )

@@ -197,7 +197,7 @@ def _drain(pool, queue, models, results, report, resources, settings, retries, l
         try:
             result = ray.get(ref)
             result["attempts"] = attempt
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+        except ray.exceptions.RayError as e:  # task raised, actor died, worker OOM-killed, ...
             if isinstance(e, ray.exceptions.RayActorError):  # the actor died: replace it
                 _stop_actor(*pool[slot])
                 pool[slot] = _start_actor(resources, settings.to_dict())
