@@ -56,8 +56,10 @@ def build_ds_config(dist, *, batch_size: int, lr: float, extra: dict | None = No
         "gradient_clipping": 1.0,  # the same clip as the single-process TorchStepper
         "zero_optimization": zero,
         "bf16": {"enabled": bool(dist.use_gpu)},
-        # torch's AdamW: identical math to the single-process path and no 100 s CPU-Adam JIT build.
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+        # torch's AdamW (identical math to the single-process path, no 100 s JIT build), except for
+        # GPU runs with optimizer offload, where DeepSpeed's CPU Adam is several times faster.
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0,
+                                                  "torch_adam": not (dist.use_gpu and dist.offload_optimizer)}},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": _QUIET["steps_print"],

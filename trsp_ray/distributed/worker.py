@@ -39,6 +39,27 @@ class EventLog:
                 fh.write(json.dumps(record) + "\n")
 
 
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window (device memory on GPU, resident set size on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    elif Path("/proc/self/clear_refs").exists():
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: reset VmHWM to the current RSS
+
+
+def peak_memory_gb() -> float | None:
+    """Peak of this worker since the last reset, in GiB (what the planner estimates)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None
+    for line in status.read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # kB -> GiB
+    return None
+
+
 def _attempt(events_path: str | None) -> int:
     """1 + the number of earlier starts recorded in the log (every rank reads the same file)."""
     if not events_path or not Path(events_path).exists():
@@ -89,6 +110,10 @@ class FaultInjector:
             return
         self.seen += 1
         if self.seen >= self.spec.get("after_steps", 1):
+            # Ray Train V2 takes a reported checkpoint from the worker's queue at its next poll
+            # (health-check interval, 2 s by default); dying sooner would lose the last round's
+            # checkpoint too, and the test would measure Ray's poll timing, not our resume.
+            time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
             Path(self.spec["marker"]).write_text(f"killed pid {os.getpid()} at {time.time()}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -159,6 +184,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
     n_drop = round(cfg.ratio * bench.num_layers)
     check_drop_count(n_drop, candidates, cfg.ratio, bench.num_layers)
     fault = FaultInjector(config.get("fault"), rank)
+    reset_peak_memory()
     last = {"state": meta["stage1"] if meta else None}
 
     def report(metrics: dict, step: int) -> None:
@@ -178,7 +204,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                         selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
                         make_stepper=bench.factory, report=report, resume=last["state"], on_round=on_round)
     drop = (result.round1_ranking if cfg.method == "trsp-oneshot" else result.drop_order)[:n_drop]
-    events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed,
+    events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history)
     return drop, last["state"]
 
@@ -207,12 +233,13 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
             events.write("checkpoint", stage=2, step=step)
 
     bench.factory.on_build = on_build
+    reset_peak_memory()
     result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 1), drop=drop,
                         lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale, mode=s2.mode,
                         norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank, schedule=s2.schedule,
                         anneal_fraction=s2.anneal_fraction, make_stepper=bench.factory, report=report)
     updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
-    events.write("stage2_done", steps_computed=result.steps - done, relative_update=updates)
+    events.write("stage2_done", steps_computed=result.steps - done, peak_gb=peak_memory_gb(), relative_update=updates)
     return result.model
 
 

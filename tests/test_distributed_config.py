@@ -1,0 +1,68 @@
+"""DeepSpeed config builder and the driver's pre-flight checks (no Ray, no workers)."""
+
+import pytest
+import torch
+
+from trsp_ray.config import DistributedConfig, load_config
+from trsp_ray.distributed.deepspeed_config import build_ds_config, merge, parse_options, validate_ds_config
+from trsp_ray.distributed.export import plain_state_dict
+from trsp_ray.distributed.train import check_resources, check_storage, prepare_run
+from trsp_ray.errors import TrspError
+
+
+def test_cpu_config_is_fp32_zero3_with_torch_adam():
+    c = build_ds_config(DistributedConfig(workers=2, grad_accum=2), batch_size=4, lr=0.01)
+    assert c["bf16"] == {"enabled": False}
+    assert c["zero_optimization"]["stage"] == 3
+    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (2, 2, 8)
+    assert c["optimizer"]["params"]["torch_adam"] is True and c["zero_allow_untested_optimizer"]
+    assert "offload_optimizer" not in c["zero_optimization"]
+
+
+def test_gpu_offload_config():
+    c = build_ds_config(DistributedConfig(workers=8, use_gpu=True, offload_params=True, offload_optimizer=True),
+                        batch_size=8, lr=1e-4)
+    assert c["bf16"] == {"enabled": True}
+    assert c["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert c["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert c["optimizer"]["params"]["torch_adam"] is False  # DeepSpeed's CPU Adam for offloaded state
+    with pytest.raises(TrspError, match="needs distributed.strategy=zero3"):
+        build_ds_config(DistributedConfig(workers=2, strategy="ddp", offload_params=True), batch_size=2, lr=1)
+
+
+def test_batch_must_split_over_workers():
+    with pytest.raises(TrspError, match="does not split evenly"):
+        build_ds_config(DistributedConfig(workers=3), batch_size=4, lr=0.01)
+
+
+def test_options_merge_and_deepspeed_rejects_bad_ones():
+    base = build_ds_config(DistributedConfig(workers=2), batch_size=4, lr=0.01)
+    extra = parse_options(["zero_optimization.stage=4", "gradient_clipping=0.5"])
+    merged = merge(base, extra)
+    assert merged["gradient_clipping"] == 0.5 and merged["zero_optimization"]["contiguous_gradients"] is True
+    validate_ds_config(base)
+    with pytest.raises(TrspError, match=r"^DeepSpeed rejected the config: .*stage") as err:
+        validate_ds_config(merged)
+    assert "\n" not in str(err.value)
+
+
+def test_storage_resources_and_run_checks(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TrspError, match="storage_path.*not writable"):
+        check_storage(str(blocker / "sub"))
+    assert check_storage(str(tmp_path / "ok")).endswith("ok")
+    with pytest.raises(TrspError, match="needs 8 CPUs but the Ray cluster has 2; use workers <= 1"):
+        check_resources(DistributedConfig(workers=4, cpus_per_worker=2), {"CPU": 2.0})
+    with pytest.raises(TrspError, match="needs 2 GPUs"):
+        check_resources(DistributedConfig(workers=2, use_gpu=True), {"CPU": 64.0, "GPU": 1.0})
+    cfg = load_config(overrides=["distributed.workers=2", "distributed.grad_accum=3"])
+    with pytest.raises(TrspError, match="not a multiple of distributed.grad_accum=3"):
+        prepare_run(cfg)
+
+
+def test_gated_keys_map_to_plain_keys():
+    state = {"model.layers.0.gate": torch.ones(1), "model.layers.0.layer.mlp.up_proj.weight": torch.zeros(2),
+             "model.layers.12.layer.input_layernorm.weight": torch.zeros(2), "lm_head.weight": torch.zeros(2)}
+    assert sorted(plain_state_dict(state, "model.layers")) == [
+        "lm_head.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.12.input_layernorm.weight"]

@@ -1,0 +1,82 @@
+"""Memory planner and `trsp-ray plan`: parameter counts and per-worker figures checked by hand."""
+
+import argparse
+import json
+
+import pytest
+
+from trsp_ray.distributed import planner
+from trsp_ray.distributed.cli import register
+from trsp_ray.errors import TrspError
+
+LLAMA2_70B = {"vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False}
+SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+           "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": True}
+
+
+def _write(tmp_path, config: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_parameter_counts_match_the_published_sizes(tmp_path):
+    assert planner.read_shape(str(_write(tmp_path, LLAMA2_70B))).params == 68_976_648_192  # "70B"
+    # SmolLM2-135M: 134,515,008 parameters (tied embedding counted once); a directory works too.
+    _write(tmp_path, SMOLLM2)
+    assert planner.read_shape(str(tmp_path)).params == 134_515_008
+
+
+def test_stage_figures_by_hand():
+    s = planner.Shape(vocab=100, hidden=10, intermediate=20, layers=2, heads=2, kv_heads=1, head_dim=5, tied=True)
+    assert s.layer_params == 2 * 10 * 10 + 2 * 10 * 5 + 3 * 10 * 20 + 20  # 920
+    assert s.params == 2 * 920 + 100 * 10 + 10  # 2850
+    st = planner.Setup(workers=2, dtype_bytes=4, micro_batch=1, seqlen=1, device="cpu")
+    stage1, stage2 = planner.estimate(s, st)
+    gb = planner.GB
+    assert stage1.parts["weights (partition)"] == pytest.approx(2850 * 4 / 2 / gb)
+    assert "optimizer fp32 + Adam (partition)" not in stage1.parts  # frozen base: gates only
+    assert stage2.parts["optimizer fp32 + Adam (partition)"] == pytest.approx(2850 * 12 / 2 / gb)
+    assert stage2.parts["gradients (partition)"] == pytest.approx(2850 * 4 / 2 / gb)
+    assert stage2.total - stage1.total == pytest.approx((2850 * 16 / 2 + 2850 * 4) / gb)  # grads+optim+bucket
+
+
+def test_offload_moves_optimizer_state_to_host():
+    s = planner.Shape(32000, 8192, 28672, 80, 64, 8, 128, False)
+    on = planner.estimate(s, planner.Setup(workers=8, offload_optimizer=True))[1]
+    off = planner.estimate(s, planner.Setup(workers=8))[1]
+    assert "optimizer fp32 + Adam (partition)" not in on.parts
+    assert on.host == pytest.approx(s.params * 16 / 8 / planner.GB)
+    assert off.total - on.total > 100  # ~112 GB of gradients + Adam state per GPU leave the device
+
+
+def test_llama2_70b_on_8x80():
+    s = planner.Shape(32000, 8192, 28672, 80, 64, 8, 128, False)
+    ckpt = planner.Setup(workers=8, gpu_memory_gb=80, activation_checkpointing=True)
+    stage1, stage2 = planner.estimate(s, ckpt)
+    assert stage1.total < 80 < stage2.total  # frozen-weight stage 1 fits; full stage 2 does not
+    assert planner.plan(s, planner.Setup(workers=8, activation_checkpointing=True, offload_optimizer=True)).fits
+    assert planner.min_workers(s, ckpt) == 16
+    lora = planner.estimate(s, planner.Setup(workers=8, activation_checkpointing=True, trainable="lora"))[1]
+    assert lora.total < 80
+    text = planner.plan(s, planner.Setup(workers=8)).suggestion()
+    assert "--activation-checkpointing" in text and "--workers" in text
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_plan_command_exit_status(tmp_path, capsys):
+    path = str(_write(tmp_path, LLAMA2_70B))
+    assert _cli(["plan", "--model-config", path, "--workers", "8", "--activation-checkpointing"]) == 1
+    assert "what would fit" in capsys.readouterr().out
+    assert _cli(["plan", "--model-config", path, "--workers", "16", "--activation-checkpointing"]) == 0
+    with pytest.raises(TrspError, match="--workers=0"):
+        _cli(["plan", "--model-config", path, "--workers", "0"])
+    with pytest.raises(TrspError, match="not found"):
+        _cli(["plan", "--model-config", str(tmp_path / "nope.json"), "--workers", "8"])
