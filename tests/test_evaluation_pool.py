@@ -72,7 +72,8 @@ def test_bad_candidates_and_settings_fail_on_one_line(tmp_path, candidates):
     with pytest.raises(TrspError, match=r"does not load: \w+"):
         load_candidate(broken_candidate(tmp_path, candidates["dense"]))
     for kwargs, msg in (({"limit": 0}, "limit=0"), ({"tasks": ("piqa", "nope")}, "unknown task 'nope'"),
-                        ({"batch_size": 0}, "batch_size=0"), ({"dense": str(tmp_path / "x")}, "not a directory")):
+                        ({"batch_size": 0}, "batch_size=0"), ({"dense": str(tmp_path / "x")}, "not a directory"),
+                        ({"eval_text": str(tmp_path / "t.txt")}, "is not a file")):
         with pytest.raises(TrspError, match=msg) as info:
             EvalSettings(**kwargs)
         assert "\n" not in str(info.value)
@@ -149,11 +150,21 @@ def test_cli_eval_writes_tables_and_exit_code(tmp_path, candidates, capsys):
     out = tmp_path / "out"
     args = parser.parse_args(["eval", "--models", candidates["pruned"], str(tmp_path / "gone"),
                               "--tasks", "boolq", "--limit", "2", "--actors", "1", "--ppl-windows", "1",
-                              "--no-speed", "--out", str(out), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"])
-    assert args.func(args) == 1  # one candidate failed, the other finished
+                              "--no-speed", "--out", str(out), "--tracking-uri", f"sqlite:///{tmp_path}/m.db",
+                              "--placement-group", "--cpus-per-actor", "1"])
+    assert args.func(args) == 1  # one candidate failed, the other finished (in a placement group)
     csv_text = (out / "results.csv").read_text()
     assert "boolq.acc" in csv_text and "is not a directory" in csv_text
     assert "pruned" in capsys.readouterr().out
     bad = parser.parse_args(["eval", "--models", candidates["pruned"], "--limit", "0"])
     assert bad.func(bad) == 2
     assert "limit=0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_unknown_stock_task_is_named_in_the_error(candidates):
+    from trsp_ray.evaluation.harness import run_tasks
+
+    model, tok = load_candidate(candidates["pruned"])
+    with pytest.raises(TrspError, match="lm-eval does not know task.*lm_eval:no_such_task"):
+        run_tasks(model, tok, tasks=["piqa", "lm_eval:no_such_task"], limit=1)

@@ -49,6 +49,8 @@ class EvalSettings:
             raise TrspError(f"dtype={self.dtype!r} is invalid; use float32, bfloat16 or float16")
         if self.dense is not None:
             check_candidate(self.dense)
+        if self.eval_text is not None and not Path(self.eval_text).expanduser().is_file():
+            raise TrspError(f"eval_text {self.eval_text!r} is not a file; pass a UTF-8 text file for PPL")
 
     def to_dict(self) -> dict:
         return asdict(self)
