@@ -1,0 +1,58 @@
+"""Bad input: a one-line error naming the value and what is valid, exit 2, nothing written."""
+
+import subprocess
+import sys
+
+import pytest
+
+from trsp_ray.cli import main
+from trsp_ray.config import RunConfig, load_config
+from trsp_ray.errors import TrspError
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ratio: 0.3\nstage1:\n  lambda1: 0.01\n")
+    cfg = load_config(str(path), ["stage2.lambda2=0.5", "--stage1.selection=oneshot"])
+    assert cfg.ratio == 0.3 and cfg.stage1.lambda1 == 0.01
+    assert cfg.stage2.lambda2 == 0.5 and cfg.stage1.selection == "oneshot"
+    assert load_config(None).to_dict() == RunConfig().to_dict()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("ratio=1.5", "ratio=1.5"), ("ratio=0", "ratio=0"), ("stage1.lambda1=-0.1", "stage1.lambda1=-0.1"),
+    ("stage2.lambda2=-1", "stage2.lambda2=-1"), ("stage1.bogus=1", "stage1.bogus"),
+    ("method=magic", "'magic'"), ("gates.gate=sigmoid", "'sigmoid'"), ("stage2.steps=2.5", "stage2.steps"),
+])
+def test_bad_config_values(override, needle):
+    with pytest.raises(TrspError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def _cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "trsp_ray.cli", *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env={**__import__("os").environ, "TRSP_RAY_MLFLOW_DIR": str(tmp_path / "ml")})
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--ratio", "1.2"], "ratio=1.2"),
+    (["--ratio", "0.97"], "only 28 are candidates"),
+    (["--set", "stage1.lambda1=-1"], "stage1.lambda1=-1"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--calib-text", "/nonexistent/calib.txt"], "/nonexistent/calib.txt"),
+    (["--set", "nope=1"], "'nope'"),
+])
+def test_prune_bad_input_exits_2_and_writes_nothing(tmp_path, args, needle):
+    proc = _cli(tmp_path, "prune", "--output", str(tmp_path / "out"), "--no-mlflow", *args)
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("trsp-ray: error")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-1500:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_method_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["prune", "--method", "magic"])
+    assert exc.value.code == 2
+    assert "magic" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""Layer-selection baselines in the same harness: ShortGPT, SLEB and random.
+
+All work on a gated model (see `gates.attach_gates`) so that "remove layer j" is a bypass, which
+gives exactly the logits of the model with j deleted.
+"""
+
+from __future__ import annotations
+
+import math
+import random as _random
+from collections.abc import Callable
+
+import torch
+
+from trsp_ray.training import causal_lm_loss
+
+
+@torch.no_grad()
+def block_influence(model, gates, batches: list[torch.Tensor]) -> dict[int, float]:
+    """ShortGPT's Block Influence per layer: 1 - mean over tokens of cos(x_i, x_{i+1})."""
+    sums = {w.index: 0.0 for w in gates.wrappers}
+    count = 0
+
+    def probe(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        sums[index] += torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).sum().item()
+
+    for w in gates.wrappers:
+        w.probe = probe
+    try:
+        for batch in batches:
+            causal_lm_loss(model, batch)
+            count += batch.numel()
+    finally:
+        for w in gates.wrappers:
+            w.probe = None
+    return {i: 1.0 - s / count for i, s in sums.items()}
+
+
+def shortgpt_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, candidates: list[int]) -> list[int]:
+    """The n_drop candidates with the lowest Block Influence (one shot), lowest first."""
+    bi = block_influence(model, gates, batches)
+    return sorted(candidates, key=lambda i: bi[i])[:n_drop]
+
+
+def random_drop(*, n_drop: int, candidates: list[int], seed: int) -> list[int]:
+    return _random.Random(seed).sample(candidates, n_drop)
+
+
+@torch.no_grad()
+def _calibration_nll(model, batches: list[torch.Tensor]) -> float:
+    return sum(causal_lm_loss(model, b).item() for b in batches) / len(batches)
+
+
+@torch.no_grad()
+def sleb_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, candidates: list[int],
+              progress: Callable[[int, int, float], None] | None = None) -> list[int]:
+    """SLEB: repeatedly remove the block whose removal gives the lowest calibration perplexity.
+
+    Removing block j leaves layers < j untouched, so each round records every layer's input once
+    and scores candidate j by replaying only the layers after it from x_j (bit-identical to a full
+    forward with j bypassed, and about half the compute).
+    """
+    drop: list[int] = []
+    for r in range(n_drop):
+        inputs = _layer_inputs(model, gates, batches, bypass=drop)
+        scores = {}
+        for j in (c for c in candidates if c not in drop):
+            scores[j] = _score_without(model, gates, batches, inputs, bypass=drop, j=j)
+        best = min(scores, key=scores.get)
+        drop.append(best)
+        if progress is not None:
+            progress(r + 1, n_drop, math.exp(scores[best]))
+    gates.set_bypass([])
+    return drop
+
+
+def _layer_inputs(model, gates, batches, *, bypass: list[int]) -> list[dict[int, torch.Tensor]]:
+    gates.set_bypass(bypass)
+    captured: list[dict[int, torch.Tensor]] = []
+
+    def probe(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        captured[-1][index] = x
+
+    for w in gates.wrappers:
+        w.probe = probe
+    try:
+        for batch in batches:
+            captured.append({})
+            causal_lm_loss(model, batch)
+    finally:
+        for w in gates.wrappers:
+            w.probe = None
+    return captured
+
+
+def _score_without(model, gates, batches, inputs, *, bypass: list[int], j: int) -> float:
+    later = [w.index for w in gates.wrappers if w.index > j and w.index not in bypass]
+    if not later:  # j is the last active layer: nothing to replay, run the full model
+        gates.set_bypass(bypass + [j])
+        return _calibration_nll(model, batches)
+    first_after = later[0]
+    gates.set_bypass([w.index for w in gates.wrappers if w.index < first_after])
+    total = 0.0
+    try:
+        for batch, captured in zip(batches, inputs):
+            gates[first_after].inject = captured[j]
+            total += causal_lm_loss(model, batch).item()
+    finally:
+        gates[first_after].inject = None
+    return total / len(batches)

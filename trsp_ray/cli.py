@@ -1,0 +1,93 @@
+"""The `trsp-ray` command line: prune, benchmark, and the subcommands of the other packages."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trsp_ray.config import METHODS
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model dir, hub id, or smollm2-135m (default)")
+    p.add_argument("--ratio", type=float, default=None, help="fraction of layers to drop, in (0, 1)")
+    p.add_argument("--calib-text", default=None, help="calibration text file (default: Wikipedia excerpt)")
+    p.add_argument("--eval-text", default=None, help="held-out text file (default: Wikipedia excerpt)")
+    p.add_argument("--config", default=None, help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. --set stage1.lambda1=0.01 (repeatable)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+
+
+def _cfg(args, **extra):
+    from trsp_ray.config import load_config
+
+    base = {k: v for k, v in {"model": args.model, "ratio": args.ratio, **extra}.items() if v is not None}
+    data = {k: v for k, v in {"calib_text": args.calib_text, "eval_text": args.eval_text}.items() if v}
+    if data:
+        base["data"] = data
+    if args.no_mlflow:
+        base["tracking"] = {"enabled": False}
+    return load_config(args.config, args.overrides, base=base)
+
+
+def _prune(args) -> int:
+    from trsp_ray.pipeline import run
+
+    run(_cfg(args, method=args.method, output=args.output), overwrite=args.overwrite)
+    return 0
+
+
+def _benchmark(args) -> int:
+    from trsp_ray.bench import ROWS, run_benchmark
+    from trsp_ray.errors import TrspError
+
+    rows = tuple(args.rows.split(",")) if args.rows else None
+    if rows:
+        bad = [r for r in rows if r not in ROWS]
+        if bad:
+            raise TrspError(f"unknown benchmark row {bad[0]!r}; valid rows: {', '.join(ROWS)}")
+    cfg = _cfg(args)
+    run_benchmark(cfg, rows) if rows else run_benchmark(cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trsp-ray", description="TRSP layer pruning for LLMs on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prune", help="prune one model with one method and export it")
+    _common(p)
+    p.add_argument("--method", default="trsp", choices=METHODS)
+    p.add_argument("--output", default=None, help="export directory (written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=_prune)
+    b = sub.add_parser("benchmark", help="compare methods on one model and print a table")
+    _common(b)
+    b.add_argument("--rows", default=None, help="comma-separated rows (default: all but random)")
+    b.set_defaults(func=_benchmark)
+    for module in ("trsp_ray.evaluation.cli", "trsp_ray.distributed.cli", "trsp_ray.search_cli",
+                   "trsp_ray.reproduce_cli"):
+        try:
+            register = __import__(module, fromlist=["register"]).register
+        except (ImportError, AttributeError):
+            continue  # that part is not installed in this build
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trsp_ray.errors import TrspError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TrspError as exc:
+        print(f"trsp-ray: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("trsp-ray: interrupted; finished exports and checkpoints are intact", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Export a pruned model as a plain Hugging Face directory, atomically, with a `trsp_ray.json` manifest.
+
+The directory is written under a temp name beside the target and renamed into place only after it
+has been reloaded with plain `from_pretrained` and its logits compared with the in-memory model:
+an interrupted or failed export leaves no model directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trsp_ray.errors import TrspError
+from trsp_ray.tracking import write_json_atomic
+
+MANIFEST = "trsp_ray.json"
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("trsp_ray", "torch", "transformers", "deepspeed", "ray", "lm_eval", "mlflow", "peft"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def check_output_dir(output: str, *, overwrite: bool) -> Path:
+    """Validate an export target before any work starts."""
+    target = Path(output).expanduser().resolve()
+    if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
+        raise TrspError(f"output {output!r} already exists and is not empty; choose a new path or pass --overwrite")
+    parent = target.parent
+    if parent.exists() and not os.access(parent, os.W_OK):
+        raise TrspError(f"output {output!r} is not writable; choose a directory you can write to")
+    return target
+
+
+@torch.no_grad()
+def _probe_logits(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, 24), generator=gen)
+    device = next(model.parameters()).device
+    return ids, model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
+
+
+def export_model(model, tokenizer, output: str, *, manifest: dict, overwrite: bool = False,
+                 verify: bool = True, atol: float = 1e-5) -> Path:
+    """Save `model` (+ tokenizer) to `output` through a temp dir + rename; returns the final path.
+
+    With `verify`, the temp copy is reloaded with AutoModelForCausalLM and must give logits within
+    `atol` of the in-memory model on a probe batch, else nothing is renamed into place.
+    """
+    from transformers import AutoModelForCausalLM
+
+    target = check_output_dir(output, overwrite=overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if verify:
+            vocab = model.get_input_embeddings().weight.shape[0]
+            ids, expected = _probe_logits(model, vocab)
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype).eval()
+            got = reloaded(input_ids=ids, use_cache=False).logits.float()
+            diff = (got - expected).abs().max().item()
+            manifest = {**manifest, "export_check": {"max_abs_logit_diff": diff, "atol": atol}}
+            del reloaded
+            if diff > atol:
+                raise RuntimeError(f"exported model differs from the in-memory model (max |dlogit| {diff:.3g})")
+        write_json_atomic({**manifest, "versions": versions()}, tmp / MANIFEST)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,201 @@
+"""The driver of one pruning run, top to bottom: load -> select -> stage 2 -> remove -> heal ->
+evaluate -> export -> log. `run(cfg)` is what `trsp-ray prune` and the jobs call."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trsp_ray import assets, families
+from trsp_ray.config import RunConfig
+from trsp_ray.errors import TrspError
+from trsp_ray.perplexity import encode, perplexity
+from trsp_ray.stage1 import candidate_layers, check_drop_count
+from trsp_ray.training import Batches
+
+
+def log(msg: str) -> None:
+    print(f"[trsp_ray {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TrspError("device='cuda' but no CUDA device is visible; use device=cpu or auto")
+    return torch.device(device)
+
+
+def load_model(name: str, *, device: str = "cpu"):
+    """(model in eval mode, tokenizer) for a --model value (default name, directory or hub id)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = assets.resolve_model(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except OSError as exc:
+        raise TrspError(f"model {name!r} could not be loaded ({str(exc).splitlines()[0]}); "
+                        f"pass a local model directory or {assets.DEFAULT_MODEL!r}") from None
+    families.family_of(model)  # unsupported architectures fail here, by name
+    return model.to(resolve_device(device)).eval(), tokenizer
+
+
+@dataclass
+class Workbench:
+    """A loaded model with its data, shared by every method of a run or a benchmark."""
+
+    cfg: RunConfig
+    model: object
+    tokenizer: object
+    calib_ids: torch.Tensor
+    heldout_ids: torch.Tensor
+    texts: assets.TextSplit
+
+    @property
+    def num_layers(self) -> int:
+        return families.num_layers(self.model)
+
+    def candidates(self) -> list[int]:
+        g = self.cfg.gates
+        return candidate_layers(self.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+
+    def n_drop(self, ratio: float | None = None) -> int:
+        ratio = self.cfg.ratio if ratio is None else ratio
+        n = round(ratio * self.num_layers)
+        check_drop_count(n, self.candidates(), ratio, self.num_layers)
+        return n
+
+    def batches(self, seed_offset: int = 0) -> Batches:
+        d = self.cfg.data
+        return Batches(self.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=self.cfg.seed + seed_offset)
+
+    def fixed_batches(self, count: int, seed_offset: int = 100) -> list[torch.Tensor]:
+        stream = self.batches(seed_offset)
+        return [stream.next() for _ in range(count)]
+
+    def heldout_ppl(self, model=None) -> float:
+        d = self.cfg.data
+        progress = _progress_printer("held-out PPL")
+        return perplexity(model or self.model, self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
+                          max_windows=d.eval_max_windows, progress=progress)
+
+    def fresh_model(self):
+        """A copy of the original model; methods train and cut copies, never the original."""
+        import copy
+
+        return copy.deepcopy(self.model)
+
+
+def _progress_printer(what: str):
+    def progress(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 4) == 0:
+            log(f"  {what}: {done}/{total} windows")
+    return progress
+
+
+def check_plan(cfg: RunConfig) -> int:
+    """Validate model, texts and ratio from config.json alone, before any weights are loaded.
+
+    Returns the model's number of decoder layers."""
+    from transformers import AutoConfig
+
+    from trsp_ray.assets import read_text_file
+
+    path = assets.resolve_model(cfg.model)
+    for text, what in ((cfg.data.calib_text, "calibration text"), (cfg.data.eval_text, "evaluation text")):
+        if text:
+            read_text_file(text, what)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise TrspError(f"model {cfg.model!r} has no readable config ({str(exc).splitlines()[0]}); "
+                        f"pass a Hugging Face model directory") from None
+    if config.model_type not in families.FAMILIES:
+        raise TrspError(f"model_type {config.model_type!r} is not supported; supported: "
+                        f"{', '.join(sorted(families.FAMILIES))}")
+    family = families.FAMILIES[config.model_type]
+    num = families._get(config, family.config_path).num_hidden_layers
+    g = cfg.gates
+    n_drop = round(cfg.ratio * num)
+    check_drop_count(n_drop, candidate_layers(num, protect_head=g.protect_head, protect_tail=g.protect_tail),
+                     cfg.ratio, num)
+    return num
+
+
+def prepare(cfg: RunConfig) -> Workbench:
+    """Check inputs (cheaply, first), load the model and tokenize the texts."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    check_plan(cfg)
+    texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
+    model, tokenizer = load_model(cfg.model, device=cfg.device)
+    calib_ids, heldout_ids = encode(tokenizer, texts.calibration), encode(tokenizer, texts.heldout)
+    for name, ids, seqlen in (("calibration", calib_ids, cfg.data.seqlen), ("evaluation", heldout_ids, cfg.data.eval_seqlen)):
+        if ids.numel() < seqlen + 1:
+            raise TrspError(f"{name} text has {ids.numel()} tokens, fewer than one window of {seqlen}; pass a longer text")
+    return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=calib_ids,
+                     heldout_ids=heldout_ids, texts=texts)
+
+
+def kept_parameters(model) -> int:
+    """Parameter count with tied weights counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
+    """Prune one model with one method as configured; export, evaluate and log. Returns the results."""
+    from trsp_ray import plots
+    from trsp_ray.export import check_output_dir, export_model
+    from trsp_ray.methods import apply_method, run_stage1_for
+    from trsp_ray.table import render
+    from trsp_ray.tracking import make_tracker
+
+    if cfg.output:
+        check_output_dir(cfg.output, overwrite=overwrite)
+    bench = prepare(cfg)
+    t = cfg.tracking
+    tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
+    dense_params = kept_parameters(bench.model)
+    with tracker.run(f"{cfg.method}-r{cfg.ratio}", tags={"method": cfg.method, "model": cfg.model}):
+        tracker.log_params(cfg.to_dict())
+        tracker.log_params({"data.calibration_source": bench.texts.calibration_source,
+                            "data.heldout_source": bench.texts.heldout_source})
+        log(f"model {cfg.model}: {bench.num_layers} layers, dropping {bench.n_drop()} with {cfg.method}")
+        dense_ppl = bench.heldout_ppl()
+        log(f"dense held-out PPL {dense_ppl:.2f}")
+        report = lambda metrics, step: tracker.log_metrics(metrics, step)
+        stage1 = None
+        if cfg.method.startswith("trsp"):
+            stage1 = run_stage1_for(bench, report=report)
+            tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
+                               "stage1_gates.png")
+        outcome = apply_method(bench, cfg.method, stage1=stage1, report=report)
+        if "relative_update" in outcome.info:
+            tracker.log_dict(outcome.info["relative_update"], "stage2_relative_update.json")
+        ppl = bench.heldout_ppl(outcome.model)
+        results = {"method": cfg.method, "ratio": cfg.ratio, "dropped_layers": outcome.drop,
+                   "kept_layers": outcome.kept, "num_layers_original": bench.num_layers,
+                   "num_layers_kept": len(outcome.kept), "dense_ppl": dense_ppl, "heldout_ppl": ppl,
+                   "kept_parameters": kept_parameters(outcome.model), "dense_parameters": dense_params,
+                   "heldout_source": bench.texts.heldout_source, **{k: v for k, v in outcome.info.items()}}
+        if stage1 is not None:
+            results["stage1_drop_order"] = stage1.drop_order
+        manifest = {"method": cfg.method, "dropped_layers": outcome.drop, "drop_order": outcome.drop,
+                    "num_layers_original": bench.num_layers, "num_layers_kept": len(outcome.kept),
+                    "kept_layers": outcome.kept, "config": cfg.to_dict(), "metrics": results}
+        if cfg.output:
+            path = export_model(outcome.model, bench.tokenizer, cfg.output, manifest=manifest, overwrite=overwrite)
+            log(f"exported to {path}")
+            results["output"] = str(path)
+        tracker.log_metrics({"heldout_ppl": ppl, "dense_ppl": dense_ppl, "num_layers_kept": len(outcome.kept)})
+        tracker.log_dict(manifest, "trsp_ray.json")
+        tracker.log_dict({"drop_order": outcome.drop}, "drop_order.json")
+    print(render([{"method": "dense", "layers": bench.num_layers, "held-out PPL": dense_ppl},
+                  {"method": cfg.method, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
+                   "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
+    print(f"(held-out text: {bench.texts.heldout_source})")
+    return results

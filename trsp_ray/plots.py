@@ -1,0 +1,49 @@
+"""PNG figures logged to MLflow: gate trajectories (stage 1) and relative updates (stage 2)."""
+
+from __future__ import annotations
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def gate_trajectories(gate_history: list[list[float]], round_ends: list[int], drop_order: list[int]):
+    """Each layer's gate value per stage-1 step; dashed lines end rounds, dropped layers in colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    steps = range(1, len(gate_history) + 1)
+    n_layers = len(gate_history[0]) if gate_history else 0
+    for i in range(n_layers):
+        series = [g[i] for g in gate_history]
+        if i in drop_order:
+            ax.plot(steps, series, lw=1.8, label=f"layer {i} (drop #{drop_order.index(i) + 1})")
+        else:
+            ax.plot(steps, series, lw=0.7, color="0.6")
+    for end in round_ends:
+        ax.axvline(end + 0.5, ls="--", lw=0.6, color="0.3")
+    ax.set_xlabel("stage-1 step (dashed: end of a selection round)")
+    ax.set_ylabel("gate value s_i")
+    ax.set_title("TRSP stage 1: gate trajectories (grey: kept layers)")
+    if drop_order:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def relative_updates(history: dict[int, list[float]]):
+    """Per layer of the drop set, ||x_{i+1} - x_i|| / ||x_i|| per stage-2 step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for layer, series in history.items():
+        ax.plot(range(1, len(series) + 1), series, label=f"layer {layer}")
+    ax.set_xlabel("stage-2 step")
+    ax.set_ylabel("relative update ||x_{i+1}-x_i|| / ||x_i||")
+    ax.set_title("TRSP stage 2: layers in the drop set approach identity")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig

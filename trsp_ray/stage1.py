@@ -1,0 +1,131 @@
+"""Stage 1: learn which layers to drop with an L1 penalty on per-layer gates.
+
+    L1 = CE(next token) + lambda1 * sum_{i in candidates \\ P} |s_i|
+
+Iterative greedy selection (default): each round trains the gates, moves the remaining candidate
+with the smallest |s_i| into the drop set P and bypasses it; gates are warm-started. One-shot
+selection takes the n_drop smallest after the first round. The result is the ordered drop list;
+the drop set for a smaller ratio is a prefix of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trsp_ray.errors import TrspError
+from trsp_ray.training import Batches, MakeStepper, Report, TorchStepper, freeze, null_report
+
+
+@dataclass
+class Stage1Result:
+    drop_order: list[int]  # original layer indices, in the order they were chosen
+    round1_ranking: list[int]  # candidates by |s| after round 1, smallest first (one-shot order)
+    gate_history: list[list[float]] = field(default_factory=list)  # gate values after each step
+    round_ends: list[int] = field(default_factory=list)  # step count at the end of each round
+    rounds_computed: int = 0  # rounds run in this call (a resumed run skips finished ones)
+    steps: int = 0
+    tokens: int = 0
+
+
+def candidate_layers(num_layers: int, *, protect_head: int, protect_tail: int) -> list[int]:
+    return list(range(protect_head, num_layers - protect_tail))
+
+
+def check_drop_count(n_drop: int, candidates: list[int], ratio: float, num_layers: int) -> None:
+    if n_drop < 1:
+        raise TrspError(f"ratio={ratio} drops round({ratio}*{num_layers})=0 layers; use a ratio >= {0.5 / num_layers:.3f}")
+    if n_drop > len(candidates):
+        raise TrspError(f"ratio={ratio} asks to drop {n_drop} layers but only {len(candidates)} are candidates "
+                        f"(layers {candidates[0]}..{candidates[-1]}); use a ratio <= {len(candidates) / num_layers:.3f} "
+                        f"or protect fewer head/tail layers")
+
+
+def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[int], lambda1: float,
+               lr: float, first_round_steps: int, steps_per_round: int, selection: str = "iterative",
+               train_base: bool = False, base_lr: float = 2e-5, make_stepper: MakeStepper = TorchStepper,
+               report: Report = null_report, resume: dict | None = None,
+               on_round: Callable[[dict], None] | None = None) -> Stage1Result:
+    """Run stage 1 on a gated model (see `gates.attach_gates`); returns the ordered drop list.
+
+    `resume` is a state dict previously passed to `on_round` (after a round finished): finished
+    rounds are not recomputed and the batch stream continues where it stopped.
+    """
+    gates.set_gated(True)
+    gates.reset_gates()  # s_i = 1: the gated model starts exactly at the original model
+    gates.set_bypass([])
+    gate_ids = {id(p) for p in gates.gate_params()}
+    base = [p for p in model.parameters() if id(p) not in gate_ids]
+    # Only candidate gates learn; protected layers keep s = 1 so they cannot absorb the selection.
+    trained_gates = [gates[i].gate for i in candidates]
+    freeze(model, except_params=trained_gates + (base if train_base else []))
+    groups = [{"params": trained_gates, "lr": lr}]
+    if train_base:
+        groups.append({"params": base, "lr": base_lr})
+    stepper = make_stepper(model, groups)
+    result = Stage1Result(drop_order=[], round1_ranking=[])
+    if resume:
+        _restore(resume, gates=gates, batches=batches, stepper=stepper, result=result)
+    total_rounds = 1 if selection == "oneshot" else n_drop
+    done_rounds = len(result.round_ends)
+    for r in range(done_rounds, total_rounds):
+        active = [c for c in candidates if c not in result.drop_order]
+        for _ in range(first_round_steps if r == 0 else steps_per_round):
+            ce = stepper.forward(batches.next())
+            penalty = gates.l1(active)
+            loss = ce + lambda1 * penalty
+            stepper.backward(loss)
+            stepper.step()
+            gates.clamp_nonnegative()
+            values = gates.gate_values()
+            result.gate_history.append(values)
+            result.steps += 1
+            result.tokens += batches.tokens_per_batch
+            metrics = {"stage1/loss": loss.item(), "stage1/ce": ce.item(), "stage1/penalty": penalty.item(),
+                       "stage1/round": r}
+            metrics.update({f"gate/{i:02d}": v for i, v in enumerate(values)})
+            report(metrics, result.steps)
+        values = gates.gate_values()
+        ranking = sorted(active, key=lambda i: abs(values[i]))
+        if r == 0:
+            result.round1_ranking = ranking
+        result.drop_order = ranking[:n_drop] if selection == "oneshot" else result.drop_order + [ranking[0]]
+        gates.set_bypass(result.drop_order)
+        result.round_ends.append(result.steps)
+        result.rounds_computed += 1
+        report({"stage1/dropped": result.drop_order[-1], "stage1/rounds_done": r + 1}, result.steps)
+        if on_round is not None:
+            on_round(_state(result, gates=gates, batches=batches, stepper=stepper))
+    gates.set_gated(False)
+    gates.clear_records()
+    return result
+
+
+def _state(result: Stage1Result, *, gates, batches: Batches, stepper) -> dict:
+    state = {"drop_order": list(result.drop_order), "round1_ranking": list(result.round1_ranking),
+             "gate_history": [list(v) for v in result.gate_history], "round_ends": list(result.round_ends),
+             "steps": result.steps, "tokens": result.tokens, "gates": gates.gate_values(),
+             "batches_position": batches.position}
+    if hasattr(stepper, "state_dict"):
+        import copy
+
+        state["optimizer"] = copy.deepcopy(stepper.state_dict())  # torch returns live references
+    return state
+
+
+def _restore(state: dict, *, gates, batches: Batches, stepper, result: Stage1Result) -> None:
+    import torch
+
+    params = gates.gate_params()
+    with gates.gather(params), torch.no_grad():
+        for p, v in zip(params, state["gates"]):
+            p.fill_(v)
+    batches.position = state["batches_position"]
+    if "optimizer" in state and hasattr(stepper, "load_state_dict"):
+        stepper.load_state_dict(state["optimizer"])
+    result.drop_order = list(state["drop_order"])
+    result.round1_ranking = list(state["round1_ranking"])
+    result.gate_history = [list(v) for v in state["gate_history"]]
+    result.round_ends = list(state["round_ends"])
+    result.steps, result.tokens = state["steps"], state["tokens"]
+    gates.set_bypass(result.drop_order)

@@ -1,0 +1,52 @@
+"""Tiny random models of every supported family (hidden 64, a few layers), for tests and dry runs.
+
+Each config exercises the family's per-layer structure: Gemma 2/3 and Qwen mix sliding-window and
+full-attention layers through `layer_types`, so pruning must shorten that list consistently.
+"""
+
+from __future__ import annotations
+
+VOCAB = 256
+
+
+def tiny_config(family: str, *, layers: int = 6, vocab: int = VOCAB):
+    """A transformers config of `family` with hidden size 64 and `layers` decoder layers."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if family == "llama":
+        return tf.LlamaConfig(**common)
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=16)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=16, layer_types=alternating)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=16, use_sliding_window=True, sliding_window=16,
+                              layer_types=alternating)
+    if family == "gemma2":
+        return tf.Gemma2Config(**common, head_dim=16, sliding_window=16, layer_types=alternating)
+    if family == "gemma3_text":
+        return tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=16, layer_types=alternating)
+    if family == "phi3":
+        return tf.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "opt":
+        return tf.OPTConfig(vocab_size=vocab, hidden_size=64, ffn_dim=128, num_hidden_layers=layers,
+                            num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64,
+                            pad_token_id=1)
+    if family == "gpt_neox":
+        return tf.GPTNeoXConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=256)
+    raise ValueError(f"no tiny config for family {family!r}")
+
+
+def tiny_model(family: str, *, layers: int = 6, seed: int = 0, vocab: int = VOCAB):
+    """A randomly initialised *ForCausalLM of `family` in fp32 eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, layers=layers, vocab=vocab))
+    model.to(torch.float32)
+    return model.eval()
