@@ -65,13 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("--rows", default=None, help="comma-separated rows (default: all but random)")
     b.set_defaults(func=_benchmark)
-    for module in ("trsp_ray.evaluation.cli", "trsp_ray.distributed.cli", "trsp_ray.search_cli",
-                   "trsp_ray.reproduce_cli"):
-        try:
-            register = __import__(module, fromlist=["register"]).register
-        except (ImportError, AttributeError):
-            continue  # that part is not installed in this build
-        register(sub)
+    from trsp_ray.distributed.cli import register as register_plan
+    from trsp_ray.evaluation.cli import register as register_eval
+
+    register_eval(sub)
+    register_plan(sub)
     return parser
 
 

@@ -16,6 +16,9 @@ from trsp_ray.stage1 import candidate_layers, check_drop_count
 from trsp_ray.training import Batches
 
 
+VALIDATION_TOKENS = 8192
+
+
 def log(msg: str) -> None:
     print(f"[trsp_ray {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -53,6 +56,7 @@ class Workbench:
     calib_ids: torch.Tensor
     heldout_ids: torch.Tensor
     texts: assets.TextSplit
+    val_ids: torch.Tensor | None = None  # calibration tail, never trained on (for tuning)
 
     @property
     def num_layers(self) -> int:
@@ -81,6 +85,9 @@ class Workbench:
         progress = _progress_printer("held-out PPL")
         return perplexity(model or self.model, self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
                           max_windows=d.eval_max_windows, progress=progress)
+
+    def validation_ppl(self, model=None) -> float:
+        return perplexity(model or self.model, self.val_ids, seqlen=self.cfg.data.eval_seqlen, batch_size=4)
 
     def fresh_model(self):
         """A copy of the original model; methods train and cut copies, never the original."""
@@ -134,11 +141,14 @@ def prepare(cfg: RunConfig) -> Workbench:
     texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
     model, tokenizer = load_model(cfg.model, device=cfg.device)
     calib_ids, heldout_ids = encode(tokenizer, texts.calibration), encode(tokenizer, texts.heldout)
+    # The calibration tail is kept out of training: settings are tuned on it, never on held-out text.
+    n_val = min(VALIDATION_TOKENS, calib_ids.numel() // 5)
+    calib_ids, val_ids = calib_ids[:-n_val], calib_ids[-n_val:]
     for name, ids, seqlen in (("calibration", calib_ids, cfg.data.seqlen), ("evaluation", heldout_ids, cfg.data.eval_seqlen)):
         if ids.numel() < seqlen + 1:
             raise TrspError(f"{name} text has {ids.numel()} tokens, fewer than one window of {seqlen}; pass a longer text")
     return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=calib_ids,
-                     heldout_ids=heldout_ids, texts=texts)
+                     heldout_ids=heldout_ids, texts=texts, val_ids=val_ids)
 
 
 def kept_parameters(model) -> int:
