@@ -30,8 +30,8 @@ def test_core_modules_import_no_distributed_or_tracking_library():
         assert not bad, f"{name} imports {bad}"
 
 
-def test_ray_and_deepspeed_only_in_distributed_evaluation_and_jobs():
-    allowed_dirs = {"distributed", "evaluation"}
+def test_ray_and_deepspeed_only_in_orchestration_packages():
+    allowed_dirs = {"distributed", "evaluation", "search", "reproduce"}
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE)
         if rel.parts[0] in allowed_dirs:
