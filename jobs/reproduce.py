@@ -1,0 +1,47 @@
+"""Reproduce the paper's tables on a Ray GPU cluster (or a small version on this CPU machine).
+
+    ray job submit --working-dir . -- python jobs/reproduce.py --preset paper --out /shared/reproduce
+
+Cluster this assumes (cluster/): GPU nodes of 8 x 80 GB with model-hub access (HF_TOKEN for the
+LLaMA repos), WikiText-2 train/test as text files under /shared/data/wikitext2, and /shared for
+outputs. Each model's cells are one Ray task on one GPU; cells whose stage 2 does not fit one GPU
+(the memory planner decides) run on Ray Train + ZeRO-3; the evaluation actor pool scores every
+exported cell. Resubmitting with the same --out skips finished cells (see <out>/run_log.jsonl).
+
+On this machine:
+
+    python jobs/reproduce.py --preset local --out runs/reproduce-local
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-dir copy of trsp_ray
+
+
+def job_config(argv=None) -> argparse.Namespace:
+    """The job's arguments: the same flags as `trsp-ray reproduce`, defaulting to the paper preset."""
+    from trsp_ray.reproduce.cli import add_arguments
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.set_defaults(preset="paper")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from trsp_ray.errors import TrspError
+    from trsp_ray.reproduce.cli import run_from_args
+
+    try:
+        return run_from_args(job_config(argv))
+    except TrspError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The grid of cells (model x method x ratio) and its on-disk store, which makes a run resumable.
+
+Layout under the output directory:
+    cells/<cell id>.json   one finished cell (pruned and scored), written atomically: present = done
+    models/<cell id>/      the exported pruned model (atomic export; present = pruned, maybe not scored)
+    stage1/<model>.json    the shared stage-1 drop order of a model (serves every TRSP cell and ratio)
+    run_log.jsonl          one JSON line per event: run start/end, cell skipped/pruned/computed
+
+A rerun reads cells/ and skips what is there; the log says which cells each run skipped and computed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trsp_ray.errors import TrspError
+from trsp_ray.reproduce.presets import GRID_METHODS, Preset
+from trsp_ray.tracking import write_json_atomic
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str  # ModelSpec.key
+    method: str  # one of GRID_METHODS
+    ratio: float  # 0.0 for dense
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}__{self.method}__r{self.ratio:.3f}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pick(given, valid: tuple, what: str, preset: str) -> tuple:
+    if given is None:
+        return tuple(valid)
+    bad = [g for g in given if g not in valid]
+    if bad:
+        raise TrspError(f"unknown {what} {bad[0]!r} for preset {preset!r}; valid: {', '.join(map(str, valid))}")
+    return tuple(dict.fromkeys(given))
+
+
+def build_grid(preset: Preset, *, models=None, methods=None, ratios=None) -> list[Cell]:
+    """Cells of the preset, optionally narrowed; unknown names fail here, before anything runs.
+
+    Dense has one cell per model (no ratio); every other method one per ratio."""
+    keys = _pick(models, tuple(m.key for m in preset.models), "model", preset.name)
+    chosen = _pick(methods, GRID_METHODS, "method", preset.name)
+    ratios = tuple(preset.ratios if ratios is None else ratios)
+    for r in ratios:
+        if not isinstance(r, (int, float)) or not 0.0 < r < 1.0:
+            raise TrspError(f"ratio {r!r} is not valid; it must be in the open interval (0, 1)")
+    cells = []
+    for key in keys:
+        for method in chosen:
+            cells += [Cell(key, "dense", 0.0)] if method == "dense" else [Cell(key, method, float(r)) for r in ratios]
+    return cells
+
+
+class CellStore:
+    """Finished cells, exported models and the run log under one output directory."""
+
+    def __init__(self, out: str | Path):
+        self.root = Path(out).expanduser().resolve()
+        try:
+            for sub in ("cells", "models", "stage1"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrspError(f"output {str(out)!r} is not writable ({exc.strerror}); pass a directory you can write to") from None
+        self.log_path = self.root / "run_log.jsonl"
+        self.run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+
+    def cell_path(self, cell: Cell) -> Path:
+        return self.root / "cells" / f"{cell.id}.json"
+
+    def model_dir(self, cell: Cell) -> Path:
+        return self.root / "models" / cell.id
+
+    def stage1_path(self, model_key: str) -> Path:
+        return self.root / "stage1" / f"{model_key}.json"
+
+    def is_done(self, cell: Cell) -> bool:
+        return self.cell_path(cell).is_file()
+
+    def is_pruned(self, cell: Cell) -> bool:
+        """An export is renamed into place only when complete, so config.json means a usable model."""
+        return (self.model_dir(cell) / "config.json").is_file()
+
+    def load(self, cell: Cell) -> dict:
+        return json.loads(self.cell_path(cell).read_text(encoding="utf-8"))
+
+    def save(self, cell: Cell, result: dict) -> None:
+        write_json_atomic({**result, "cell": cell.to_dict(), "cell_id": cell.id, "run_id": self.run_id},
+                          self.cell_path(cell))
+
+    def log(self, event: str, **fields) -> None:
+        """Append one line; a line is one write() of < 4 KB, so readers never see half an event."""
+        line = json.dumps({"event": event, "run_id": self.run_id, "time": time.time(), **fields}, default=str)
+        with open(self.log_path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+    def events(self) -> list[dict]:
+        if not self.log_path.is_file():
+            return []
+        return [json.loads(x) for x in self.log_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def read_events(out: str | Path) -> list[dict]:
+    """The run log of an output directory (every run, oldest first)."""
+    path = Path(out) / "run_log.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
