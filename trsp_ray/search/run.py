@@ -1,0 +1,282 @@
+"""`run_search`: a Ray Tune search over lambda1, lambda2 and the ratio, top to bottom:
+validate the space -> plan stage-1 reuse -> skip finished trials -> Tune (grid / random / Optuna,
+ASHA on the stage-2 validation loss) -> score the new exports on the evaluation pool -> MLflow
+lineage, figures and the best model in the registry.
+
+Resumable: each finished trial leaves `<search_dir>/trials/<trial key>.json`, where the key is a
+hash of the trial's whole config; running the same search again only runs the missing trials.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trsp_ray.config import RunConfig, from_dict
+from trsp_ray.errors import TrspError
+from trsp_ray.search.cache import RunLog, data_fingerprint
+from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, stage1_key, trial_key
+from trsp_ray.search.trial import TRIALS, trial_record_path
+
+TRSP_METHODS = ("trsp", "trsp-oneshot", "trsp-no-stage2")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How the search runs (what it searches is the SearchSpace; what it prunes is the RunConfig)."""
+
+    search_dir: str
+    name: str = "search"
+    reuse: bool = True  # share stage 1 between trials with the same stage-1 settings
+    asha: bool = True
+    val_every: int | None = None  # stage-2 steps between validation reports (None: about 4 per trial)
+    val_windows: int = 8  # validation windows per report
+    cpus_per_trial: float = 1.0
+    max_concurrent: int | None = None  # None: cluster CPUs // cpus_per_trial
+    eval_actors: int = 1
+    eval_tasks: tuple[str, ...] = ()  # zero-shot tasks for every trial's model (PPL is always scored)
+    eval_limit: int | None = None
+    register_name: str | None = "trsp-search-best"
+    address: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _probe(base: dict, space: SearchSpace, points: list[dict] | None) -> dict:
+    return points[0] if points else {d.key: d.bounds()[0] for d in space.dims}
+
+
+def plan(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, dict]:
+    """Checked points (None for Optuna), the model's layer count, and the stage-1 plan
+    {stage-1 key: largest n_drop among the trials that share it}. Raises before any trial."""
+    from trsp_ray.pipeline import check_plan
+
+    if base.method not in TRSP_METHODS:
+        raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; use one of {', '.join(TRSP_METHODS)}")
+    if space.algorithm == "optuna":
+        _optuna_search_class()  # a missing optuna fails here, before Ray starts
+    points = grid_points(space) if space.algorithm == "grid" else (
+        sample_points(space) if space.algorithm == "random" else None)
+    base_dict = _absolute_paths(base.to_dict())
+    num_layers = check_plan(from_dict(apply_point(base_dict, _probe(base_dict, space, points))))
+    check_points(base, space, points, num_layers=num_layers)
+    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"])
+    n_drop: dict[str, int] = {}
+    for point in points or [{d.key: d.bounds()[1] for d in space.dims}]:
+        cfg = apply_point(base_dict, point)
+        key = stage1_key(cfg, fp)
+        n_drop[key] = max(n_drop.get(key, 0), round(cfg["ratio"] * num_layers))
+    return points, num_layers, n_drop
+
+
+def _absolute_paths(cfg: dict) -> dict:
+    """Tune runs trials in their own working directory: every path must be absolute."""
+    from trsp_ray import assets
+
+    cfg["model"] = str(Path(assets.resolve_model(cfg["model"])).resolve()) if Path(cfg["model"]).exists() \
+        else cfg["model"]
+    for k in ("calib_text", "eval_text"):
+        if cfg["data"][k]:
+            cfg["data"][k] = str(Path(cfg["data"][k]).expanduser().resolve())
+    return cfg
+
+
+def finished_records(search_dir: str | Path) -> dict[str, dict]:
+    out = {}
+    for f in sorted((Path(search_dir) / TRIALS).glob("*.json")):
+        record = json.loads(f.read_text())
+        out[record["trial_key"]] = record
+    return out
+
+
+def _optuna_search_class():
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise TrspError("algorithm=optuna needs optuna; install it with `pip install optuna` "
+                        "(or `pip install trsp_ray[search]`)") from None
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch
+
+
+def _tune_space(space: SearchSpace) -> dict:
+    from ray import tune
+
+    out = {}
+    for d in space.dims:
+        if d.kind == "choice":
+            out[d.key] = tune.choice(list(d.values))
+        elif d.kind == "int":
+            out[d.key] = tune.randint(int(d.low), int(d.high) + 1)
+        else:
+            out[d.key] = (tune.loguniform if d.kind == "loguniform" else tune.uniform)(d.low, d.high)
+    return out
+
+
+def _searcher(space: SearchSpace, done: dict[str, dict], remaining: list[dict] | None):
+    """(param_space["point"], search_alg, num_samples) for the trials still to run."""
+    from ray import tune
+
+    if remaining is not None:  # grid and seeded random: the points are known, Tune runs the list
+        return tune.grid_search(remaining), None, 1
+    metrics = list(space.objectives)
+    modes = ["min"] * len(metrics)
+    finished = [r for r in done.values() if r["status"] == "finished"]
+    known = {"points_to_evaluate": [r["point"] for r in finished],
+             "evaluated_rewards": [[r[m] for m in metrics] if len(metrics) > 1 else r[metrics[0]] for r in finished]}
+    search = _optuna_search_class()(metric=metrics if len(metrics) > 1 else metrics[0],
+                                    mode=modes if len(modes) > 1 else modes[0], seed=space.seed,
+                                    **(known if finished else {}))
+    # the warm-start points are told to Optuna, not rerun
+    return _tune_space(space), search, max(0, space.num_samples - len(done))
+
+
+def _concurrency(opts: SearchOptions, trials: int) -> int:
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 1.0)
+    if opts.cpus_per_trial > cpus:
+        raise TrspError(f"cpus_per_trial={opts.cpus_per_trial} exceeds the cluster's {cpus:g} CPUs")
+    limit = max(1, int(cpus // opts.cpus_per_trial))
+    return max(1, min(opts.max_concurrent or limit, limit, trials))
+
+
+def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, trials, trial_config):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from trsp_ray.search.trial import run_trial
+
+    reports = max(1, -(-base_dict["stage2"]["steps"] // trial_config["val_every"])) + 1
+    scheduler = ASHAScheduler(metric="val_loss", mode="min", max_t=reports, grace_period=max(1, reports // 3),
+                              reduction_factor=2) if opts.asha else None
+    tuner = tune.Tuner(
+        tune.with_resources(run_trial, {"cpu": opts.cpus_per_trial}),
+        param_space={**trial_config, "point": point_space},
+        tune_config=tune.TuneConfig(num_samples=num_samples, search_alg=search_alg, scheduler=scheduler,
+                                    max_concurrent_trials=_concurrency(opts, trials)),
+        run_config=tune.RunConfig(name=f"{opts.name}-{trial_config['invocation']}", verbose=0,
+                                  storage_path=str(Path(opts.search_dir, "tune").resolve())),
+    )
+    return tuner.fit()
+
+
+def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
+    """Records of the trials this invocation ran; early-stopped ones get a 'stopped' record."""
+    from trsp_ray.tracking import write_json_atomic
+
+    out = []
+    for result in results:
+        point = result.config["point"]
+        key = trial_key(apply_point(base_dict, point))
+        path = trial_record_path(search_dir, key)
+        if path.is_file():
+            out.append(json.loads(path.read_text()))
+            continue
+        metrics = result.metrics or {}
+        status = "failed" if result.error else "stopped"
+        record = {"trial_key": key, "point": point, "config": apply_point(base_dict, point), "status": status,
+                  "val_loss": metrics.get("val_loss"), "val_ppl": metrics.get("val_ppl"),
+                  "error": str(result.error).splitlines()[0][:300] if result.error else None}
+        if status == "stopped":  # ASHA's decision is final: a rerun does not revisit the trial
+            write_json_atomic(record, path)
+        out.append(record)
+    return out
+
+
+def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log) -> None:
+    """Held-out PPL (and optional zero-shot tasks) of every new export, on the evaluation pool."""
+    from trsp_ray.evaluation.evaluator import EvalSettings
+    from trsp_ray.evaluation.pool import evaluate_pool
+    from trsp_ray.tracking import write_json_atomic
+
+    todo = [r for r in records if r["status"] == "finished" and r.get("evaluation") is None]
+    if not todo:
+        return
+    d = base.data
+    settings = EvalSettings(tasks=opts.eval_tasks, limit=opts.eval_limit, eval_text=d.eval_text,
+                            ppl_seqlen=d.eval_seqlen, ppl_windows=d.eval_max_windows, speed=None)
+    results = evaluate_pool([r["model_dir"] for r in todo], settings=settings, actors=opts.eval_actors, log=log)
+    for record, result in zip(todo, results):
+        record["evaluation"] = result
+        record["heldout_ppl"] = result.get("ppl")
+        write_json_atomic(record, trial_record_path(opts.search_dir, record["trial_key"]))
+
+
+def best_trial(records: list[dict]) -> dict | None:
+    """Lowest validation PPL among the finished trials that drop the most layers (a smaller ratio
+    would otherwise always win); held-out text plays no part in the choice."""
+    done = [r for r in records if r["status"] == "finished"]
+    if not done:
+        return None
+    most = max(len(r["drop"]) for r in done)
+    return min((r for r in done if len(r["drop"]) == most), key=lambda r: r["val_ppl"])
+
+
+def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=print) -> dict:
+    """Run (or resume) a search; returns a summary with the stage-1/stage-2 counts of this invocation."""
+    import ray
+
+    points, num_layers, n_drop_plan = plan(base, space)
+    base_dict = _absolute_paths(base.to_dict())
+    search_dir = Path(opts.search_dir).resolve()
+    done = finished_records(search_dir)
+    remaining = None if points is None else [p for p in points if trial_key(apply_point(base_dict, p)) not in done]
+    invocation = uuid.uuid4().hex[:12]
+    runlog = RunLog(search_dir, invocation=invocation)
+    runlog.write("search_started", name=opts.name, algorithm=space.algorithm, pending=None if remaining is None
+                 else len(remaining), skipped=len(done))
+    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"])
+    trial_config = {"run": base_dict, "search_dir": str(search_dir), "data_fp": fp, "reuse": opts.reuse,
+                    "plan_n_drop": n_drop_plan, "default_plan_n_drop": max(n_drop_plan.values()),
+                    "val_every": opts.val_every or max(1, base.stage2.steps // 4), "val_windows": opts.val_windows,
+                    "threads": max(1, int(opts.cpus_per_trial)), "invocation": invocation}
+    point_space, search_alg, num_samples = _searcher(space, done, remaining)
+    trials = len(remaining) if remaining is not None else num_samples
+    started = not ray.is_initialized()
+    if started and trials:
+        ray.init(address=opts.address, include_dashboard=False)
+    try:
+        new = []
+        if trials:
+            log(f"search {opts.name}: {trials} trial(s) to run, {len(done)} finished earlier are skipped")
+            results = _run_tune(base_dict, space, opts, point_space=point_space, search_alg=search_alg,
+                                num_samples=num_samples, trials=trials, trial_config=trial_config)
+            new = _collect(results, search_dir, base_dict)
+            _score(new, base, opts, log)
+        else:
+            log(f"search {opts.name}: all {len(done)} trial(s) finished earlier; nothing to run")
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+    return _finish(base, space, opts, search_dir, runlog, new, invocation, log)
+
+
+def _finish(base, space, opts, search_dir, runlog, new, invocation, log) -> dict:
+    from trsp_ray.search import lineage
+
+    records = list(finished_records(search_dir).values())
+    new_keys = {r["trial_key"] for r in new}
+    summary = {"invocation": invocation, "trials_run": len(new), "trials_total": len(records),
+               "stage1_computed": runlog.count("stage1_computed", invocation=invocation),
+               "stage1_reused": runlog.count("stage1_reused", invocation=invocation),
+               "stage2_runs": runlog.count("stage2_run", invocation=invocation),
+               "failed": sum(r["status"] == "failed" for r in new)}
+    best = best_trial(records)
+    summary["best_trial"] = best["trial_key"] if best else None
+    runlog.write("search_finished", **summary)
+    if base.tracking.enabled:
+        state = lineage.log_search(search_dir=search_dir, name=opts.name, tracking_uri=base.tracking.tracking_uri,
+                                   experiment=base.tracking.experiment, space=_space_dict(space), records=records,
+                                   new_keys=new_keys, best=best, register_name=opts.register_name, summary=summary)
+        summary.update(parent_run=state["parent"], model_version=state.get("model_version"))
+    log(f"search {opts.name}: {summary}")
+    return summary
+
+
+def _space_dict(space: SearchSpace) -> dict:
+    return {"algorithm": space.algorithm, "num_samples": space.num_samples, "seed": space.seed,
+            "objectives": list(space.objectives),
+            "params": {d.key: list(d.values) if d.kind == "choice" else {d.kind: [d.low, d.high]} for d in space.dims}}

@@ -1,0 +1,186 @@
+"""The search space over lambda1, lambda2, the ratio and a few stage settings: parsing and validation.
+
+A space maps dotted config keys to a dimension: a list of values (grid or choice) or a range
+(`uniform` / `loguniform` / `int`, low and high). Everything a trial could get wrong is checked
+here, from config.json alone, so a bad space fails on one line before any trial starts:
+empty or contradictory spaces, values the config tree rejects, ratios that drop 0 layers or more
+than the candidate layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from trsp_ray.config import RunConfig, from_dict
+from trsp_ray.errors import TrspError
+
+# Keys a search may vary; anything else is fixed for the whole search through the run config.
+SEARCHABLE = ("ratio", "stage1.lambda1", "stage2.lambda2", "stage1.lr", "stage1.first_round_steps",
+              "stage1.steps_per_round", "stage2.trainable", "stage2.steps", "stage2.lr")
+ALGORITHMS = ("grid", "random", "optuna")
+RANGES = ("uniform", "loguniform", "int")
+# The stage-1 result depends on these config sections and nothing else (ratio only sets its length).
+STAGE1_SECTIONS = ("model", "seed", "device", "data", "gates", "stage1")
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One searched key: `values` (grid/choice) or `kind` in RANGES with `low` <= `high`."""
+
+    key: str
+    values: tuple = ()
+    kind: str = "choice"
+    low: float | None = None
+    high: float | None = None
+
+    def bounds(self) -> tuple[Any, Any]:
+        return (min(self.values), max(self.values)) if self.kind == "choice" else (self.low, self.high)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    dims: tuple[Dimension, ...]
+    algorithm: str = "grid"
+    num_samples: int = 1  # random/optuna: trials in all; grid: ignored (one trial per grid point)
+    seed: int = 0
+    objectives: tuple[str, ...] = ("val_ppl",)  # optuna: add "kept_parameters" for a Pareto search
+    extra: dict = field(default_factory=dict)
+
+    def keys(self) -> list[str]:
+        return [d.key for d in self.dims]
+
+
+def _dimension(key: str, spec: Any) -> Dimension:
+    if key not in SEARCHABLE:
+        raise TrspError(f"search key {key!r} is not searchable; choose from {', '.join(SEARCHABLE)}")
+    if isinstance(spec, (list, tuple)):
+        if not spec:
+            raise TrspError(f"search key {key!r} has no values; give at least one")
+        if len(set(map(repr, spec))) != len(spec):
+            raise TrspError(f"search key {key!r} lists a value twice ({list(spec)}); each grid point must differ")
+        return Dimension(key=key, values=tuple(spec))
+    if isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in RANGES:
+        kind, bounds = next(iter(spec.items()))
+        if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
+            raise TrspError(f"search key {key!r}: {kind} needs [low, high], got {bounds!r}")
+        low, high = bounds
+        if not low < high:
+            raise TrspError(f"search key {key!r}: {kind} range [{low}, {high}] is empty; low must be < high")
+        if kind == "loguniform" and low <= 0:
+            raise TrspError(f"search key {key!r}: loguniform needs low > 0, got {low}")
+        return Dimension(key=key, kind=kind, low=low, high=high)
+    return Dimension(key=key, values=(spec,))
+
+
+def parse_space(spec: dict) -> SearchSpace:
+    """A SearchSpace from a plain dict: {"algorithm", "num_samples", "seed", "objectives", "params"}."""
+    spec = dict(spec or {})
+    params = spec.pop("params", None) or {}
+    algorithm = spec.pop("algorithm", "grid")
+    if algorithm not in ALGORITHMS:
+        raise TrspError(f"search algorithm {algorithm!r} is not valid; choose one of {', '.join(ALGORITHMS)}")
+    if not params:
+        raise TrspError("the search space is empty; give at least one key, e.g. --space stage1.lambda1=1e-3,5e-3")
+    dims = tuple(_dimension(k, v) for k, v in params.items())
+    objectives = tuple(spec.pop("objectives", ("val_ppl",)))
+    space = SearchSpace(dims=dims, algorithm=algorithm, num_samples=int(spec.pop("num_samples", 1)),
+                        seed=int(spec.pop("seed", 0)), objectives=objectives)
+    if spec:
+        raise TrspError(f"unknown search setting(s) {', '.join(sorted(spec))}; valid: algorithm, num_samples, "
+                        "seed, objectives, params")
+    _check_consistent(space)
+    return space
+
+
+def _check_consistent(space: SearchSpace) -> None:
+    ranges = [d.key for d in space.dims if d.kind != "choice"]
+    if space.algorithm == "grid" and ranges:
+        raise TrspError(f"grid search cannot sample the range(s) {', '.join(ranges)}; list values or use "
+                        "algorithm=random|optuna")
+    if space.algorithm != "grid" and space.num_samples < 1:
+        raise TrspError(f"num_samples={space.num_samples} is not valid; it must be >= 1")
+    bad = [o for o in space.objectives if o not in ("val_ppl", "kept_parameters")]
+    if bad or not space.objectives or len(set(space.objectives)) != len(space.objectives):
+        raise TrspError(f"objectives={list(space.objectives)} is not valid; use val_ppl and optionally kept_parameters")
+    if len(space.objectives) > 1 and space.algorithm != "optuna":
+        raise TrspError("a multi-objective search (val_ppl vs kept_parameters) needs algorithm=optuna")
+
+
+def grid_points(space: SearchSpace) -> list[dict]:
+    """Every grid point as {key: value}, in a stable order (first key varies slowest)."""
+    points: list[dict] = [{}]
+    for d in space.dims:
+        points = [{**p, d.key: v} for p in points for v in d.values]
+    return points
+
+
+def sample_points(space: SearchSpace) -> list[dict]:
+    """`num_samples` random points from a seeded RNG: the same search gives the same points, so a
+    rerun finds its finished trials by key."""
+    import math
+
+    rng = random.Random(space.seed)
+    out = []
+    for _ in range(space.num_samples):
+        point = {}
+        for d in space.dims:
+            if d.kind == "choice":
+                point[d.key] = rng.choice(d.values)
+            elif d.kind == "int":
+                point[d.key] = rng.randint(int(d.low), int(d.high))
+            elif d.kind == "loguniform":
+                point[d.key] = math.exp(rng.uniform(math.log(d.low), math.log(d.high)))
+            else:
+                point[d.key] = rng.uniform(d.low, d.high)
+        out.append(point)
+    return out
+
+
+def apply_point(base: dict, point: dict) -> dict:
+    """The run config dict of one trial: `base` with the point's dotted keys set."""
+    import copy
+
+    out = copy.deepcopy(base)
+    for key, value in point.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return out
+
+
+def check_points(base: RunConfig, space: SearchSpace, points: list[dict] | None, *, num_layers: int) -> None:
+    """Every point (or, for ranges, both bounds) must make a valid config that drops 1..candidates layers."""
+    from trsp_ray.stage1 import candidate_layers, check_drop_count
+
+    probes = points if points is not None else [
+        {d.key: d.bounds()[i] for d in space.dims} for i in (0, 1)]
+    g = base.gates
+    candidates = candidate_layers(num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+    for point in probes:
+        try:
+            cfg = from_dict(apply_point(base.to_dict(), point))
+        except TrspError as e:
+            raise TrspError(f"search point {point}: {e}") from None
+        check_drop_count(round(cfg.ratio * num_layers), candidates, cfg.ratio, num_layers)
+
+
+def content_key(obj: Any, length: int = 16) -> str:
+    """A short stable hash of a JSON-able object (sorted keys)."""
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def stage1_key(cfg: dict, data_fingerprint: str) -> str:
+    """Content key of what stage 1 depends on: model, seed, data settings and texts, gates, stage1."""
+    return content_key({"config": {k: cfg[k] for k in STAGE1_SECTIONS}, "data": data_fingerprint})
+
+
+def trial_key(cfg: dict) -> str:
+    """Content key of a whole trial config (tracking and distributed settings do not change results)."""
+    return content_key({k: v for k, v in cfg.items() if k not in ("tracking", "output", "threads")})

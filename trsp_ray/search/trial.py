@@ -1,0 +1,142 @@
+"""One search trial as a Ray Tune function trainable: stage 1 (reused or computed once), stage 2
+with validation loss reported for ASHA, removal, export, and a finished-trial record.
+
+Everything the trial needs arrives in Tune's `config` as plain data (SPEC: plain dicts cross Ray
+boundaries). Selection signals come from the validation split (the calibration tail, never trained
+on); held-out perplexity is measured afterwards by the evaluation pool, so no held-out text steers
+the search. MLflow is written by the driver only, to keep one writer per tracking store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+from trsp_ray.search.cache import RunLog, Stage1Cache, stage1_for_trial
+from trsp_ray.search.space import apply_point, stage1_key, trial_key
+
+TRIALS = "trials"  # finished-trial records: <search_dir>/trials/<trial key>.json
+MODELS = "models"  # exported pruned models: <search_dir>/models/<trial key>/
+
+
+def trial_record_path(search_dir: str | Path, key: str) -> Path:
+    return Path(search_dir) / TRIALS / f"{key}.json"
+
+
+def _capture_models(bench) -> tuple[object, list]:
+    """A bench whose fresh_model() also hands each copy to the caller: stage 2 trains that copy,
+    and the validation loss for ASHA must be measured on it mid-training."""
+    made: list = []
+    original = bench.fresh_model
+
+    def fresh_model():
+        made.append(original())
+        return made[-1]
+
+    captured = dataclasses.replace(bench)
+    captured.fresh_model = fresh_model
+    return captured, made
+
+
+def validation_loss(bench, model, *, windows: int) -> float:
+    """Mean next-token NLL (nats) on the validation split, leaving the model's train/eval mode as it was."""
+    from trsp_ray.perplexity import perplexity
+
+    was_training = model.training
+    try:
+        ppl = perplexity(model, bench.val_ids, seqlen=bench.cfg.data.eval_seqlen, batch_size=4,
+                         max_windows=windows)
+    finally:
+        model.train(was_training)
+    return math.log(ppl)
+
+
+def _stage2_reporter(bench, made: list, *, every: int, steps: int, windows: int, report, curve: list):
+    def on_metrics(metrics: dict, step: int) -> None:
+        if "stage2/ce" not in metrics or not made:
+            return
+        if step % every and step != steps:
+            return
+        loss = validation_loss(bench, made[-1], windows=windows)
+        curve.append({"step": step, "val_loss": loss, "stage2_ce": metrics["stage2/ce"]})
+        report({"val_loss": loss, "val_ppl": math.exp(loss), "stage2_step": step,
+                "stage2_ce": metrics["stage2/ce"], "phase": "stage2"})
+    return on_metrics
+
+
+def gates_at_ratio(stage1, n_drop: int) -> list[float]:
+    """Gate values when the n_drop-th layer was chosen (end of that selection round)."""
+    if not stage1.gate_history:
+        return []
+    rounds = stage1.round_ends
+    end = rounds[min(n_drop, len(rounds)) - 1] if rounds else len(stage1.gate_history)
+    return list(stage1.gate_history[end - 1])
+
+
+def run_trial(config: dict) -> None:
+    """Tune entry point. `config`: run (base config dict), point (searched values), search_dir,
+    data_fp, reuse, plan_n_drop ({stage-1 key: layers}), default_plan_n_drop, val_every,
+    val_windows, threads, invocation."""
+    from ray import tune
+
+    _execute(config, report=tune.report)
+
+
+def _execute(config: dict, *, report) -> dict:
+    import torch
+
+    from trsp_ray.config import from_dict
+    from trsp_ray.methods import apply_method
+    from trsp_ray.pipeline import kept_parameters, prepare
+
+    torch.set_num_threads(int(config.get("threads") or 1))
+    search_dir = Path(config["search_dir"])
+    cfg_dict = apply_point(config["run"], config["point"])
+    cfg = from_dict(cfg_dict)
+    tkey, skey = trial_key(cfg_dict), stage1_key(cfg_dict, config["data_fp"])
+    log = RunLog(search_dir, invocation=config["invocation"])
+    start = time.perf_counter()
+    bench = prepare(cfg)
+    windows = int(config.get("val_windows") or 8)
+    cache = Stage1Cache(search_dir / "stage1") if config.get("reuse", True) else None
+    plan = config.get("plan_n_drop", {}).get(skey, config.get("default_plan_n_drop", 0))
+    stage1 = stage1_for_trial(bench, cache=cache, key=skey, plan_n_drop=int(plan), log=log, trial=tkey)
+    captured, made = _capture_models(bench)
+    every = max(1, int(config.get("val_every") or 1))
+    curve: list = []
+    on_metrics = _stage2_reporter(captured, made, every=every, steps=cfg.stage2.steps, windows=windows,
+                                  report=report, curve=curve)
+    log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"])
+    outcome = apply_method(captured, cfg.method, stage1=stage1, report=on_metrics)
+    val = validation_loss(bench, outcome.model, windows=windows)
+    n_drop, dense = len(outcome.drop), kept_parameters(bench.model)
+    kept = kept_parameters(outcome.model)
+    record = {"trial_key": tkey, "stage1_key": skey, "point": config["point"], "config": cfg_dict,
+              "status": "finished", "drop": outcome.drop, "kept": outcome.kept,
+              "num_layers_original": bench.num_layers, "val_loss": val, "val_ppl": math.exp(val),
+              "kept_parameters": kept, "dense_parameters": dense, "kept_fraction": kept / dense,
+              "gates": gates_at_ratio(stage1, n_drop), "curve": curve, "seconds": time.perf_counter() - start,
+              "info": {k: v for k, v in outcome.info.items() if k != "relative_update"}}
+    record["model_dir"] = _export(outcome, bench, search_dir, tkey, record)
+    from trsp_ray.tracking import write_json_atomic
+
+    write_json_atomic(record, trial_record_path(search_dir, tkey))
+    log.write("trial_finished", trial=tkey, val_ppl=record["val_ppl"])
+    report({"val_loss": val, "val_ppl": record["val_ppl"], "kept_parameters": kept,
+            "kept_fraction": record["kept_fraction"], "trial_key": tkey, "phase": "final", "done_trial": 1})
+    return record
+
+
+def _export(outcome, bench, search_dir: Path, key: str, record: dict) -> str:
+    from trsp_ray.export import export_model
+
+    manifest = {"method": bench.cfg.method, "dropped_layers": outcome.drop, "drop_order": outcome.drop,
+                "num_layers_original": bench.num_layers, "num_layers_kept": len(outcome.kept),
+                "kept_layers": outcome.kept, "config": record["config"], "search_trial": key,
+                "metrics": {k: record[k] for k in ("val_ppl", "kept_parameters", "kept_fraction")}}
+    # overwrite: a trial retried after a crash replaces its own half-finished export
+    path = export_model(outcome.model, bench.tokenizer, str(search_dir / MODELS / key), manifest=manifest,
+                        overwrite=True)
+    return str(path)
