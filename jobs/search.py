@@ -1,0 +1,58 @@
+"""Search lambda1, lambda2 and the pruning ratio with Ray Tune on a Ray cluster (stage 1 reused
+between trials that share it, ASHA on the stage-2 validation loss, MLflow lineage, best model registered).
+
+    ray job submit --working-dir . -- python jobs/search.py --model /shared/models/Llama-2-7b-hf \
+        --space ratio=0.25,0.3 --space stage1.lambda1=1e-3,5e-3 --space stage2.lambda2=1e-3 \
+        --search-dir /shared/runs/search-llama2-7b --device cuda --cpus-per-trial 8
+
+`--search-dir` must be on storage every node sees: it holds the stage-1 cache, the trial records
+that make a rerun skip finished trials, the exports, and the JSON-lines run log (`events.jsonl`).
+On this CPU machine, with a tiny model directory:
+
+    ray job submit --working-dir . -- python jobs/search.py --model /tmp/tiny --space ratio=0.125,0.25 \
+        --space stage1.lambda1=1e-3,5e-3 --set stage2.steps=4 --set stage1.first_round_steps=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-dir copy of trsp_ray
+
+
+def job_config(args: argparse.Namespace):
+    """(run config, search space, options): job defaults, then --config, flags and --set overrides."""
+    from trsp_ray.cli import _cfg
+    from trsp_ray.search.cli import options, parse_space_args
+    from trsp_ray.search.space import parse_space
+
+    space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
+                                         seed=args.seed, objectives=args.objectives, space_file=args.space_file))
+    return _cfg(args, method=args.method), space, options(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trsp_ray.cli import _common
+    from trsp_ray.errors import TrspError
+    from trsp_ray.search.cli import add_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _common(parser)
+    parser.add_argument("--method", default="trsp", choices=("trsp", "trsp-oneshot", "trsp-no-stage2"))
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg, space, opts = job_config(args)
+        from trsp_ray.search.run import run_search
+
+        summary = run_search(cfg, space, opts)
+    except TrspError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if not summary["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""`trsp-ray search`: the search's command line. `register(subparsers)` adds the subcommand.
+
+A space is given as repeatable `--space KEY=SPEC`, where SPEC is a comma list of values
+(`--space ratio=0.25,0.375`) or a range `KIND:LOW:HIGH` with KIND in uniform, loguniform, int
+(`--space stage1.lambda1=loguniform:1e-4:1e-2`), or as a YAML file (`--space-file`) holding
+{algorithm, num_samples, seed, objectives, params}.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parse_space_args(items: list[str], *, algorithm: str | None, num_samples: int | None, seed: int | None,
+                     objectives: str | None, space_file: str | None) -> dict:
+    """A plain space dict from the flags (flags win over the file)."""
+    import yaml
+
+    from trsp_ray.errors import TrspError
+    from trsp_ray.search.space import RANGES
+
+    spec: dict = {}
+    if space_file:
+        from pathlib import Path
+
+        if not Path(space_file).is_file():
+            raise TrspError(f"space file {space_file!r} does not exist; pass a YAML file")
+        spec = yaml.safe_load(Path(space_file).read_text()) or {}
+    params = dict(spec.get("params") or {})
+    for item in items:
+        if "=" not in item:
+            raise TrspError(f"--space {item!r} is not valid; write KEY=v1,v2 or KEY=loguniform:LOW:HIGH")
+        key, raw = item.split("=", 1)
+        head = raw.split(":", 1)[0]
+        if head in RANGES:
+            parts = raw.split(":")
+            if len(parts) != 3:
+                raise TrspError(f"--space {item!r} is not valid; a range is {head}:LOW:HIGH")
+            params[key] = {head: [yaml.safe_load(parts[1]), yaml.safe_load(parts[2])]}
+        else:
+            params[key] = [yaml.safe_load(v) for v in raw.split(",") if v != ""]
+    spec["params"] = params
+    for name, value in (("algorithm", algorithm), ("num_samples", num_samples), ("seed", seed)):
+        if value is not None:
+            spec[name] = value
+    if objectives:
+        spec["objectives"] = objectives.split(",")
+    return spec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--space", action="append", default=[], metavar="KEY=SPEC",
+                   help="a searched key: values v1,v2,... or uniform|loguniform|int:LOW:HIGH (repeatable)")
+    p.add_argument("--space-file", default=None, help="YAML search space")
+    p.add_argument("--algorithm", choices=("grid", "random", "optuna"), default=None)
+    p.add_argument("--num-samples", type=int, default=None, help="random/optuna: number of trials")
+    p.add_argument("--seed", type=int, default=None, help="sampler seed")
+    p.add_argument("--objectives", default=None, help="optuna: val_ppl or val_ppl,kept_parameters (Pareto)")
+    p.add_argument("--search-dir", default="runs/search", help="trial records, stage-1 cache, exports, run log")
+    p.add_argument("--name", default="search", help="MLflow parent run name")
+    p.add_argument("--no-reuse", action="store_true", help="compute stage 1 in every trial (for comparison)")
+    p.add_argument("--no-asha", action="store_true", help="no early stopping")
+    p.add_argument("--cpus-per-trial", type=float, default=1.0)
+    p.add_argument("--max-concurrent", type=int, default=None, help="default: cluster CPUs // cpus per trial")
+    p.add_argument("--eval-actors", type=int, default=1)
+    p.add_argument("--eval-tasks", default="", help="zero-shot tasks scored for every trial, comma-separated")
+    p.add_argument("--register-name", default="trsp-search-best", help="registry name of the best model")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+
+
+def options(args) -> "SearchOptions":  # noqa: F821
+    from trsp_ray.search.run import SearchOptions
+
+    tasks = tuple(t for t in args.eval_tasks.split(",") if t)
+    return SearchOptions(search_dir=args.search_dir, name=args.name, reuse=not args.no_reuse,
+                         asha=not args.no_asha, cpus_per_trial=args.cpus_per_trial,
+                         max_concurrent=args.max_concurrent, eval_actors=args.eval_actors, eval_tasks=tasks,
+                         register_name=args.register_name or None, address=args.address)
+
+
+def _search(args) -> int:
+    from trsp_ray.cli import _cfg
+    from trsp_ray.search.run import run_search
+    from trsp_ray.search.space import parse_space
+
+    space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
+                                         seed=args.seed, objectives=args.objectives, space_file=args.space_file))
+    run_search(_cfg(args, method=args.method), space, options(args))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `search` to the `trsp-ray` subcommands (same run-config flags as `prune`)."""
+    from trsp_ray.cli import _common
+
+    p = subparsers.add_parser("search", help="Ray Tune search over lambda1, lambda2 and the ratio")
+    _common(p)
+    p.add_argument("--method", default="trsp", choices=("trsp", "trsp-oneshot", "trsp-no-stage2"))
+    add_arguments(p)
+    p.set_defaults(func=_search)
