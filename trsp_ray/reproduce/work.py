@@ -149,3 +149,16 @@ def cell_record(cell, pruned: dict, scored: dict, paper: tuple[float, float] | N
             "eval_seconds": scored.get("seconds"), "info": pruned.get("info") or manifest.get("info") or {},
             "paper_ppl": paper[0] if paper else None, "paper_acc": paper[1] if paper else None,
             "lm_eval_version": scored.get("lm_eval_version")}
+
+
+def gpus_needed(preset, *, overrides: list[str] | None = None) -> int:
+    """The largest GPU set one cell of the preset holds at once (what a cluster must offer):
+    a Ray Train cell's world size, else one prune task's GPUs, else one evaluation actor's."""
+    need = max(preset.gpus_per_model, int(-(-preset.eval_gpus_per_actor // 1)))
+    for spec in preset.models:
+        for method in STAGE2_METHODS:
+            if method in preset.methods:
+                for ratio in preset.ratios:
+                    cfg = cell_config(preset, spec, overrides=overrides, method=method, ratio=ratio)
+                    need = max(need, distributed_workers(preset, spec, cfg))
+    return need

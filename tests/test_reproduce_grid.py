@@ -1,0 +1,94 @@
+"""Reproduction grid: bad input fails before anything runs; grid, presets, planner routing, tables."""
+
+import pytest
+
+from trsp_ray.errors import TrspError
+from trsp_ray.reproduce.grid import Cell, CellStore, build_grid
+from trsp_ray.reproduce.presets import LOCAL, PAPER, get_preset, paper_numbers
+from trsp_ray.reproduce.report import table_rows, to_csv, to_markdown
+from trsp_ray.reproduce.run import run_reproduce
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"preset": "nope"}, "unknown preset 'nope'"),
+    ({"preset": "local", "models": ["llama2-7b"]}, "unknown model 'llama2-7b'"),
+    ({"preset": "paper", "methods": ["trsp", "magic"]}, "unknown method 'magic'"),
+    ({"preset": "local", "ratios": [1.5]}, "ratio 1.5"),
+    ({"preset": "local", "overrides": ["stage1.lambda9=1"]}, "unknown config key"),
+])
+def test_bad_input_is_one_line_before_anything_runs(tmp_path, monkeypatch, kwargs, fragment):
+    import sys
+
+    out = tmp_path / "out"
+    with pytest.raises(TrspError) as err:
+        run_reproduce(kwargs.pop("preset"), out=str(out), use_ray=True, **kwargs)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists(), "nothing may be written before the input is checked"
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_cli_reports_bad_preset_with_exit_2(capsys):
+    from trsp_ray.cli import main as trsp_main  # noqa: F401 - the lead wires `reproduce` in
+    import argparse
+
+    from trsp_ray.reproduce.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["reproduce", "--preset", "laptop", "--out", "/nonexistent/x"])
+    with pytest.raises(TrspError, match="unknown preset 'laptop'"):
+        args.func(args)
+
+
+def test_grid_has_one_dense_cell_per_model_and_shares_nothing_else():
+    cells = build_grid(PAPER)
+    assert len(cells) == 3 * (1 + 5)
+    assert Cell("llama2-7b", "dense", 0.0) in cells
+    two = build_grid(LOCAL, methods=["dense", "sleb"], ratios=[0.1, 0.25])
+    assert [c.id for c in two] == ["smollm2-135m__dense__r0.000", "smollm2-135m__sleb__r0.100",
+                                   "smollm2-135m__sleb__r0.250"]
+    assert get_preset("local") is LOCAL
+
+
+def test_paper_numbers_only_for_the_papers_cells():
+    assert paper_numbers("llama2-7b", "trsp", 0.25) == (7.08, 60.57)
+    assert paper_numbers("llama2-7b", "trsp-no-stage2", 0.25) == (10.15, 54.36)
+    assert paper_numbers("llama2-13b", "trsp-oneshot", 0.25) is None
+    assert paper_numbers("llama2-7b", "trsp", 0.5) is None
+    assert paper_numbers("smollm2-135m", "dense", 0.25) is None
+
+
+def test_planner_routes_stage2_cells_of_7b_and_larger_to_ray_train():
+    from trsp_ray.reproduce.work import cell_config, distributed_workers, gpus_needed
+
+    spec = PAPER.model("llama2-7b")
+    trsp = cell_config(PAPER, spec, method="trsp", ratio=0.25)
+    shortgpt = cell_config(PAPER, spec, method="shortgpt", ratio=0.25)
+    assert distributed_workers(PAPER, spec, trsp) > 1  # all 7B weights + Adam do not fit one 80 GB GPU
+    assert distributed_workers(PAPER, spec, shortgpt) == 0  # frozen weights fit one GPU
+    assert 1 < gpus_needed(PAPER) <= 8
+    assert gpus_needed(LOCAL) == 0
+
+
+def test_tables_show_paper_numbers_with_difference_and_name_the_text(tmp_path):
+    results = [{"model": "llama2-7b", "method": "trsp", "ratio": 0.25, "layers": 24, "layers_original": 32,
+                "dropped": [20, 21], "ppl": 7.50, "mean5_acc": 60.0, "paper_ppl": 7.08, "paper_acc": 60.57},
+               {"model": "llama2-7b", "method": "dense", "ratio": 0.0, "layers": 32, "layers_original": 32,
+                "dropped": [], "ppl": 5.5, "mean5_acc": None, "paper_ppl": 5.47, "paper_acc": 69.0}]
+    rows = table_rows(results)
+    assert [r["method"] for r in rows] == ["dense", "trsp"]
+    assert rows[1]["d PPL"] == pytest.approx(0.42)
+    md = to_markdown(rows, "footer NOT WikiText-2")
+    assert "+0.42" in md and "-0.57" in md and "NOT WikiText-2" in md
+    assert to_csv(rows).splitlines()[0].startswith("model,method,ratio")
+
+
+def test_store_writes_cells_atomically_and_logs_events(tmp_path):
+    store = CellStore(tmp_path / "o")
+    cell = Cell("m", "sleb", 0.25)
+    assert not store.is_done(cell)
+    store.save(cell, {"ppl": 3.0})
+    store.log("computed", cell=cell.id)
+    assert store.is_done(cell) and store.load(cell)["cell_id"] == cell.id
+    assert [e["event"] for e in store.events()] == ["computed"]
+    assert not list((tmp_path / "o" / "cells").glob(".tmp-*"))
