@@ -31,19 +31,47 @@ def _row_plan(row: str, cfg: RunConfig):
     return row, cfg.stage2, no_heal
 
 
+def run_row(bench, row: str, *, stage1=None, report=None) -> dict:
+    """Prune (or not, for "dense") and score one benchmark row on a prepared Workbench."""
+    from trsp_ray.methods import apply_method
+    from trsp_ray.pipeline import kept_parameters
+
+    t0 = time.time()
+    if row == "dense":
+        return {"method": row, "drop order": [], "params": kept_parameters(bench.model),
+                "held-out PPL": bench.heldout_ppl(), "info": {}, "seconds": time.time() - t0}
+    method, s2, heal = _row_plan(row, bench.cfg)
+    out = apply_method(bench, method, stage1=stage1, stage2_cfg=s2, heal_cfg=heal,
+                       report=report or (lambda m, s: None))
+    return {"method": row, "drop order": out.drop, "params": kept_parameters(out.model),
+            "held-out PPL": bench.heldout_ppl(out.model), "info": out.info, "seconds": time.time() - t0}
+
+
+def table_rows(raw: list[dict], *, dense_params: int, stage1_seconds: float) -> list[dict]:
+    """The printed columns (see COLUMNS) from run_row results."""
+    shortgpt = next((r["held-out PPL"] for r in raw if r["method"] == "shortgpt"), None)
+    rows = []
+    for r in raw:
+        seconds = r["seconds"] + (stage1_seconds if r["method"].startswith("trsp") else 0.0)
+        rows.append({"method": r["method"], "dropped layers": " ".join(map(str, sorted(r["drop order"]))) or "-",
+                     "kept params (M)": r["params"] / 1e6, "kept %": 100.0 * r["params"] / dense_params,
+                     "held-out PPL": r["held-out PPL"], "vs ShortGPT": r["held-out PPL"] / shortgpt if shortgpt else "",
+                     "weight tokens": r["info"].get("weight_tokens", 0), "wall s": seconds,
+                     "drop order": r["drop order"], "info": r["info"]})
+    return rows
+
+
 def run_benchmark(cfg: RunConfig, rows: tuple[str, ...] = DEFAULT_ROWS) -> list[dict]:
-    """Run every row on the same model and data; returns one dict per row (see COLUMNS)."""
+    """Run every row on the same model and data in this process; returns one dict per row."""
     from trsp_ray import plots
-    from trsp_ray.methods import apply_method, run_stage1_for
+    from trsp_ray.methods import run_stage1_for
     from trsp_ray.pipeline import kept_parameters, log, prepare
-    from trsp_ray.table import markdown, render
     from trsp_ray.tracking import make_tracker
 
     bench = prepare(cfg)
     t = cfg.tracking
     tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
-    dense_params = kept_parameters(bench.model)
-    results: list[dict] = []
+    raw: list[dict] = []
     with tracker.run(f"benchmark-r{cfg.ratio}", tags={"kind": "benchmark", "model": cfg.model}):
         tracker.log_params(cfg.to_dict())
         tracker.log_params({"data.heldout_source": bench.texts.heldout_source, "rows": ",".join(rows)})
@@ -59,34 +87,34 @@ def run_benchmark(cfg: RunConfig, rows: tuple[str, ...] = DEFAULT_ROWS) -> list[
                              "stage1_drop_order.json")
         for k, row in enumerate(rows, 1):
             log(f"[{k}/{len(rows)}] {row}")
-            t0 = time.time()
-            if row == "dense":
-                ppl, drop, params, info = bench.heldout_ppl(), [], dense_params, {}
-            else:
-                method, s2, heal = _row_plan(row, cfg)
-                with tracker.run(row, nested=True, tags={"method": row}):
-                    out = apply_method(bench, method, stage1=stage1, stage2_cfg=s2, heal_cfg=heal,
-                                       report=lambda m, s: tracker.log_metrics(m, s))
-                    ppl, drop, params, info = bench.heldout_ppl(out.model), out.drop, kept_parameters(out.model), out.info
-                    tracker.log_metrics({"heldout_ppl": ppl})
-                    tracker.log_dict({"drop_order": drop, **info}, "result.json")
-            seconds = time.time() - t0 + (stage1_seconds if row.startswith("trsp") else 0.0)
-            results.append({"method": row, "dropped layers": " ".join(map(str, sorted(drop))) or "-",
-                            "kept params (M)": params / 1e6, "kept %": 100.0 * params / dense_params,
-                            "held-out PPL": ppl, "weight tokens": info.get("weight_tokens", 0), "wall s": seconds,
-                            "drop order": drop, "info": info})
-            log(f"[{k}/{len(rows)}] {row}: held-out PPL {ppl:.2f}")
-        shortgpt = next((r["held-out PPL"] for r in results if r["method"] == "shortgpt"), None)
-        for r in results:
-            r["vs ShortGPT"] = r["held-out PPL"] / shortgpt if shortgpt else ""
-        table = render(results, COLUMNS)
-        tracker.log_text(markdown(results, COLUMNS), "benchmark.md")
-        tracker.log_text(table, "benchmark.txt")
+            with tracker.run(row, nested=True, tags={"method": row}):
+                result = run_row(bench, row, stage1=stage1, report=lambda m, s: tracker.log_metrics(m, s))
+                tracker.log_metrics({"heldout_ppl": result["held-out PPL"]})
+                tracker.log_dict({"drop_order": result["drop order"], **result["info"]}, "result.json")
+            raw.append(result)
+            log(f"[{k}/{len(rows)}] {row}: held-out PPL {result['held-out PPL']:.2f}")
+        results = table_rows(raw, dense_params=kept_parameters(bench.model), stage1_seconds=stage1_seconds)
+        _log_tables(tracker, results)
+    print_results(results, bench=bench, stage1=stage1)
+    return results
+
+
+def _log_tables(tracker, results: list[dict]) -> None:
+    from trsp_ray.table import markdown, render
+
+    tracker.log_text(markdown(results, COLUMNS), "benchmark.md")
+    tracker.log_text(render(results, COLUMNS), "benchmark.txt")
+
+
+def print_results(results: list[dict], *, bench, stage1) -> None:
+    from trsp_ray.table import render
+
+    cfg = bench.cfg
     print()
-    print(table)
-    print(f"\nheld-out text: {bench.texts.heldout_source}; {bench.heldout_ids.numel()} tokens, "
-          f"PPL over {cfg.data.eval_max_windows or 'all'} windows of {cfg.data.eval_seqlen}.")
+    print(render(results, COLUMNS))
+    print(f"\nheld-out text: {bench.texts.heldout_source}; PPL over {cfg.data.eval_max_windows or 'all'} "
+          f"windows of {cfg.data.eval_seqlen} tokens. Rows that train weights get {cfg.stage2.steps} batches "
+          f"of {cfg.data.batch_size}x{cfg.data.seqlen} tokens each.")
     if stage1 is not None:
         print(f"stage 1: {stage1.tokens} calibration tokens ({stage1.steps} gate-only steps, shared by the trsp rows); "
               f"drop order {stage1.drop_order}")
-    return results

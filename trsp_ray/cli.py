@@ -39,7 +39,7 @@ def _prune(args) -> int:
 
 
 def _benchmark(args) -> int:
-    from trsp_ray.bench import ROWS, run_benchmark
+    from trsp_ray.bench import DEFAULT_ROWS, ROWS, run_benchmark
     from trsp_ray.errors import TrspError
 
     rows = tuple(args.rows.split(",")) if args.rows else None
@@ -48,7 +48,13 @@ def _benchmark(args) -> int:
         if bad:
             raise TrspError(f"unknown benchmark row {bad[0]!r}; valid rows: {', '.join(ROWS)}")
     cfg = _cfg(args)
-    run_benchmark(cfg, rows) if rows else run_benchmark(cfg)
+    rows = rows or DEFAULT_ROWS
+    if args.workers > 0:
+        from trsp_ray.distributed.benchmark import run_benchmark_ray
+
+        run_benchmark_ray(cfg, rows, workers=args.workers)
+    else:
+        run_benchmark(cfg, rows)
     return 0
 
 
@@ -64,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("benchmark", help="compare methods on one model and print a table")
     _common(b)
     b.add_argument("--rows", default=None, help="comma-separated rows (default: all but random)")
+    b.add_argument("--workers", type=int, default=2,
+                   help="Ray workers on a local Ray instance (0 = run in this process without Ray)")
     b.set_defaults(func=_benchmark)
     from trsp_ray.distributed.cli import register as register_plan
     from trsp_ray.evaluation.cli import register as register_eval

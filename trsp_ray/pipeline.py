@@ -16,7 +16,7 @@ from trsp_ray.stage1 import candidate_layers, check_drop_count
 from trsp_ray.training import Batches
 
 
-VALIDATION_TOKENS = 8192
+VALIDATION_TOKENS = 4096
 
 
 def log(msg: str) -> None:
@@ -103,6 +103,29 @@ def _progress_printer(what: str):
     return progress
 
 
+def encode_cached(tokenizer, text: str) -> torch.Tensor:
+    """`encode`, cached on disk by tokenizer and text hash (a 700k-token text takes seconds to
+    tokenize, and every Ray worker of a benchmark would redo it)."""
+    import hashlib
+    import os
+    import tempfile
+
+    vocab = tokenizer.get_vocab()
+    key = hashlib.sha256(text.encode("utf-8", "replace"))
+    key.update(str(sorted(vocab.items())[:: max(1, len(vocab) // 997)]).encode())
+    key.update(type(tokenizer).__name__.encode())
+    path = assets.cache_dir() / "tokens" / f"{key.hexdigest()[:32]}.pt"
+    if path.exists():
+        return torch.load(path)
+    ids = encode(tokenizer, text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-", suffix=".pt")
+    with os.fdopen(fd, "wb") as fh:
+        torch.save(ids, fh)
+    os.replace(tmp, path)
+    return ids
+
+
 def check_plan(cfg: RunConfig) -> int:
     """Validate model, texts and ratio from config.json alone, before any weights are loaded.
 
@@ -140,7 +163,7 @@ def prepare(cfg: RunConfig) -> Workbench:
     check_plan(cfg)
     texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
     model, tokenizer = load_model(cfg.model, device=cfg.device)
-    calib_ids, heldout_ids = encode(tokenizer, texts.calibration), encode(tokenizer, texts.heldout)
+    calib_ids, heldout_ids = encode_cached(tokenizer, texts.calibration), encode_cached(tokenizer, texts.heldout)
     # The calibration tail is kept out of training: settings are tuned on it, never on held-out text.
     n_val = min(VALIDATION_TOKENS, calib_ids.numel() // 5)
     calib_ids, val_ids = calib_ids[:-n_val], calib_ids[-n_val:]

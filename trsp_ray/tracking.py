@@ -36,7 +36,8 @@ class NullTracker:
     run_id: str | None = None
 
     @contextlib.contextmanager
-    def run(self, name: str, *, nested: bool = False, tags: dict | None = None) -> Iterator["NullTracker"]:
+    def run(self, name: str, *, nested: bool = False, tags: dict | None = None,
+            parent_run_id: str | None = None) -> Iterator["NullTracker"]:
         yield self
 
     def log_params(self, params: dict) -> None: ...
@@ -61,7 +62,10 @@ class MlflowTracker:
         self.run_id: str | None = None
 
     @contextlib.contextmanager
-    def run(self, name: str, *, nested: bool = False, tags: dict | None = None) -> Iterator["MlflowTracker"]:
+    def run(self, name: str, *, nested: bool = False, tags: dict | None = None,
+            parent_run_id: str | None = None) -> Iterator["MlflowTracker"]:
+        if parent_run_id:  # a child of a run started elsewhere (e.g. by the driver of a Ray job)
+            tags = {**(tags or {}), "mlflow.parentRunId": parent_run_id}
         with self._mlflow.start_run(run_name=name, nested=nested, tags=tags) as active:
             previous, self.run_id = self.run_id, active.info.run_id
             try:

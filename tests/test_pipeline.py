@@ -1,0 +1,101 @@
+"""End to end on a tiny model with a real tokenizer: `trsp-ray prune` exports, logs to MLflow;
+the benchmark gives every weight-training row the same token budget."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trsp_ray.assets import load_texts, smollm2_dir
+from trsp_ray.cli import main
+from trsp_ray.config import load_config
+
+SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
+         "stage1.first_round_steps=3", "stage1.steps_per_round=2", "stage2.steps=4",
+         "baselines.calib_windows=2", "baselines.sleb_windows=2", "threads=1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama (8 layers) with SmolLM2's real tokenizer, saved as a model directory."""
+    from transformers import AutoTokenizer
+
+    from trsp_ray.tiny import tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    model = tiny_model("llama", layers=8, vocab=len(tokenizer))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    texts = load_texts()
+    (root / "calib.txt").write_text(texts.calibration[:40000])
+    (root / "eval.txt").write_text(texts.heldout[:12000])
+    return root
+
+
+def _args(root: Path, *extra):
+    out = ["--model", str(root / "model"), "--calib-text", str(root / "calib.txt"),
+           "--eval-text", str(root / "eval.txt")]
+    for item in SMALL:
+        out += ["--set", item]
+    return out + list(extra)
+
+
+def test_prune_exports_and_logs_to_mlflow(tiny_dir, tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'ml.db'}"
+    out = tmp_path / "pruned"
+    code = main(["prune", *_args(tiny_dir, "--method", "trsp", "--ratio", "0.25", "--output", str(out),
+                                 "--set", f"tracking.tracking_uri={uri}")])
+    assert code == 0
+    manifest = json.loads((out / "trsp_ray.json").read_text())
+    assert manifest["num_layers_original"] == 8 and manifest["num_layers_kept"] == 6
+    assert len(manifest["dropped_layers"]) == 2 and set(manifest["dropped_layers"]) <= set(range(1, 7))
+    assert manifest["config"]["stage1"]["lambda1"] == 5e-3
+    assert manifest["metrics"]["heldout_ppl"] > 1.0
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 6
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("trsp_ray").experiment_id])
+    assert run.data.params["stage1.lambda1"] == "0.005"
+    assert "gate/01" in run.data.metrics and "stage2/penalty" in run.data.metrics
+    gate_steps = client.get_metric_history(run.info.run_id, "gate/03")
+    assert len(gate_steps) == 3 + 2  # first round + one more round, one value per step
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"stage1_gates.png", "trsp_ray.json", "drop_order.json"} <= artifacts
+    mlflow.set_tracking_uri(None)
+
+
+def test_benchmark_rows_share_stage1_and_budget(tiny_dir):
+    from trsp_ray.bench import run_benchmark
+
+    cfg = load_config(None, [*SMALL, "tracking.enabled=false"], base={
+        "model": str(tiny_dir / "model"), "ratio": 0.25,
+        "data": {"calib_text": str(tiny_dir / "calib.txt"), "eval_text": str(tiny_dir / "eval.txt")}})
+    rows = run_benchmark(cfg, ("dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "shortgpt", "sleb",
+                               "shortgpt+heal", "trsp+heal"))
+    by = {r["method"]: r for r in rows}
+    assert by["dense"]["kept %"] == 100.0 and by["dense"]["weight tokens"] == 0
+    assert by["trsp"]["drop order"] == by["trsp-no-stage2"]["drop order"] == by["trsp+heal"]["drop order"]
+    budget = 4 * 2 * 32
+    for name in ("trsp", "trsp-oneshot", "shortgpt+heal", "trsp+heal"):
+        assert by[name]["weight tokens"] == budget, name
+    for name in ("trsp-no-stage2", "shortgpt", "sleb"):
+        assert by[name]["weight tokens"] == 0
+    assert by["shortgpt+heal"]["drop order"] == by["shortgpt"]["drop order"]
+    for r in rows[1:]:
+        assert len(r["drop order"]) == 2 and r["kept %"] < 100.0 and r["held-out PPL"] > 1.0
+    assert by["shortgpt"]["vs ShortGPT"] == pytest.approx(1.0)
+
+
+@pytest.mark.ray
+def test_benchmark_on_local_ray_matches_rows(tiny_dir):
+    from trsp_ray.distributed.benchmark import run_benchmark_ray
+
+    cfg = load_config(None, [*SMALL, "tracking.enabled=false"], base={
+        "model": str(tiny_dir / "model"), "ratio": 0.25,
+        "data": {"calib_text": str(tiny_dir / "calib.txt"), "eval_text": str(tiny_dir / "eval.txt")}})
+    rows = run_benchmark_ray(cfg, ("dense", "trsp", "shortgpt"), workers=2)
+    assert [r["method"] for r in rows] == ["dense", "trsp", "shortgpt"]
+    assert all(r["held-out PPL"] > 1.0 for r in rows)
