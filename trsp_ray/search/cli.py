@@ -11,6 +11,18 @@ from __future__ import annotations
 import argparse
 
 
+def _value(text: str):
+    """A flag value: numbers as numbers (YAML reads `1e-3` as a string), else YAML."""
+    import yaml
+
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text)
+
+
 def parse_space_args(items: list[str], *, algorithm: str | None, num_samples: int | None, seed: int | None,
                      objectives: str | None, space_file: str | None) -> dict:
     """A plain space dict from the flags (flags win over the file)."""
@@ -36,9 +48,9 @@ def parse_space_args(items: list[str], *, algorithm: str | None, num_samples: in
             parts = raw.split(":")
             if len(parts) != 3:
                 raise TrspError(f"--space {item!r} is not valid; a range is {head}:LOW:HIGH")
-            params[key] = {head: [yaml.safe_load(parts[1]), yaml.safe_load(parts[2])]}
+            params[key] = {head: [_value(parts[1]), _value(parts[2])]}
         else:
-            params[key] = [yaml.safe_load(v) for v in raw.split(",") if v != ""]
+            params[key] = [_value(v) for v in raw.split(",") if v != ""]
     spec["params"] = params
     for name, value in (("algorithm", algorithm), ("num_samples", num_samples), ("seed", seed)):
         if value is not None:
