@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,6 +114,10 @@ def test_fault_injection_resumes_without_recomputing(tiny_dir, tmp_path, single,
     _live_gates_close(single, stage1[0]["gate_history"])
 
 
+# The dashboard's job API and its agent come up some seconds after `ray start` returns.
+RETRY = ("Connection refused", "Failed to connect", "No available agent")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,10 +127,12 @@ def _free_port() -> int:
 def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     port, dash = _free_port(), _free_port()
+    # A short temp dir: Ray's unix socket paths under pytest's long tmp_path exceed 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="trsp-ray-", dir="/tmp")
     head = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
          f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2", "--num-gpus=0",
-         f"--temp-dir={tmp_path / 'ray'}"], env=env, start_new_session=True,
+         f"--temp-dir={temp_dir}"], env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         address = f"http://127.0.0.1:{dash}"
@@ -135,9 +142,9 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
                   "--storage-path", str(tmp_path / "storage"), "--output", str(tmp_path / "out"),
                   "--set", "stage1.first_round_steps=2", "--set", "stage1.steps_per_round=1",
                   "--set", "stage2.steps=2", "--set", "data.seqlen=32", "--set", "threads=1"]
-        for _ in range(60):  # the dashboard's job API comes up a few seconds after the head
+        for _ in range(30):
             done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=900)
-            if "Connection refused" not in done.stdout + done.stderr and "Failed to connect" not in done.stderr:
+            if not any(m in done.stdout + done.stderr for m in RETRY):
                 break
             time.sleep(2)
         print(done.stdout[-3000:], done.stderr[-2000:])
