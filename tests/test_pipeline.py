@@ -99,3 +99,30 @@ def test_benchmark_on_local_ray_matches_rows(tiny_dir):
     rows = run_benchmark_ray(cfg, ("dense", "trsp", "shortgpt"), workers=2)
     assert [r["method"] for r in rows] == ["dense", "trsp", "shortgpt"]
     assert all(r["held-out PPL"] > 1.0 for r in rows)
+
+
+def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeypatch):
+    """A run killed in round 2 restarts from round 2's start; a finished run recomputes nothing."""
+    from trsp_ray import stage1 as stage1_module
+    from trsp_ray.pipeline import run
+
+    cfg = load_config(None, [*SMALL, "tracking.enabled=false", f"checkpoint_dir={tmp_path / 'ck'}"], base={
+        "model": str(tiny_dir / "model"), "ratio": 0.375, "method": "trsp-no-stage2",
+        "data": {"calib_text": str(tiny_dir / "calib.txt"), "eval_text": str(tiny_dir / "eval.txt")}})
+    real_step, calls = stage1_module.TorchStepper.step, {"n": 0}
+
+    def dying_step(self):
+        calls["n"] += 1
+        if calls["n"] == 3 + 2 + 1:  # first step of round 3
+            raise KeyboardInterrupt
+        real_step(self)
+
+    monkeypatch.setattr(stage1_module.TorchStepper, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg)
+    monkeypatch.setattr(stage1_module.TorchStepper, "step", real_step)
+    resumed = run(cfg)
+    assert resumed["stage1_rounds_computed"] == 1  # rounds 1-2 came from the checkpoint
+    again = run(cfg)
+    assert again["stage1_rounds_computed"] == 0
+    assert again["dropped_layers"] == resumed["dropped_layers"] and len(again["dropped_layers"]) == 3

@@ -172,6 +172,7 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"  # cpu | cuda | auto
     threads: int | None = None  # torch intra-op threads (None = torch default)
+    checkpoint_dir: str | None = None  # stage-1 round checkpoints; default ./runs/checkpoints
     data: DataConfig = field(default_factory=DataConfig)
     gates: GateConfig = field(default_factory=GateConfig)
     stage1: Stage1Config = field(default_factory=Stage1Config)

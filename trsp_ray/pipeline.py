@@ -174,6 +174,36 @@ def prepare(cfg: RunConfig) -> Workbench:
                      heldout_ids=heldout_ids, texts=texts, val_ids=val_ids)
 
 
+def stage1_checkpoints(cfg: RunConfig, n_drop: int):
+    """(state to resume from or None, on_round callback) for stage 1 of this configuration.
+
+    Each finished round is saved atomically under a key of everything stage 1 depends on, so an
+    interrupted run (Ctrl-C, a lost machine) restarts after its last finished round."""
+    import hashlib
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    key_src = {"model": assets.resolve_model(cfg.model), "stage1": cfg.to_dict()["stage1"],
+               "gates": cfg.to_dict()["gates"], "data": cfg.to_dict()["data"], "seed": cfg.seed, "n_drop": n_drop}
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:20]
+    root = Path(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
+    path = root / f"stage1-{key}.pt"
+    resume = torch.load(path, weights_only=False) if path.exists() else None
+    if resume is not None:
+        log(f"stage 1: resuming after round {len(resume['round_ends'])} from {path}")
+
+    def on_round(state: dict) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix="tmp-", suffix=".pt")
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+        os.replace(tmp, path)
+
+    return resume, on_round
+
+
 def kept_parameters(model) -> int:
     """Parameter count with tied weights counted once."""
     return sum(p.numel() for p in model.parameters())
@@ -203,7 +233,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         report = lambda metrics, step: tracker.log_metrics(metrics, step)
         stage1 = None
         if cfg.method.startswith("trsp"):
-            stage1 = run_stage1_for(bench, report=report)
+            resume, on_round = stage1_checkpoints(cfg, bench.n_drop())
+            stage1 = run_stage1_for(bench, report=report, resume=resume, on_round=on_round)
             tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
                                "stage1_gates.png")
         outcome = apply_method(bench, cfg.method, stage1=stage1, report=report)
@@ -217,6 +248,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                    "heldout_source": bench.texts.heldout_source, **{k: v for k, v in outcome.info.items()}}
         if stage1 is not None:
             results["stage1_drop_order"] = stage1.drop_order
+            results["stage1_rounds_computed"] = stage1.rounds_computed
         manifest = {"method": cfg.method, "dropped_layers": outcome.drop, "drop_order": outcome.drop,
                     "num_layers_original": bench.num_layers, "num_layers_kept": len(outcome.kept),
                     "kept_layers": outcome.kept, "config": cfg.to_dict(), "metrics": results}
