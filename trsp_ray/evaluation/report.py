@@ -53,7 +53,8 @@ def row(result: dict) -> dict[str, object]:
     for task, scores in tasks.items():
         for metric in METRICS:
             r[f"{task}.{metric}"] = scores.get(metric)
-    for key in ("prefill_speedup", "throughput_speedup", "ideal_speedup", "prefill_ms", "tokens_per_s"):
+    for key in ("prefill_speedup", "prefill_speedup_cpu", "throughput_speedup", "ideal_speedup",
+                "prefill_ms", "tokens_per_s"):
         r[key] = speed.get(key)
     r["error"] = result.get("error")
     return r
