@@ -1,0 +1,68 @@
+"""Wall time of the 3 ratios x 2 lambda1 x 1 lambda2 grid with stage-1 reuse against without.
+
+    python benchmarks/search_reuse.py [--first-round-steps 24 --steps-per-round 8 --stage2-steps 4]
+
+Tiny 8-layer Llama on CPU, one local Ray instance for both searches (so Ray start-up is not
+counted), ASHA off (so both searches run the same trials to the end). Prints the stage-1 counts
+from the run log and `reuse/no-reuse wall-time ratio`; the goal is <= 0.6. Reuse saves stage-1
+work only, so the ratio depends on the stage-1 : stage-2 step budget; the flags set it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3], "stage2.lambda2": [1e-3]}}
+
+
+def timed_search(base, *, root: Path, reuse: bool) -> tuple[float, dict]:
+    from trsp_ray.search.run import SearchOptions, run_search
+    from trsp_ray.search.space import parse_space
+
+    opts = SearchOptions(search_dir=str(root / ("reuse" if reuse else "no-reuse")), name="bench", reuse=reuse,
+                         asha=False, val_windows=2, register_name=None)
+    start = time.perf_counter()
+    summary = run_search(base, parse_space(GRID), opts, log=lambda msg: None)
+    return time.perf_counter() - start, summary
+
+
+def main() -> int:
+    import ray
+    import torch
+
+    from test_search_ray import base_config, make_assets
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--first-round-steps", type=int, default=24)
+    p.add_argument("--steps-per-round", type=int, default=8)
+    p.add_argument("--stage2-steps", type=int, default=4)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="search_reuse-"))
+    assets = make_assets(root)
+    base = base_config(assets, root, extra=[f"stage1.first_round_steps={args.first_round_steps}",
+                                           f"stage1.steps_per_round={args.steps_per_round}",
+                                           f"stage2.steps={args.stage2_steps}", "tracking.enabled=false"])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with_reuse, a = timed_search(base, root=root, reuse=True)
+        without, b = timed_search(base, root=root, reuse=False)
+    finally:
+        ray.shutdown()
+    print(f"stage-1 settings: first_round_steps={args.first_round_steps} steps_per_round={args.steps_per_round}, "
+          f"stage2.steps={args.stage2_steps}")
+    print(f"with reuse:    {with_reuse:7.1f} s, stage-1 computations {a['stage1_computed']}, stage-2 runs {a['stage2_runs']}")
+    print(f"without reuse: {without:7.1f} s, stage-1 computations {b['stage1_computed']}, stage-2 runs {b['stage2_runs']}")
+    print(f"reuse/no-reuse wall-time ratio: {with_reuse / without:.3f} (goal <= 0.6)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
