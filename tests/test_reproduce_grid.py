@@ -27,8 +27,7 @@ def test_bad_input_is_one_line_before_anything_runs(tmp_path, monkeypatch, kwarg
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
-def test_cli_reports_bad_preset_with_exit_2(capsys):
-    from trsp_ray.cli import main as trsp_main  # noqa: F401 - the lead wires `reproduce` in
+def test_cli_subcommand_raises_the_one_line_error_for_a_bad_preset():
     import argparse
 
     from trsp_ray.reproduce.cli import register

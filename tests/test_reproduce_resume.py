@@ -83,7 +83,7 @@ def _check_resume(tmp_path: Path, use_ray: bool) -> None:
     assert "NOT WikiText-2" in (out / "results.md").read_text()
 
     third = run_reproduce(preset, out=str(out), methods=METHODS, use_ray=use_ray)
-    assert third["computed"] == [] and len(third["skipped"]) == 4
+    assert third["computed"] == [] and len(third["skipped"]) == 4 and third["missing"] == []
 
 
 @pytest.mark.slow

@@ -39,10 +39,11 @@ def check_inputs(preset: Preset, cells: list[Cell], overrides: list[str]) -> dic
     from trsp_ray.pipeline import check_plan
 
     configs, checked = {}, set()
+    widest = max((c.ratio for c in cells), default=0.0) or max(preset.ratios)
     for cell in cells:
         spec = preset.model(cell.model)
         cfg = cell_config(preset, spec, overrides=overrides, method="trsp" if cell.method == "dense" else cell.method,
-                          ratio=cell.ratio or max(preset.ratios))
+                          ratio=cell.ratio or widest)
         if spec.shape is None and (cell.model, cell.ratio) not in checked:
             check_plan(cfg)  # local models: the ratio must leave layers to drop and keep
             checked.add((cell.model, cell.ratio))
@@ -73,8 +74,7 @@ def _prune_distributed(store: CellStore, cell: Cell, cfg, workers: int) -> dict:
     target = str(store.model_dir(cell))
     result = run_distributed(replace(cfg, output=target, **{"distributed.workers": workers}), overwrite=True,
                              name=f"reproduce-{cell.id}")
-    n = round(cell.ratio * len(result.drop_order)) if result.drop_order else 0
-    return {"cell_id": cell.id, "model_dir": target, "drop": result.drop_order[:n] or result.drop_order,
+    return {"cell_id": cell.id, "model_dir": target, "drop": result.drop_order,  # already the cell's drop set
             "info": {"workers": workers, "storage": result.storage}, "prune_seconds": time.time() - t0}
 
 
@@ -137,7 +137,7 @@ def _run_model(store, preset, key, todo, configs, overrides_eval, use_ray, on_ce
 def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, ratios=None,
                   overrides: list[str] | None = None, eval_overrides: dict | None = None, use_ray: bool = True,
                   address: str | None = None, on_cell: Callable | None = None) -> dict:
-    """Run (or resume) a reproduction grid; returns {"results", "computed", "skipped", "paths"}.
+    """Run (or resume) a reproduction grid; returns {"results", "computed", "skipped", "missing", "paths"}.
 
     Unknown preset/model/method, a bad ratio or override fail with a one-line TrspError before any
     model is loaded or Ray is started. `on_cell(cell, record)` is called after each stored cell."""
@@ -170,7 +170,9 @@ def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, 
             ray.shutdown()
     results = [store.load(c) for c in cells if store.is_done(c)]
     paths = write_reports(results, store.root, preset=p)
-    return {"results": results, "computed": computed, "skipped": [c.id for c in done], "paths": paths}
+    missing = [c.id for c in cells if not store.is_done(c)]  # failed cells: a rerun retries them
+    return {"results": results, "computed": computed, "skipped": [c.id for c in done], "missing": missing,
+            "paths": paths}
 
 
 def _init_ray(address: str | None) -> bool:
