@@ -53,7 +53,7 @@ def test_prune_exports_and_logs_to_mlflow(tiny_dir, tmp_path, monkeypatch):
     manifest = json.loads((out / "trsp_ray.json").read_text())
     assert manifest["num_layers_original"] == 8 and manifest["num_layers_kept"] == 6
     assert len(manifest["dropped_layers"]) == 2 and set(manifest["dropped_layers"]) <= set(range(1, 7))
-    assert manifest["config"]["stage1"]["lambda1"] == 5e-3
+    assert manifest["config"]["stage1"]["lambda1"] == 5e-3 and manifest["config"]["stage1"]["lr"] == 5e-2
     assert manifest["metrics"]["heldout_ppl"] > 1.0
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 6
     client = MlflowClient(tracking_uri=uri)

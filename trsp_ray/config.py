@@ -60,9 +60,11 @@ class GateConfig:
 @dataclass(frozen=True)
 class Stage1Config:
     lambda1: float = 5e-3  # L1 coefficient on the candidate gates (paper's best)
-    lr: float = 1e-2  # gate learning rate (a scalar needs a large one)
-    first_round_steps: int = 12  # steps of round 1 (its ranking is also the one-shot selection)
-    steps_per_round: int = 4  # steps of every later round (gates are warm-started)
+    # Gate learning rate. Adam moves each gate about lr per step whatever its gradient, so lr x steps
+    # must let gates travel to where CE and the L1 pull balance (~1.0), or the ranking is noise.
+    lr: float = 5e-2
+    first_round_steps: int = 16  # steps of round 1 (its ranking is also the one-shot selection)
+    steps_per_round: int = 3  # steps of every later round (gates are warm-started)
     selection: str = "iterative"  # iterative | oneshot
     train_base: bool = False  # also train the base weights, as the reference code does
     base_lr: float = 2e-5

@@ -38,7 +38,13 @@ class GatedLayer(nn.Module):
         self.l1_term: torch.Tensor | None = None
         self.distance: torch.Tensor | None = None
         self.relative_update: float | None = None
+        self.grad_ema = 0.0
         self._tuple_tail: int | None = None  # the wrapped layer returns (h, *k extra) when set
+
+    def _record_grad(self, grad: torch.Tensor) -> None:
+        # dLoss/ds, smoothed: breaks ties between gates the projection has pinned at exactly 0
+        # (at s = 0 the |s| term adds nothing, so this is the CE pull alone).
+        self.grad_ema = 0.8 * self.grad_ema + 0.2 * float(grad.detach().float().sum())
 
     def __getattr__(self, name: str):
         # Model code reads attributes of its layers (e.g. `attention_type`); forward them.
@@ -67,6 +73,8 @@ class GatedLayer(nn.Module):
             self.probe(self.index, x.detach(), y.detach())
         if self.gated:
             s = self.gate.to(y.dtype)
+            if s.requires_grad:
+                s.register_hook(self._record_grad)
             y = y + (s - 1) * (y - x) if self.gate_mode == "delta" else s * y
             self.l1_term = self.gate.abs()
         else:

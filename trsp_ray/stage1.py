@@ -53,6 +53,8 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
     """
     gates.set_gated(True)
     gates.reset_gates()  # s_i = 1: the gated model starts exactly at the original model
+    for w in gates.wrappers:
+        w.grad_ema = 0.0
     gates.set_bypass([])
     gate_ids = {id(p) for p in gates.gate_params()}
     base = [p for p in model.parameters() if id(p) not in gate_ids]
@@ -86,7 +88,8 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
             metrics.update({f"gate/{i:02d}": v for i, v in enumerate(values)})
             report(metrics, result.steps)
         values = gates.gate_values()
-        ranking = sorted(active, key=lambda i: abs(values[i]))
+        # smallest |s| first; among equal |s| (several pinned at 0) the gate CE pulls up least
+        ranking = sorted(active, key=lambda i: (round(abs(values[i]), 6), -gates[i].grad_ema))
         if r == 0:
             result.round1_ranking = ranking
         result.drop_order = ranking[:n_drop] if selection == "oneshot" else result.drop_order + [ranking[0]]
