@@ -86,6 +86,8 @@ def main() -> None:
     print(f"1 actor  x {cores} threads: {one:.1f} s ({k / one * 60:.2f} candidates/min)")
     print(f"2 actors x {max(1, cores // 2)} threads: {two:.1f} s ({k / two * 60:.2f} candidates/min)")
     print(f"throughput ratio 2 vs 1 actors: {one / two:.2f}x (goal >= 1.6x)")
+    print(f"load average after the run: {os.getloadavg()[0]:.1f} on {cores} cores (other users' work "
+          "shares these cores and slows both configurations)")
 
 
 if __name__ == "__main__":
