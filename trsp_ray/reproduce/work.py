@@ -145,7 +145,9 @@ def cell_record(cell, pruned: dict, scored: dict, paper: tuple[float, float] | N
             "layers": scored.get("layers"), "layers_original": manifest.get("num_layers_original", scored.get("layers")),
             "dropped": sorted(pruned.get("drop") or manifest.get("dropped_layers") or []),
             "ppl": scored.get("ppl"), "mean5_acc": None if mean is None else 100.0 * mean, "tasks": tasks,
-            "speed": scored.get("speed"), "prune_seconds": pruned.get("prune_seconds"),
+            "speed": scored.get("speed"),
+            # a cell exported by an earlier (interrupted) run: its manifest kept the pruning time
+            "prune_seconds": pruned.get("prune_seconds", (manifest.get("info") or {}).get("seconds")),
             "eval_seconds": scored.get("seconds"), "info": pruned.get("info") or manifest.get("info") or {},
             "paper_ppl": paper[0] if paper else None, "paper_acc": paper[1] if paper else None,
             "lm_eval_version": scored.get("lm_eval_version")}
