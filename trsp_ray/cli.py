@@ -76,11 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     from trsp_ray.distributed.cli import register as register_plan
     from trsp_ray.evaluation.cli import register as register_eval
 
+    from trsp_ray.reproduce.cli import register as register_reproduce
     from trsp_ray.search.cli import register as register_search
 
     register_eval(sub)
     register_plan(sub)
     register_search(sub)
+    register_reproduce(sub)
     return parser
 
 
