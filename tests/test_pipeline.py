@@ -90,15 +90,23 @@ def test_benchmark_rows_share_stage1_and_budget(tiny_dir):
 
 
 @pytest.mark.ray
-def test_benchmark_on_local_ray_matches_rows(tiny_dir):
+def test_benchmark_on_local_ray_matches_rows(tiny_dir, tmp_path):
+    from mlflow.tracking import MlflowClient
+
     from trsp_ray.distributed.benchmark import run_benchmark_ray
 
-    cfg = load_config(None, [*SMALL, "tracking.enabled=false"], base={
+    uri = f"sqlite:///{tmp_path / 'ml.db'}"
+    cfg = load_config(None, [*SMALL, f"tracking.tracking_uri={uri}"], base={
         "model": str(tiny_dir / "model"), "ratio": 0.25,
         "data": {"calib_text": str(tiny_dir / "calib.txt"), "eval_text": str(tiny_dir / "eval.txt")}})
     rows = run_benchmark_ray(cfg, ("dense", "trsp", "shortgpt"), workers=2)
     assert [r["method"] for r in rows] == ["dense", "trsp", "shortgpt"]
     assert all(r["held-out PPL"] > 1.0 for r in rows)
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("trsp_ray").experiment_id])
+    parent = [r for r in runs if r.data.tags.get("kind") == "benchmark"][0]
+    children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert children == {"dense", "trsp", "shortgpt", "stage 1"}
 
 
 def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeypatch):

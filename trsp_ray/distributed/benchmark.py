@@ -74,9 +74,10 @@ def run_benchmark_ray(cfg, rows: tuple[str, ...], *, workers: int = 2) -> list[d
             tracker.log_params({"data.heldout_source": bench.texts.heldout_source, "rows": ",".join(rows),
                                 "ray.workers": workers})
             trsp_rows = [r for r in rows if r.startswith("trsp")]
-            pending = {row_remote.remote(cfg_dict, r, None, threads): r for r in rows if r not in trsp_rows}
-            if trsp_rows:
+            pending = {}
+            if trsp_rows:  # submitted first: stage 1 is on the critical path of four rows
                 pending[stage1_remote.remote(cfg_dict, threads)] = "stage 1"
+            pending.update({row_remote.remote(cfg_dict, r, None, threads): r for r in rows if r not in trsp_rows})
             log(f"benchmark on Ray: {len(rows)} rows over {workers} workers ({threads} threads each)")
             while pending:
                 [ref], _ = ray.wait(list(pending), num_returns=1)
@@ -89,7 +90,7 @@ def run_benchmark_ray(cfg, rows: tuple[str, ...], *, workers: int = 2) -> list[d
                     pending.update({row_remote.remote(cfg_dict, r, out["stage1"], threads): r for r in trsp_rows})
                     continue
                 raw.append(out)
-                with tracker.run(name, parent_run_id=tracker.run_id, tags={"method": name}):
+                with tracker.run(name, nested=True, tags={"method": name}):
                     for metrics, step in out.pop("history"):
                         tracker.log_metrics(metrics, step)
                     tracker.log_metrics({"heldout_ppl": out["held-out PPL"]})
@@ -106,7 +107,7 @@ def run_benchmark_ray(cfg, rows: tuple[str, ...], *, workers: int = 2) -> list[d
 
 
 def _log_stage1(tracker, plots, out: dict, stage1) -> None:
-    with tracker.run("stage 1", parent_run_id=tracker.run_id, tags={"stage": "1"}):
+    with tracker.run("stage 1", nested=True, tags={"stage": "1"}):
         for metrics, step in out["history"]:
             tracker.log_metrics(metrics, step)
         tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
