@@ -125,8 +125,8 @@ class HealConfig:
 
 @dataclass(frozen=True)
 class BaselineConfig:
-    calib_windows: int = 8  # windows for ShortGPT's Block Influence and SLEB's calibration PPL
-    sleb_windows: int = 4
+    calib_windows: int = 8  # calibration windows for ShortGPT's Block Influence
+    sleb_windows: int = 2  # calibration windows SLEB scores every candidate removal on (its cost)
 
     def __post_init__(self):
         _positive("baselines.calib_windows", self.calib_windows)

@@ -49,6 +49,15 @@ def run_stage1_for(bench, *, model=None, report: Report = null_report, on_round=
                       report=progress, on_round=on_round, resume=resume)
 
 
+def _windows(bench, count: int) -> list:
+    """Exactly `count` fixed calibration windows, as batches of at most data.batch_size."""
+    import torch
+
+    size = bench.cfg.data.batch_size
+    stacked = torch.cat(bench.fixed_batches(-(-count // size)))[:count]
+    return list(stacked.split(size))
+
+
 def select(bench, method: str, *, model, gates, stage1: Stage1Result | None, report: Report) -> tuple[list[int], dict]:
     """The drop list of `method`; TRSP variants reuse a given stage-1 result when there is one."""
     from trsp_ray import baselines
@@ -60,11 +69,11 @@ def select(bench, method: str, *, model, gates, stage1: Stage1Result | None, rep
             stage1 = run_stage1_for(bench, model=model, report=report)
         drop = stage1.round1_ranking[:n_drop] if method == "trsp-oneshot" else stage1.drop_order[:n_drop]
         return drop, {"stage1_tokens": stage1.tokens, "stage1_steps": stage1.steps}
-    calib = bench.fixed_batches(cfg.baselines.calib_windows // cfg.data.batch_size or 1)
+    calib = _windows(bench, cfg.baselines.calib_windows)
     if method == "shortgpt":
         return baselines.shortgpt_drop(model, gates, calib, n_drop=n_drop, candidates=candidates), {}
     if method == "sleb":
-        sleb_calib = bench.fixed_batches(max(1, cfg.baselines.sleb_windows // cfg.data.batch_size))
+        sleb_calib = _windows(bench, cfg.baselines.sleb_windows)
         progress = lambda r, n, ppl: log(f"  SLEB round {r}/{n}: calibration PPL {ppl:.2f}")
         return baselines.sleb_drop(model, gates, sleb_calib, n_drop=n_drop, candidates=candidates,
                                    progress=progress), {}
