@@ -82,7 +82,7 @@ class Stage1Config:
 class Stage2Config:
     enabled: bool = True
     lambda2: float = 1e-3  # coefficient of sum_{i in P} d(x_{i+1}, x_i) (paper's best)
-    steps: int = 16  # also the weight-update budget every trained benchmark row gets
+    steps: int = 20  # also the weight-update budget every trained benchmark row gets
     lr: float = 1e-4  # learning rate of the weights outside P
     p_lr_scale: float = 1.0  # learning-rate multiplier for the weights of the layers in P
     mode: str = "joint"  # joint: all of P at once; sequential: one layer of P per segment
