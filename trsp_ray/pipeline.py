@@ -155,6 +155,16 @@ def check_plan(cfg: RunConfig) -> int:
     return num
 
 
+def calibration_ids(tokenizer, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training ids, validation ids) of a calibration text; every path that trains uses this split.
+
+    The calibration tail is kept out of training: settings are tuned on it, never on held-out text.
+    """
+    ids = encode_cached(tokenizer, text)
+    n_val = min(VALIDATION_TOKENS, ids.numel() // 5)
+    return ids[:-n_val], ids[-n_val:]
+
+
 def prepare(cfg: RunConfig) -> Workbench:
     """Check inputs (cheaply, first), load the model and tokenize the texts."""
     if cfg.threads:
@@ -163,10 +173,8 @@ def prepare(cfg: RunConfig) -> Workbench:
     check_plan(cfg)
     texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
     model, tokenizer = load_model(cfg.model, device=cfg.device)
-    calib_ids, heldout_ids = encode_cached(tokenizer, texts.calibration), encode_cached(tokenizer, texts.heldout)
-    # The calibration tail is kept out of training: settings are tuned on it, never on held-out text.
-    n_val = min(VALIDATION_TOKENS, calib_ids.numel() // 5)
-    calib_ids, val_ids = calib_ids[:-n_val], calib_ids[-n_val:]
+    calib_ids, val_ids = calibration_ids(tokenizer, texts.calibration)
+    heldout_ids = encode_cached(tokenizer, texts.heldout)
     for name, ids, seqlen in (("calibration", calib_ids, cfg.data.seqlen), ("evaluation", heldout_ids, cfg.data.eval_seqlen)):
         if ids.numel() < seqlen + 1:
             raise TrspError(f"{name} text has {ids.numel()} tokens, fewer than one window of {seqlen}; pass a longer text")

@@ -153,11 +153,12 @@ def _load(config: dict, cfg, *, rank: int, world: int):
     from trsp_ray import assets, families
     from trsp_ray.distributed import engine as eng
     from trsp_ray.gates import attach_gates
-    from trsp_ray.perplexity import encode
+    from trsp_ray.pipeline import calibration_ids
 
     path = config["model_path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    calib_ids = encode(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
+    # The same training windows as the single-process path (pipeline.calibration_ids).
+    calib_ids, _ = calibration_ids(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
     dtype = torch.bfloat16 if cfg.distributed.use_gpu else torch.float32
     model = eng.load_sharded(path, ds_config=config["ds_config"], dtype=dtype)
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
