@@ -20,6 +20,9 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--stage2-steps", type=int, default=2)
+    parser.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE",
+                        help="a DeepSpeed option for both the run and the planner, e.g. "
+                             "zero_optimization.stage3_max_live_parameters=1e6")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -28,6 +31,7 @@ def main() -> None:
     from trsp_ray import assets
     from trsp_ray.config import load_config
     from trsp_ray.distributed import planner
+    from trsp_ray.distributed.deepspeed_config import parse_options
     from trsp_ray.distributed.train import run_distributed
 
     storage = tempfile.mkdtemp(prefix="trsp-planner-check-")
@@ -39,11 +43,15 @@ def main() -> None:
         f"distributed.storage_path={storage}"])
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        result = run_distributed(cfg)
+        result = run_distributed(cfg, ds_options=parse_options(args.ds))
     finally:
         ray.shutdown()
     measured = {e["event"]: e["peak_gb"] for e in result.events if e["event"] in ("stage1_done", "stage2_done")}
-    estimate = planner.plan_for_run(cfg, assets.resolve_model(cfg.model))
+    from trsp_ray.distributed.deepspeed_config import build_ds_config
+
+    ds_config = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr,
+                                extra=parse_options(args.ds))
+    estimate = planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
     print(planner.format_plan(estimate))
     print(f"\n{'stage':<24}{'planner GiB':>12}{'measured GiB':>14}{'error':>9}")
     for stage, key in zip(estimate.stages, ("stage1_done", "stage2_done")):

@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,23 @@ def test_plan_command_exit_status(tmp_path, capsys):
         _cli(["plan", "--model-config", path, "--workers", "0"])
     with pytest.raises(TrspError, match="not found"):
         _cli(["plan", "--model-config", str(tmp_path / "nope.json"), "--workers", "8"])
+
+
+def test_gathered_parameters_follow_zero3_live_cache():
+    """Under DeepSpeed's 1e9 live-parameter cap a small model stays gathered whole during a step;
+    a lower cap leaves two decoder layers (current + prefetched); a 70B model is over the cap."""
+    s = planner.Shape(vocab=100, hidden=10, intermediate=20, layers=2, heads=2, kv_heads=1, head_dim=5, tied=True)
+    whole = planner.estimate(s, planner.Setup(workers=2, dtype_bytes=4, device="cpu"))[0]
+    assert whole.parts["gathered parameters"] == pytest.approx(2850 * 4 / planner.GB)
+    capped = planner.estimate(s, planner.Setup(workers=2, dtype_bytes=4, device="cpu", max_live_parameters=10))[0]
+    assert capped.parts["gathered parameters"] == pytest.approx(2 * 920 * 4 / planner.GB)
+    big = planner.read_shape(str(_write(Path(tempfile.mkdtemp()), LLAMA2_70B)))
+    layers2 = 2 * big.layer_params * 2 / planner.GB  # 2 x 856M bf16 parameters > the 1e9 cap
+    assert planner.estimate(big, planner.Setup(workers=8))[0].parts["gathered parameters"] == pytest.approx(layers2)
+    # The cap a run passes to DeepSpeed reaches the planner.
+    from trsp_ray.config import load_config
+
+    cfg = load_config(overrides=["distributed.workers=2"])
+    ds = {"zero_optimization": {"stage3_max_live_parameters": 1e6}}
+    assert planner.setup_for_run(cfg, ds).max_live_parameters == 1e6
+    assert planner.setup_for_run(cfg).max_live_parameters == 1e9

@@ -4,10 +4,15 @@ Model state (bytes per parameter, b = 2 for bf16, 4 for fp32), partitioned over 
     frozen weights          b / W                 (stage 1 base, LoRA base)
     trained weights         b + b (grad) + 12 (fp32 master + Adam m, v), all / W
 Offload moves the optimizer's 12 (+ the gradient partition) or the weights to host memory.
-Plus the working set ZeRO-3 gathers (two decoder layers: the current and the prefetched one),
-activations kept for backward (every layer: a gate's gradient flows through all later layers),
-the logits in fp32, DeepSpeed's reduce bucket when weights train, and a fixed runtime overhead
-(CUDA context + allocator slack on GPU; Python, torch and DeepSpeed themselves on CPU).
+Plus the working set ZeRO-3 gathers: gathered parameters stay resident until their reuse is more
+than `stage3_max_reuse_distance` away or `stage3_max_live_parameters` (1e9 by default) are live, so
+a model under 1e9 parameters is held whole, gathered, during a step; a larger one holds the larger of
+that cap and two decoder layers (the current and the prefetched one). Measured on SmolLM2 with 2
+CPU workers (benchmarks/planner_check.py): the default cache is +0.6 GiB per worker against
+max_live_parameters=1e6, the whole fp32 model.
+Then the activations kept for backward (every layer: a gate's gradient flows through all later
+layers), the logits in fp32, DeepSpeed's reduce bucket when weights train, and a fixed runtime
+overhead (CUDA context + allocator slack on GPU; Python, torch and DeepSpeed themselves on CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from trsp_ray.errors import TrspError
 GB = 1024**3
 ADAM_FP32 = 12  # fp32 master copy + two Adam moments, bytes per trained parameter
 REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
+MAX_LIVE_PARAMETERS = 1e9  # DeepSpeed's default stage3_max_live_parameters (elements)
 OVERHEAD_GB = {"gpu": 2.0, "cpu": 1.0}
 
 
@@ -63,7 +69,11 @@ def read_shape(path: str) -> Shape:
     p = p / "config.json" if p.is_dir() else p
     if not p.is_file():
         raise TrspError(f"model config {path!r} not found; pass a config.json or a model directory")
-    c = json.loads(p.read_text())
+    return shape_from_config(json.loads(p.read_text()), source=path)
+
+
+def shape_from_config(c: dict, *, source: str = "config") -> Shape:
+    """Shape from the fields of a config.json (a multimodal config's text_config is used)."""
     c = c.get("text_config", c)
     try:
         heads = c["num_attention_heads"]
@@ -72,7 +82,7 @@ def read_shape(path: str) -> Shape:
                      head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                      tied=bool(c.get("tie_word_embeddings", False)))
     except KeyError as exc:
-        raise TrspError(f"model config {path!r} lacks {exc.args[0]!r}; the planner needs a decoder LLM config") from None
+        raise TrspError(f"model config {source!r} lacks {exc.args[0]!r}; the planner needs a decoder LLM config") from None
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Setup:
     activation_checkpointing: bool = False
     train_base: bool = False  # stage 1 also trains the weights
     device: str = "gpu"  # gpu | cpu (only the fixed overhead differs)
+    max_live_parameters: float = MAX_LIVE_PARAMETERS  # DeepSpeed's stage3_max_live_parameters
 
 
 @dataclass
@@ -124,7 +135,8 @@ def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int) -> Stag
         plan.host += weights / GB
     else:
         plan.parts["weights (partition)"] = weights / GB
-    plan.parts["gathered layers"] = 2 * s.layer_params * b / GB
+    live = max(2 * s.layer_params, min(s.params, st.max_live_parameters))
+    plan.parts["gathered parameters"] = live * b / GB
     if trained:
         grads, optim = trained * b / w, trained * ADAM_FP32 / w
         if st.offload_optimizer:
@@ -224,18 +236,22 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def setup_for_run(cfg) -> Setup:
+def setup_for_run(cfg, ds_config: dict | None = None) -> Setup:
+    """The planner's setup of a run config; `ds_config` (the built DeepSpeed config) may change the
+    live-parameter cap."""
     d = cfg.distributed
+    zero = (ds_config or {}).get("zero_optimization", {})
     return Setup(workers=max(1, d.workers), gpu_memory_gb=d.gpu_memory_gb, dtype_bytes=2 if d.use_gpu else 4,
                  micro_batch=max(1, cfg.data.batch_size // max(1, d.workers)), seqlen=cfg.data.seqlen,
                  trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank, offload_params=d.offload_params,
                  offload_optimizer=d.offload_optimizer, activation_checkpointing=d.activation_checkpointing,
-                 train_base=cfg.stage1.train_base, device="gpu" if d.use_gpu else "cpu")
+                 train_base=cfg.stage1.train_base, device="gpu" if d.use_gpu else "cpu",
+                 max_live_parameters=float(zero.get("stage3_max_live_parameters", MAX_LIVE_PARAMETERS)))
 
 
-def plan_for_run(cfg, model_path: str) -> Plan:
+def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
     """The plan of a run config; stage 2 counts only when the method trains weights."""
-    p = plan(read_shape(model_path), setup_for_run(cfg))
+    p = plan(read_shape(model_path), setup_for_run(cfg, ds_config))
     if not (cfg.method in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0):
         p.stages = p.stages[:1]
     return p

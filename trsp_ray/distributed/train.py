@@ -70,13 +70,13 @@ def check_resources(dist, resources: dict) -> None:
                         f"Ray cluster has {int(resources.get('GPU', 0))}; use fewer workers or add GPU nodes")
 
 
-def check_plan(cfg, model_path: str) -> None:
+def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
     """Refuse a GPU plan that does not fit, naming what would (see planner.py)."""
     from trsp_ray.distributed import planner
 
     if not cfg.distributed.use_gpu:
         return
-    plan = planner.plan_for_run(cfg, model_path)
+    plan = planner.plan_for_run(cfg, model_path, ds_config)
     if not plan.fits:
         raise TrspError(f"the plan does not fit: {plan.reason()}; {plan.suggestion()}")
 
@@ -106,7 +106,7 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
     model_path = assets.resolve_model(cfg.model)
     if resources is not None:
         check_resources(dist, resources)
-    check_plan(cfg, model_path)
+    check_plan(cfg, model_path, ds_config)
     return ds_config, storage, model_path
 
 

@@ -126,12 +126,7 @@ def planner_shape(spec):
     """A planner Shape from a preset's config.json fields (what read_shape would read from disk)."""
     from trsp_ray.distributed import planner
 
-    c = spec.shape
-    heads = c["num_attention_heads"]
-    return planner.Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], intermediate=c["intermediate_size"],
-                         layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
-                         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                         tied=bool(c.get("tie_word_embeddings", False)))
+    return planner.shape_from_config(spec.shape, source=spec.key)
 
 
 def cell_record(cell, pruned: dict, scored: dict, paper: tuple[float, float] | None) -> dict:

@@ -143,15 +143,16 @@ def _concurrency(opts: SearchOptions, trials: int) -> int:
     return max(1, min(opts.max_concurrent or limit, limit, trials))
 
 
-def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, trials, trial_config):
+def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, trials, trial_config, num_layers):
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
+    from trsp_ray.search.scheduler import GroupedASHA
     from trsp_ray.search.trial import run_trial
 
     reports = max(1, -(-base_dict["stage2"]["steps"] // trial_config["val_every"])) + 1
-    scheduler = ASHAScheduler(metric="val_loss", mode="min", max_t=reports, grace_period=max(1, reports // 3),
-                              reduction_factor=2) if opts.asha else None
+    # Early stopping compares only trials that drop the same number of layers (see scheduler.py).
+    scheduler = GroupedASHA(num_layers=num_layers, base_ratio=base_dict["ratio"], metric="val_loss", mode="min",
+                            max_t=reports, grace_period=max(1, reports // 3), reduction_factor=2) if opts.asha else None
     tuner = tune.Tuner(
         tune.with_resources(run_trial, {"cpu": opts.cpus_per_trial}),
         param_space={**trial_config, "point": point_space},
@@ -243,7 +244,8 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
         if trials:
             log(f"search {opts.name}: {trials} trial(s) to run, {len(done)} finished earlier are skipped")
             results = _run_tune(base_dict, space, opts, point_space=point_space, search_alg=search_alg,
-                                num_samples=num_samples, trials=trials, trial_config=trial_config)
+                                num_samples=num_samples, trials=trials, trial_config=trial_config,
+                                num_layers=num_layers)
             new = _collect(results, search_dir, base_dict)
             _score(new, base, opts, log)
         else:
