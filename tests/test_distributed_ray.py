@@ -154,6 +154,17 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
         # `ray job submit` waits for the job and prints "Job '<id>' succeeded" (status SUCCEEDED).
         assert done.returncode == 0 and "succeeded" in done.stdout + done.stderr, done.stderr[-2000:]
         _reloads(tmp_path / "out")
+        # The driver logged the run to MLflow in the storage path (the job's default store).
+        from mlflow.tracking import MlflowClient
+
+        drop = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())["drop"]
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'storage' / 'mlflow.db'}")
+        runs = client.search_runs([client.get_experiment_by_name("trsp_ray").experiment_id],
+                                  "tags.`trsp.kind` = 'distributed'")
+        assert len(runs) == 1 and runs[0].data.metrics["layers_dropped"] == len(drop) == 2
+        assert runs[0].data.metrics["rounds_computed"] == 2 and runs[0].data.metrics["stage1/peak_gb"] > 0
+        assert [m.value for m in client.get_metric_history(runs[0].info.run_id, "stage1/dropped")] == drop
+        assert {"gate_trajectories.png", "trsp_ray.json"} <= {a.path for a in client.list_artifacts(runs[0].info.run_id)}
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # only the head (and its children) this test started
         head.wait(timeout=60)

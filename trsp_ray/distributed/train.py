@@ -24,6 +24,7 @@ class DistributedResult:
     output: str | None
     storage: str  # the run's folder under storage_path (checkpoints + trsp_events.jsonl)
     events: list[dict] = field(default_factory=list)
+    mlflow_run: str | None = None  # the driver's MLflow run id (None when tracking is off)
 
     def rounds_computed(self) -> int:
         """Stage-1 rounds finished over all attempts (== rounds when nothing was recomputed)."""
@@ -140,8 +141,52 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | None =
     done = [e for e in records if e["event"] == "done"]
     if not done:
         raise RuntimeError(f"the run ended without a 'done' event; see {events or storage}")
-    return DistributedResult(drop_order=done[-1]["drop_order"], output=cfg.output, storage=str(run_dir),
-                             events=records)
+    result = DistributedResult(drop_order=done[-1]["drop_order"], output=cfg.output, storage=str(run_dir),
+                               events=records)
+    if cfg.tracking.enabled:
+        result.mlflow_run = log_run(cfg, result, name=name, local_storage=storage if local else None)
+    return result
+
+
+def log_run(cfg, result: DistributedResult, *, name: str, local_storage: str | None) -> str | None:
+    """One MLflow run for a distributed run, written by the driver from the run's own event log
+    (workers never write MLflow: one writer per store). Default store: `<storage_path>/mlflow.db`
+    for a local storage path; a remote storage path needs `tracking.tracking_uri`."""
+    from trsp_ray import plots
+    from trsp_ray.tracking import MlflowTracker
+
+    uri = cfg.tracking.tracking_uri or (f"sqlite:///{Path(local_storage) / 'mlflow.db'}" if local_storage else None)
+    if uri is None:
+        print("[trsp_ray] MLflow skipped: storage_path is remote and tracking.tracking_uri is not set", flush=True)
+        return None
+    tracker = MlflowTracker(tracking_uri=uri, experiment=cfg.tracking.experiment)
+    ev = result.events
+    stage1 = next((e for e in reversed(ev) if e["event"] == "stage1_done"), None)
+    stage2 = next((e for e in reversed(ev) if e["event"] == "stage2_done"), None)
+    rounds = sorted({e["round"]: (e["step"], e["dropped"]) for e in ev if e["event"] == "round"}.items())
+    with tracker.run(name, tags={"trsp.kind": "distributed", "trsp.method": cfg.method,
+                                 "trsp.workers": str(cfg.distributed.workers),
+                                 "trsp.strategy": cfg.distributed.strategy}):
+        tracker.log_params(cfg.to_dict())
+        tracker.log_metrics({"attempts": result.attempts(), "rounds_computed": result.rounds_computed(),
+                             "layers_dropped": len(result.drop_order),
+                             "stage1/peak_gb": stage1 and stage1.get("peak_gb"),
+                             "stage2/peak_gb": stage2 and stage2.get("peak_gb")})
+        for _, (step, dropped) in rounds:
+            tracker.log_metrics({"stage1/dropped": dropped}, step=step)
+        if stage1 and stage1.get("gate_history"):
+            history = stage1["gate_history"]
+            for step, values in enumerate(history, start=1):
+                tracker.log_metrics({f"gate/{i:02d}": v for i, v in enumerate(values)}, step=step)
+            tracker.log_figure(plots.gate_trajectories(history, [s for _, (s, _) in rounds], result.drop_order),
+                               "gate_trajectories.png")
+        tracker.log_dict({"drop_order": result.drop_order, "output": result.output, "storage": result.storage},
+                         "result.json")
+        if local_storage and Path(result.storage, "trsp_events.jsonl").exists():
+            tracker.log_artifact(str(Path(result.storage, "trsp_events.jsonl")))
+        if result.output and Path(result.output, "trsp_ray.json").exists():
+            tracker.log_artifact(str(Path(result.output, "trsp_ray.json")))
+        return tracker.run_id
 
 
 def _fit(cfg, loop_config: dict, *, storage: str, name: str) -> None:
