@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3], "stage2.lambda2": [1e-3]}}
 
@@ -37,7 +36,8 @@ def main() -> int:
     import ray
     import torch
 
-    from test_search_ray import base_config, make_assets
+    from trsp_ray.config import load_config
+    from trsp_ray.tiny import tiny_workspace
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--first-round-steps", type=int, default=24)
@@ -46,10 +46,12 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="search_reuse-"))
-    assets = make_assets(root)
-    base = base_config(assets, root, extra=[f"stage1.first_round_steps={args.first_round_steps}",
-                                           f"stage1.steps_per_round={args.steps_per_round}",
-                                           f"stage2.steps={args.stage2_steps}", "tracking.enabled=false"])
+    ws = tiny_workspace(root / "assets", layers=8)
+    base = load_config(overrides=[
+        f"model={ws / 'model'}", f"data.calib_text={ws / 'calib.txt'}", f"data.eval_text={ws / 'eval.txt'}",
+        "data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4", "threads=1",
+        f"stage1.first_round_steps={args.first_round_steps}", f"stage1.steps_per_round={args.steps_per_round}",
+        f"stage2.steps={args.stage2_steps}", "tracking.enabled=false"])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with_reuse, a = timed_search(base, root=root, reuse=True)

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray.assets import load_texts, smollm2_dir
 from trsp_ray.cli import main
 from trsp_ray.config import load_config
 
@@ -18,19 +17,9 @@ SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eva
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (8 layers) with SmolLM2's real tokenizer, saved as a model directory."""
-    from transformers import AutoTokenizer
+    from trsp_ray.tiny import tiny_workspace
 
-    from trsp_ray.tiny import tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    model = tiny_model("llama", layers=8, vocab=len(tokenizer))
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    texts = load_texts()
-    (root / "calib.txt").write_text(texts.calibration[:40000])
-    (root / "eval.txt").write_text(texts.heldout[:12000])
-    return root
+    return tiny_workspace(tmp_path_factory.mktemp("tiny"), layers=8, calib_chars=40000, eval_chars=12000)
 
 
 def _args(root: Path, *extra):

@@ -15,17 +15,9 @@ SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eva
 
 def make_assets(root):
     """An 8-layer tiny Llama with SmolLM2's tokenizer and short calibration / held-out text files."""
-    from transformers import AutoTokenizer
+    from trsp_ray.tiny import tiny_workspace
 
-    from trsp_ray.assets import load_texts, smollm2_dir
-    from trsp_ray.tiny import tiny_model
-
-    tiny_model("llama", layers=8, vocab=49152).save_pretrained(root / "model")
-    AutoTokenizer.from_pretrained(smollm2_dir()).save_pretrained(root / "model")
-    texts = load_texts()
-    (root / "calib.txt").write_text(texts.calibration[:60000])
-    (root / "eval.txt").write_text(texts.heldout[:20000])
-    return root
+    return tiny_workspace(root, layers=8, calib_chars=60000, eval_chars=20000)
 
 
 def base_config(assets, tmp_path, extra=()):

@@ -50,3 +50,23 @@ def tiny_model(family: str, *, layers: int = 6, seed: int = 0, vocab: int = VOCA
     model = AutoModelForCausalLM.from_config(tiny_config(family, layers=layers, vocab=vocab))
     model.to(torch.float32)
     return model.eval()
+
+
+def tiny_workspace(root, *, layers: int = 8, calib_chars: int = 60000, eval_chars: int = 20000):
+    """A directory with a tiny random Llama + SmolLM2's real tokenizer (`model/`) and short
+    calibration / held-out texts (`calib.txt`, `eval.txt`) cut from the shipped Wikipedia data:
+    what tests and benchmarks run the whole pipeline on in seconds. Returns `root` as a Path."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from trsp_ray.assets import load_texts, smollm2_dir
+
+    root = Path(root)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    tiny_model("llama", layers=layers, vocab=len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    texts = load_texts()
+    (root / "calib.txt").write_text(texts.calibration[:calib_chars])
+    (root / "eval.txt").write_text(texts.heldout[:eval_chars])
+    return root
