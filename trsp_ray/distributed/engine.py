@@ -103,7 +103,29 @@ class DeepSpeedStepper:
         if self.skip > 0:
             self.skip -= 1
             return
+        boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
+        if boundary:
+            self._clear_grad_partitions()
+
+    def _clear_grad_partitions(self) -> None:
+        """Zero ZeRO-3's gradient partitions after an optimizer step.
+
+        ZeRO-3 writes each reduced gradient into a persistent flat buffer and hands the optimizer
+        that buffer for every trainable parameter, whether or not it got a gradient this step; a
+        parameter without one (a stage-2 layer annealed to exact identity is skipped in forward)
+        would be stepped again with its last gradient, which also inflates the clipping norm of
+        every other layer. torch's optimizers skip such a parameter; zeroing the buffer makes the
+        distributed step match, and makes a run resumed from a checkpoint (fresh, zeroed buffers)
+        bit-identical to an uninterrupted one.
+        """
+        opt = self.engine.optimizer
+        buffer = getattr(opt, "grad_partitions_flat_buffer", None)
+        if isinstance(buffer, torch.Tensor):
+            buffer.zero_()
+        for flat in getattr(opt, "fp32_partitioned_groups_flat", []) or []:
+            if getattr(flat, "grad", None) is not None:  # optimizer offload keeps fp32 grads here
+                flat.grad.zero_()
 
     def _zero3(self) -> bool:
         return hasattr(self.engine.optimizer, "fp32_partitioned_groups_flat")
