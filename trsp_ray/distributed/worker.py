@@ -97,8 +97,9 @@ def _save(meta: dict, stage1_state: dict, *, rank: int, engine=None) -> None:
 
 
 class FaultInjector:
-    """Kills one worker (SIGKILL, as a lost node would) once, mid stage 1: after `after_steps`
-    steps of round `round` (1-based). A marker file makes it happen exactly once per run."""
+    """Kills one worker (SIGKILL, as a lost node would) once: after `after_steps` steps of stage-1
+    round `round` (1-based), or right after stage-2 step `stage2_step` (after that step's checkpoint,
+    if it takes one). A marker file makes it happen exactly once per run."""
 
     def __init__(self, spec: dict | None, rank: int):
         self.spec = spec or {}
@@ -106,16 +107,24 @@ class FaultInjector:
         self.seen = 0
 
     def check(self, metrics: dict) -> None:
-        if not self.armed or metrics.get("stage1/round") != self.spec["round"] - 1:
+        """Stage-1 hook (every step's metrics)."""
+        if not self.armed or "round" not in self.spec or metrics.get("stage1/round") != self.spec["round"] - 1:
             return
         self.seen += 1
         if self.seen >= self.spec.get("after_steps", 1):
-            # Ray Train V2 takes a reported checkpoint from the worker's queue at its next poll
-            # (health-check interval, 2 s by default); dying sooner would lose the last round's
-            # checkpoint too, and the test would measure Ray's poll timing, not our resume.
-            time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
-            Path(self.spec["marker"]).write_text(f"killed pid {os.getpid()} at {time.time()}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._kill()
+
+    def check_stage2(self, step: int) -> None:
+        if self.armed and step == self.spec.get("stage2_step"):
+            self._kill()
+
+    def _kill(self) -> None:
+        # Ray Train V2 takes a reported checkpoint from the worker's queue at its next poll
+        # (health-check interval, 2 s by default); dying sooner would lose the last checkpoint
+        # too, and the test would measure Ray's poll timing, not our resume.
+        time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
+        Path(self.spec["marker"]).write_text(f"killed pid {os.getpid()} at {time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_loop(config: dict) -> None:
@@ -136,9 +145,10 @@ def train_loop(config: dict) -> None:
     meta, engine_dir = _restore_point(rank)
     events.write("start", world=world, resumed_from=None if meta is None else meta["label"])
     bench = _load(config, cfg, rank=rank, world=world)
-    drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank)
+    fault = FaultInjector(config.get("fault"), rank)
+    drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank, fault=fault)
     model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
-                    engine_dir=engine_dir, rank=rank)
+                    engine_dir=engine_dir, rank=rank, fault=fault)
     _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank)
     events.write("done", drop_order=drop)
     ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
@@ -176,7 +186,7 @@ def _batches(cfg, bench, seed_offset: int):
     return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset)
 
 
-def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int):
+def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
     from trsp_ray.stage1 import candidate_layers, check_drop_count, run_stage1
 
@@ -184,7 +194,6 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
     candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
     n_drop = round(cfg.ratio * bench.num_layers)
     check_drop_count(n_drop, candidates, cfg.ratio, bench.num_layers)
-    fault = FaultInjector(config.get("fault"), rank)
     reset_peak_memory()
     last = {"state": meta["stage1"] if meta else None}
 
@@ -211,7 +220,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
 
 
 def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
-            engine_dir: str | None, rank: int):
+            engine_dir: str | None, rank: int, fault: FaultInjector):
     """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards."""
     from trsp_ray.stage2 import run_stage2
 
@@ -232,6 +241,8 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
             _save({"label": f"stage2-step{step}", "stage": 2, "stage2_step": step, "drop_order": drop},
                   s1_state, rank=rank, engine=bench.factory.built[-1].engine)
             events.write("checkpoint", stage=2, step=step)
+        if step > done:
+            fault.check_stage2(step)
 
     bench.factory.on_build = on_build
     reset_peak_memory()
