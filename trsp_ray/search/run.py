@@ -94,7 +94,7 @@ def _optuna_search_class():
     try:
         import optuna  # noqa: F401
     except ImportError:
-        raise TrspError("algorithm=optuna needs optuna; install it with `pip install optuna` "
+        raise TrspError("algorithm=optuna needs optuna; install it with `pip install optuna==5.0.0` "
                         "(or `pip install trsp_ray[search]`)") from None
     from ray.tune.search.optuna import OptunaSearch
 

@@ -53,7 +53,18 @@ def validation_loss(bench, model, *, windows: int) -> float:
     return math.log(ppl)
 
 
-def _stage2_reporter(bench, made: list, *, every: int, steps: int, windows: int, report, curve: list):
+def expected_kept_parameters(bench, drop: list[int]) -> int:
+    """Parameters left once `drop` is removed (known before stage 2: a multi-objective searcher wants
+    every intermediate report to carry the same metrics as the final one)."""
+    from trsp_ray.families import decoder_layers
+    from trsp_ray.pipeline import kept_parameters
+
+    layers = decoder_layers(bench.model)
+    return kept_parameters(bench.model) - sum(p.numel() for i in drop for p in layers[i].parameters())
+
+
+def _stage2_reporter(bench, made: list, *, every: int, steps: int, windows: int, report, curve: list,
+                     constant: dict | None = None):
     def on_metrics(metrics: dict, step: int) -> None:
         if "stage2/ce" not in metrics or not made:
             return
@@ -62,7 +73,7 @@ def _stage2_reporter(bench, made: list, *, every: int, steps: int, windows: int,
         loss = validation_loss(bench, made[-1], windows=windows)
         curve.append({"step": step, "val_loss": loss, "stage2_ce": metrics["stage2/ce"]})
         report({"val_loss": loss, "val_ppl": math.exp(loss), "stage2_step": step,
-                "stage2_ce": metrics["stage2/ce"], "phase": "stage2"})
+                "stage2_ce": metrics["stage2/ce"], "phase": "stage2", **(constant or {})})
     return on_metrics
 
 
@@ -106,13 +117,20 @@ def _execute(config: dict, *, report) -> dict:
     captured, made = _capture_models(bench)
     every = max(1, int(config.get("val_every") or 1))
     curve: list = []
+    n_drop = bench.n_drop()
+    drop = (stage1.round1_ranking if cfg.method == "trsp-oneshot" else stage1.drop_order)[:n_drop]
+    dense = kept_parameters(bench.model)
+    expected = expected_kept_parameters(bench, drop)
     on_metrics = _stage2_reporter(captured, made, every=every, steps=cfg.stage2.steps, windows=windows,
-                                  report=report, curve=curve)
+                                  report=report, curve=curve,
+                                  constant={"kept_parameters": expected, "kept_fraction": expected / dense})
     log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"])
     outcome = apply_method(captured, cfg.method, stage1=stage1, report=on_metrics)
     val = validation_loss(bench, outcome.model, windows=windows)
-    n_drop, dense = len(outcome.drop), kept_parameters(bench.model)
+    n_drop = len(outcome.drop)
     kept = kept_parameters(outcome.model)
+    if kept != expected:  # the removal must cut exactly the parameters of the chosen layers
+        raise RuntimeError(f"removal left {kept} parameters, expected {expected} for drop {outcome.drop}")
     record = {"trial_key": tkey, "stage1_key": skey, "point": config["point"], "config": cfg_dict,
               "status": "finished", "drop": outcome.drop, "kept": outcome.kept,
               "num_layers_original": bench.num_layers, "val_loss": val, "val_ppl": math.exp(val),
