@@ -66,3 +66,16 @@ def test_gated_keys_map_to_plain_keys():
              "model.layers.12.layer.input_layernorm.weight": torch.zeros(2), "lm_head.weight": torch.zeros(2)}
     assert sorted(plain_state_dict(state, "model.layers")) == [
         "lm_head.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.12.input_layernorm.weight"]
+
+
+def test_mlflow_store_of_a_distributed_run(tmp_path, monkeypatch):
+    from trsp_ray.distributed.train import tracking_uri_for
+
+    given = load_config(overrides=["tracking.tracking_uri=http://mlflow:5000"])
+    assert tracking_uri_for(given, str(tmp_path)) == "http://mlflow:5000"
+    plain = load_config()
+    monkeypatch.setenv("TRSP_RAY_MLFLOW_DIR", str(tmp_path / "shared"))  # cluster/runtime_env.yaml sets it
+    assert tracking_uri_for(plain, str(tmp_path / "st")) == f"sqlite:///{(tmp_path / 'shared').resolve() / 'mlflow.db'}"
+    monkeypatch.delenv("TRSP_RAY_MLFLOW_DIR")
+    assert tracking_uri_for(plain, str(tmp_path / "st")) == f"sqlite:///{tmp_path / 'st' / 'mlflow.db'}"
+    assert tracking_uri_for(plain, None) is None  # remote storage and no URI: skipped, said so

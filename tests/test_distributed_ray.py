@@ -175,6 +175,7 @@ def _free_port() -> int:
 
 def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("TRSP_RAY_MLFLOW_DIR", None)  # the job's MLflow store defaults to its storage path
     port, dash = _free_port(), _free_port()
     # A short temp dir: Ray's unix socket paths under pytest's long tmp_path exceed 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="trsp-ray-", dir="/tmp")

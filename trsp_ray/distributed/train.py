@@ -148,14 +148,25 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | None =
     return result
 
 
+def tracking_uri_for(cfg, local_storage: str | None) -> str | None:
+    """`tracking.tracking_uri`, else the shared store named by TRSP_RAY_MLFLOW_DIR (set by
+    cluster/runtime_env.yaml), else `<storage_path>/mlflow.db` for a local storage path, else None."""
+    from trsp_ray.tracking import default_tracking_uri
+
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    if os.environ.get("TRSP_RAY_MLFLOW_DIR"):
+        return default_tracking_uri()
+    return f"sqlite:///{Path(local_storage) / 'mlflow.db'}" if local_storage else None
+
+
 def log_run(cfg, result: DistributedResult, *, name: str, local_storage: str | None) -> str | None:
     """One MLflow run for a distributed run, written by the driver from the run's own event log
-    (workers never write MLflow: one writer per store). Default store: `<storage_path>/mlflow.db`
-    for a local storage path; a remote storage path needs `tracking.tracking_uri`."""
+    (workers never write MLflow: one writer per store), in the store of `tracking_uri_for`."""
     from trsp_ray import plots
     from trsp_ray.tracking import MlflowTracker
 
-    uri = cfg.tracking.tracking_uri or (f"sqlite:///{Path(local_storage) / 'mlflow.db'}" if local_storage else None)
+    uri = tracking_uri_for(cfg, local_storage)
     if uri is None:
         print("[trsp_ray] MLflow skipped: storage_path is remote and tracking.tracking_uri is not set", flush=True)
         return None
