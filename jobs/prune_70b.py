@@ -86,11 +86,11 @@ def main(argv=None) -> int:
 
         from trsp_ray.distributed.deepspeed_config import build_ds_config
 
-        ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr,
-                             extra=parse_options(args.deepspeed))
+        options = parse_options(args.deepspeed)
+        ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
         print(planner.format_plan(planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds)), flush=True)
         fault = {"round": args.fault_round} if args.fault_round else None
-        result = run_distributed(cfg, ds_options=parse_options(args.deepspeed), fault=fault, overwrite=args.overwrite)
+        result = run_distributed(cfg, ds_options=options, fault=fault, overwrite=args.overwrite)
     except TrspError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

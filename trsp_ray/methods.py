@@ -67,7 +67,7 @@ def select(bench, method: str, *, model, gates, stage1: Stage1Result | None, rep
     if method in ("trsp", "trsp-no-stage2", "trsp-oneshot"):
         if stage1 is None:
             stage1 = run_stage1_for(bench, model=model, report=report)
-        drop = stage1.round1_ranking[:n_drop] if method == "trsp-oneshot" else stage1.drop_order[:n_drop]
+        drop = stage1.drop_for(method, n_drop)
         return drop, {"stage1_tokens": stage1.tokens, "stage1_steps": stage1.steps}
     calib = _windows(bench, cfg.baselines.calib_windows)
     if method == "shortgpt":

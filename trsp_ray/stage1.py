@@ -27,6 +27,11 @@ class Stage1Result:
     steps: int = 0
     tokens: int = 0
 
+    def drop_for(self, method: str, n_drop: int) -> list[int]:
+        """The first `n_drop` layers of this run's order for a TRSP method: one-shot takes the
+        round-1 ranking, the iterative methods the greedy drop order (a prefix serves any smaller ratio)."""
+        return (self.round1_ranking if method == "trsp-oneshot" else self.drop_order)[:n_drop]
+
 
 def candidate_layers(num_layers: int, *, protect_head: int, protect_tail: int) -> list[int]:
     return list(range(protect_head, num_layers - protect_tail))

@@ -118,7 +118,7 @@ def _execute(config: dict, *, report) -> dict:
     every = max(1, int(config.get("val_every") or 1))
     curve: list = []
     n_drop = bench.n_drop()
-    drop = (stage1.round1_ranking if cfg.method == "trsp-oneshot" else stage1.drop_order)[:n_drop]
+    drop = stage1.drop_for(cfg.method, n_drop)
     dense = kept_parameters(bench.model)
     expected = expected_kept_parameters(bench, drop)
     on_metrics = _stage2_reporter(captured, made, every=every, steps=cfg.stage2.steps, windows=windows,
