@@ -44,8 +44,39 @@ def check_output_dir(output: str, *, overwrite: bool) -> Path:
     return target
 
 
+def pruned_manifest(*, method: str, drop: list[int], kept: list[int], num_layers_original: int, config: dict,
+                    metrics: dict, **extra) -> dict:
+    """The `trsp_ray.json` fields every export carries (readers such as the reproduction table and
+    the evaluator rely on them), whichever path wrote the weights; `extra` adds path-specific keys."""
+    return {"method": method, "dropped_layers": list(drop), "drop_order": list(drop),
+            "num_layers_original": num_layers_original, "num_layers_kept": len(kept), "kept_layers": list(kept),
+            "config": config, "metrics": metrics, **extra}
+
+
+def write_manifest(manifest: dict, directory: Path) -> None:
+    write_json_atomic({**manifest, "versions": versions()}, Path(directory) / MANIFEST)
+
+
+def staging_dir(target: Path) -> Path:
+    """A fresh temp dir beside `target` (same filesystem, so `publish` is a rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Rename the finished `tmp` into place; an old `target` is moved aside first and removed after."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
 @torch.no_grad()
-def _probe_logits(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_logits(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probe ids [1, 24], fp32 logits on CPU [1, 24, vocab]) of `model` on a fixed random batch."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, 24), generator=gen)
     device = next(model.parameters()).device
@@ -62,15 +93,14 @@ def export_model(model, tokenizer, output: str, *, manifest: dict, overwrite: bo
     from transformers import AutoModelForCausalLM
 
     target = check_output_dir(output, overwrite=overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = staging_dir(target)
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if verify:
             vocab = model.get_input_embeddings().weight.shape[0]
-            ids, expected = _probe_logits(model, vocab)
+            ids, expected = probe_logits(model, vocab)
             reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype).eval()
             got = reloaded(input_ids=ids, use_cache=False).logits.float()
             diff = (got - expected).abs().max().item()
@@ -78,14 +108,8 @@ def export_model(model, tokenizer, output: str, *, manifest: dict, overwrite: bo
             del reloaded
             if diff > atol:
                 raise RuntimeError(f"exported model differs from the in-memory model (max |dlogit| {diff:.3g})")
-        write_json_atomic({**manifest, "versions": versions()}, tmp / MANIFEST)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        write_manifest(manifest, tmp)
+        publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -220,7 +220,7 @@ def kept_parameters(model) -> int:
 def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     """Prune one model with one method as configured; export, evaluate and log. Returns the results."""
     from trsp_ray import plots
-    from trsp_ray.export import check_output_dir, export_model
+    from trsp_ray.export import check_output_dir, export_model, pruned_manifest
     from trsp_ray.methods import apply_method, run_stage1_for
     from trsp_ray.table import render
     from trsp_ray.tracking import make_tracker
@@ -257,9 +257,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         if stage1 is not None:
             results["stage1_drop_order"] = stage1.drop_order
             results["stage1_rounds_computed"] = stage1.rounds_computed
-        manifest = {"method": cfg.method, "dropped_layers": outcome.drop, "drop_order": outcome.drop,
-                    "num_layers_original": bench.num_layers, "num_layers_kept": len(outcome.kept),
-                    "kept_layers": outcome.kept, "config": cfg.to_dict(), "metrics": results}
+        manifest = pruned_manifest(method=cfg.method, drop=outcome.drop, kept=outcome.kept,
+                                   num_layers_original=bench.num_layers, config=cfg.to_dict(), metrics=results)
         if cfg.output:
             path = export_model(outcome.model, bench.tokenizer, cfg.output, manifest=manifest, overwrite=overwrite)
             log(f"exported to {path}")

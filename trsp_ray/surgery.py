@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from torch import nn
 
 from trsp_ray import families
@@ -26,7 +28,6 @@ def remove_layers(model, drop: list[int]) -> list[int]:
     shortened so the model saves and reloads as a normal Hugging Face model of the new depth.
     """
     detach_gates(model)
-    family = families.family_of(model)
     layers = families.decoder_layers(model)
     total = len(layers)
     bad = [i for i in drop if not 0 <= i < total]
@@ -39,9 +40,17 @@ def remove_layers(model, drop: list[int]) -> list[int]:
     for new_index, layer in enumerate(new_layers):
         _renumber(layer, new_index)
     families.set_decoder_layers(model, new_layers)
-    config = families.text_config(model)
-    for name in families.per_layer_lists(config, total, family.per_layer_config):
-        value = getattr(config, name)
-        setattr(config, name, type(value)(value[i] for i in kept))
-    config.num_hidden_layers = len(kept)
+    shorten_config(model.config, kept=kept, total=total)
     return kept
+
+
+def shorten_config(config, *, kept: list[int], total: int) -> None:
+    """Edit a *ForCausalLM `config` in place to describe only the layers `kept` (original indices
+    of `total`): per-layer lists keep their entries, `num_hidden_layers = len(kept)`. Also used by
+    exports that write the kept layers themselves and never cut a model."""
+    holder = SimpleNamespace(config=config)  # the family table looks configs up through a model
+    family, text = families.family_of(holder), families.text_config(holder)
+    for name in families.per_layer_lists(text, total, family.per_layer_config):
+        value = getattr(text, name)
+        setattr(text, name, type(value)(value[i] for i in kept))
+    text.num_hidden_layers = len(kept)
