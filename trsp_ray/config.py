@@ -149,11 +149,17 @@ class DistributedConfig:
     offload_params: bool = False
     offload_optimizer: bool = False
     grad_accum: int = 1
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute layer activations in backward; every route (one process too)
     storage_path: str | None = None  # Ray Train storage; default ./runs/ray
     max_failures: int = 0
     checkpoint_every: int = 10  # stage-2 steps between checkpoints (stage 1: every round)
     gpu_memory_gb: float = 80.0  # per-GPU memory the planner checks against
+    # Streaming export (distributed/export.py): max safetensors shard size in MB (10^6 bytes; a
+    # larger single tensor gets its own shard); exports up to export_reload_max_gb GiB are also
+    # reloaded on rank 0 and their logits checked; export_timeout_s 0 = sized from the bytes.
+    export_shard_mb: int = 5000
+    export_reload_max_gb: float = 16.0
+    export_timeout_s: int = 0
 
     def __post_init__(self):
         _positive("distributed.workers", self.workers, allow_zero=True)
@@ -163,6 +169,9 @@ class DistributedConfig:
         _positive("distributed.max_failures", self.max_failures, allow_zero=True)
         _positive("distributed.checkpoint_every", self.checkpoint_every)
         _positive("distributed.gpu_memory_gb", self.gpu_memory_gb)
+        _positive("distributed.export_shard_mb", self.export_shard_mb)
+        _positive("distributed.export_reload_max_gb", self.export_reload_max_gb, allow_zero=True)
+        _positive("distributed.export_timeout_s", self.export_timeout_s, allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -173,6 +182,9 @@ class RunConfig:
     output: str | None = None  # export directory; None = do not export
     seed: int = 0
     device: str = "cpu"  # cpu | cuda | auto
+    # Model dtype: auto = fp32 on CPU, bf16 on CUDA. Gates, and the fp32 master copies and Adam
+    # moments of trained bf16/fp16 weights, stay fp32 (training.TorchStepper says why).
+    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     threads: int | None = None  # torch intra-op threads (None = torch default)
     checkpoint_dir: str | None = None  # stage-1 round checkpoints; default ./runs/checkpoints
     data: DataConfig = field(default_factory=DataConfig)
@@ -189,6 +201,7 @@ class RunConfig:
         if not 0.0 < self.ratio < 1.0:
             raise TrspError(f"ratio={self.ratio!r} is not valid; it must be in the open interval (0, 1)")
         _choice("device", self.device, ("cpu", "cuda", "auto"))
+        _choice("dtype", self.dtype, ("auto", "bf16", "fp16", "fp32"))
         if self.threads is not None:
             _positive("threads", self.threads)
 

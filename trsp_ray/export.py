@@ -75,11 +75,12 @@ def publish(tmp: Path, target: Path) -> None:
 
 
 @torch.no_grad()
-def probe_logits(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probe ids [1, 24], fp32 logits on CPU [1, 24, vocab]) of `model` on a fixed random batch."""
+def probe_logits(model, vocab: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probe ids [1, 24], fp32 logits on CPU [1, 24, vocab]) of `model` on a fixed random batch,
+    computed on `device` (default: where the parameters are)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, 24), generator=gen)
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     return ids, model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
 
 
