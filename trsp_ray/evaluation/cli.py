@@ -36,7 +36,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--eval-text", metavar="FILE", help="held-out text for PPL (default: Wikipedia excerpt)")
     p.add_argument("--ppl-windows", type=int, default=48, help="PPL windows of 256 tokens (0 skips PPL)")
     p.add_argument("--no-speed", action="store_true", help="skip the speed benchmark")
-    p.add_argument("--prompt-len", type=int, default=512, help="prefill prompt length (tokens)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prefill prompt length in tokens (default: the device's, see evaluation/speed.py)")
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size")
     p.add_argument("--out", metavar="DIR", help="where results.csv/.md/.txt go (default: runs/eval-<time>)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")

@@ -38,7 +38,8 @@ def flat_metrics(result: dict) -> dict[str, float]:
         if mean is not None:
             out[f"mean5.{metric}"] = mean
     for key, value in (result.get("speed") or {}).items():
-        out[f"speed.{key}"] = float(value)
+        if isinstance(value, (int, float)):  # "settings" (what was timed) is a dict, not a metric
+            out[f"speed.{key}"] = float(value)
     return out
 
 
@@ -53,8 +54,7 @@ def row(result: dict) -> dict[str, object]:
     for task, scores in tasks.items():
         for metric in METRICS:
             r[f"{task}.{metric}"] = scores.get(metric)
-    for key in ("prefill_speedup", "prefill_speedup_cpu", "throughput_speedup", "ideal_speedup",
-                "prefill_ms", "tokens_per_s"):
+    for key in ("prefill_speedup", "throughput_speedup", "ideal_speedup", "prefill_ms", "tokens_per_s"):
         r[key] = speed.get(key)
     r["error"] = result.get("error")
     return r

@@ -1,39 +1,78 @@
-"""Speed benchmark (SLEB's protocol, scaled to the machine): prefill latency and generation throughput.
+"""Speed benchmark (SLEB's protocol, scaled to the device): prefill latency and generation throughput.
 
 Prefill: one forward of a batch-1 prompt of `prompt_len` tokens with a KV cache, keeping only the last
 position's logits, exactly what `generate` does before its first new token. (Computing logits for
 every prompt position would add a vocab-sized matmul per token that no generation pays for.)
 Generation: `new_tokens` greedy tokens for a batch of `gen_batch` prompts; throughput in new tokens/s.
 
-Dense and pruned models are timed in the same process, interleaved round by round with alternating
-order, and each is summarised by its fastest round: load from other processes only ever adds time,
-so the minimum is the least disturbed estimate of the model's own cost (as `timeit` advises).
-Several CPU actors on one node still disturb each other's timings; for speed figures on CPU, run
-one actor per node, or give each actor its own GPU.
+How the figures are made to hold from one run to the next:
+- Dense and pruned are timed in the same process, interleaved round by round (ABBA order), after
+  `warmup` untimed rounds. A speed-up is the median over rounds of the ratio of the two adjacent
+  measurements of that round, so slow drift of the machine's load cancels within a pair and a
+  disturbed round cannot move the median; absolute figures are medians too.
+- Token counts are chosen per device (`DEFAULTS`): enough generated tokens that generate()'s set-up
+  and the prompts' prefill are a small part of the time, and on a GPU a batch and a length large
+  enough that a decode step is the model's work rather than kernel-launch and Python overhead
+  (4 x 16 tokens there measure launch overhead, not the model).
+- Clock (`clock="auto"`): on a CPU with one torch thread, CPU time of this process (it ignores the
+  time spent waiting for a core while other processes run); otherwise wall time (after
+  `torch.cuda.synchronize` on a GPU; with several CPU threads, CPU time would count spin-waiting).
+Several CPU actors on one node still disturb each other's timings through shared caches and memory
+bandwidth; for speed figures on CPU, run one actor per node, or give each actor its own GPU.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 from trsp_ray.errors import TrspError
 
+# Per-device defaults (what `benchmarks/speed.py` and the evaluation pool's speed column both use).
+# CPU: SmolLM2-135M at 1 thread, a 512-token prefill is ~1.5 s and a 4 x 32-token generation ~2.5 s,
+# so a candidate costs ~1 minute. GPU: a 7B decode step at batch 32 is weight-read bound (~5-10 ms),
+# 256 of them amortise generate()'s set-up and the 128-token prompts' prefill.
+DEFAULTS = {
+    "cpu": {"prompt_len": 512, "gen_batch": 4, "gen_prompt_len": 32, "new_tokens": 32, "warmup": 1, "rounds": 7},
+    "cuda": {"prompt_len": 2048, "gen_batch": 32, "gen_prompt_len": 128, "new_tokens": 256, "warmup": 2,
+             "rounds": 7},
+}
+CLOCKS = ("auto", "wall", "cpu")
+
 
 @dataclass(frozen=True)
 class SpeedSettings:
-    prompt_len: int = 512  # prefill prompt (tokens)
-    gen_batch: int = 4  # prompts decoded together
-    gen_prompt_len: int = 32  # prompt per decoded sequence (tokens)
-    new_tokens: int = 16  # greedy tokens generated per sequence
-    rounds: int = 4  # timed repetitions, after one warm-up
+    """What to time; a field left at None takes the device's value from DEFAULTS when measured."""
+
+    prompt_len: int | None = None  # prefill prompt (tokens)
+    gen_batch: int | None = None  # prompts decoded together
+    gen_prompt_len: int | None = None  # prompt per decoded sequence (tokens)
+    new_tokens: int | None = None  # greedy tokens generated per sequence
+    warmup: int | None = None  # untimed rounds first (allocator, kernels, caches)
+    rounds: int | None = None  # timed rounds; figures are medians over them
+    clock: str = "auto"  # auto | wall | cpu (see the module docstring)
 
     def __post_init__(self):
-        for name, value in asdict(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise TrspError(f"speed.{name}={value!r} is invalid; pass a positive integer")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "clock":
+                if value not in CLOCKS:
+                    raise TrspError(f"speed.clock={value!r} is invalid; choose one of {', '.join(CLOCKS)}")
+            elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise TrspError(f"speed.{f.name}={value!r} is invalid; pass a positive integer")
+
+    def resolve(self, device_type: str) -> "SpeedSettings":
+        """Every unset field filled with the defaults of `device_type` ("cpu" or "cuda")."""
+        base = DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+        return replace(self, **{k: v for k, v in base.items() if getattr(self, k) is None})
+
+    def clock_for(self, device_type: str) -> str:
+        if self.clock != "auto":
+            return self.clock
+        return "cpu" if device_type == "cpu" and torch.get_num_threads() == 1 else "wall"
 
 
 def _prompt(model, batch: int, length: int) -> torch.Tensor:
@@ -53,9 +92,7 @@ def _clocks() -> tuple[float, float]:
 
 
 def _elapsed(start: tuple[float, float]) -> tuple[float, float]:
-    """(wall, CPU) seconds since `start`. CPU time ignores the time this process waits for a core,
-    so on a shared CPU it is the steadier figure; wall time is what a user sees (and on a GPU the
-    only meaningful one)."""
+    """(wall, CPU) seconds since `start`."""
     wall, cpu = _clocks()
     return wall - start[0], cpu - start[1]
 
@@ -84,45 +121,69 @@ def generate_seconds(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, 
     return _elapsed(start)
 
 
-def _time_models(models: dict, settings: SpeedSettings) -> dict[str, dict[str, list]]:
-    """Per model: (wall, CPU) prefill and generation times over `rounds`, interleaved across models."""
-    s = settings
+def _time_models(models: dict, s: SpeedSettings) -> dict[str, dict[str, list]]:
+    """Per model: (wall, CPU) prefill and generation times of each timed round, interleaved across
+    models in ABBA order (so neither model is always the one measured right after the other)."""
     inputs = {name: (_prompt(m, 1, s.prompt_len), _prompt(m, s.gen_batch, s.gen_prompt_len))
               for name, m in models.items()}
     times = {name: {"prefill": [], "generate": []} for name in models}
     order = list(models)
-    for round_ in range(s.rounds + 1):
+    for round_ in range(s.warmup + s.rounds):
         for name in order if round_ % 2 == 0 else order[::-1]:
             prefill_ids, gen_ids = inputs[name]
             p = prefill_seconds(models[name], prefill_ids)
             g = generate_seconds(models[name], gen_ids, s.new_tokens)
-            if round_ > 0:  # round 0 warms allocator and kernels
+            if round_ >= s.warmup:
                 times[name]["prefill"].append(p)
                 times[name]["generate"].append(g)
     return times
 
 
-def _summary(t: dict[str, list], settings: SpeedSettings) -> dict[str, float]:
-    tokens = settings.gen_batch * settings.new_tokens
-    out = {}
-    for k, suffix in ((0, ""), (1, "_cpu")):
-        out[f"prefill{suffix}_ms"] = 1000.0 * min(x[k] for x in t["prefill"])
-        out[f"tokens_per{suffix}_s"] = tokens / min(x[k] for x in t["generate"])
-    return out
+def _pick(t: dict[str, list], clock: str) -> dict[str, list[float]]:
+    k = 1 if clock == "cpu" else 0
+    return {kind: [x[k] for x in values] for kind, values in t.items()}
 
 
-def measure_speed(model, settings: SpeedSettings = SpeedSettings()) -> dict[str, float]:
-    """Prefill latency (ms) and generation throughput (new tokens/s) of one model."""
-    return _summary(_time_models({"model": model}, settings)["model"], settings)
+def _summary(t: dict[str, list[float]], s: SpeedSettings) -> dict[str, float]:
+    tokens = s.gen_batch * s.new_tokens
+    return {"prefill_ms": 1000.0 * statistics.median(t["prefill"]),
+            "tokens_per_s": tokens / statistics.median(t["generate"])}
 
 
-def compare_speed(dense, pruned, settings: SpeedSettings = SpeedSettings()) -> dict[str, float]:
-    """Dense vs pruned, timed side by side; speed-ups (wall and CPU time) beside the ideal L / L_kept."""
-    times = _time_models({"dense": dense, "pruned": pruned}, settings)
-    d, p = _summary(times["dense"], settings), _summary(times["pruned"], settings)
+def _settings_record(s: SpeedSettings, clock: str) -> dict:
+    return {**asdict(s), "clock": clock}
+
+
+def _device_type(model) -> str:
+    return model.device.type
+
+
+def measure_speed(model, settings: SpeedSettings = SpeedSettings()) -> dict:
+    """Prefill latency (ms) and generation throughput (new tokens/s) of one model (medians)."""
+    s = settings.resolve(_device_type(model))
+    clock = s.clock_for(_device_type(model))
+    t = _pick(_time_models({"model": model}, s)["model"], clock)
+    return {**_summary(t, s), "settings": _settings_record(s, clock)}
+
+
+def _paired(dense: list[float], pruned: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) over rounds of dense / pruned time (the speed-up of each round)."""
+    ratios = [d / p for d, p in zip(dense, pruned)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def compare_speed(dense, pruned, settings: SpeedSettings = SpeedSettings()) -> dict:
+    """Dense vs pruned, timed side by side: medians, and speed-ups (median of each round's paired
+    ratio, with the rounds' range) beside the ideal L / L_kept."""
+    device = _device_type(pruned)
+    s = settings.resolve(device)
+    clock = s.clock_for(device)
+    times = _time_models({"dense": dense, "pruned": pruned}, s)
+    d, p = _pick(times["dense"], clock), _pick(times["pruned"], clock)
+    out = {**_summary(p, s), **{f"dense_{k}": v for k, v in _summary(d, s).items()}}
+    for key, kind in (("prefill_speedup", "prefill"), ("throughput_speedup", "generate")):
+        mid, low, high = _paired(d[kind], p[kind])
+        out.update({key: mid, f"{key}_min": low, f"{key}_max": high})
     layers, kept = dense.config.num_hidden_layers, pruned.config.num_hidden_layers
-    out = {**p, **{f"dense_{k}": v for k, v in d.items()}}
-    for suffix in ("", "_cpu"):
-        out[f"prefill_speedup{suffix}"] = d[f"prefill{suffix}_ms"] / p[f"prefill{suffix}_ms"]
-        out[f"throughput_speedup{suffix}"] = p[f"tokens_per{suffix}_s"] / d[f"tokens_per{suffix}_s"]
-    return {**out, "ideal_speedup": layers / kept, "layers": layers, "layers_kept": kept}
+    return {**out, "ideal_speedup": layers / kept, "layers": layers, "layers_kept": kept,
+            "settings": _settings_record(s, clock)}
