@@ -10,6 +10,7 @@ fresh actor if the old one died); a candidate that still fails is reported and t
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,35 +135,57 @@ def evaluate_pool(models: list[str], *, settings: EvalSettings, actors: int = 1,
         raise TrspError(f"actors={actors!r} is invalid; pass a positive integer")
     if not models:
         raise TrspError("no candidates given; pass one or more exported model directories")
-    results: dict[int, dict] = {}
-    queue: collections.deque = collections.deque()
+    bad = {}
     for i, path in enumerate(models):
         try:
             check_candidate(path)
-            queue.append((i, 1))
         except TrspError as e:
-            results[i] = failure(path, str(e), attempts=0)
-    total = len(models)
-    report = _reporter(total, tracker, settings, on_result, log)
-    for i in sorted(results):
-        report(results[i])
-    if not queue:
-        return [results[i] for i in range(total)]
+            bad[i] = failure(path, str(e), attempts=0)
+    report = _reporter(len(models), tracker, settings, on_result, log)
+    for i in sorted(bad):
+        report(bad[i])
+    good = [m for i, m in enumerate(models) if i not in bad]
+    if not good:
+        return [bad[i] for i in range(len(models))]
 
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    try:
+        with actor_pool(settings=settings, actors=min(actors, len(good)), resources=resources, retries=retries,
+                        log=log) as run:
+            scored = iter(run(good, report=report))
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return [bad[i] if i in bad else next(scored) for i in range(len(models))]
+
+
+@contextlib.contextmanager
+def actor_pool(*, settings: EvalSettings, actors: int, resources: ActorResources = ActorResources(),
+               retries: int = 1, log: Callable[[str], None] = print):
+    """`actors` started evaluation actors (each constructed, so start-up is over when this yields);
+    yields `run(models, report=None) -> results`, which keeps every actor busy until the candidates
+    (checked directories) are scored, and can be called again on the same warm actors. Needs Ray
+    initialised; stops the actors on exit."""
+    _check_cluster(actors, resources)
     pool: list[tuple] = []
     try:
-        _check_cluster(min(actors, len(queue)), resources)
-        pool = [_start_actor(resources, settings.to_dict()) for _ in range(min(actors, len(queue)))]
-        _drain(pool, queue, models, results, report, resources, settings, retries, log)
+        pool = [_start_actor(resources, settings.to_dict()) for _ in range(actors)]
+        import ray
+
+        ray.get([actor.where.remote() for actor, _ in pool])
+
+        def run(models: list[str], *, report: Callable[[dict], None] | None = None) -> list[dict]:
+            results: dict[int, dict] = {}
+            queue = collections.deque((i, 1) for i in range(len(models)))
+            _drain(pool, queue, models, results, report or (lambda r: None), resources, settings, retries, log)
+            return [results[i] for i in range(len(models))]
+
+        yield run
     finally:
         for actor, pg in pool:
             _stop_actor(actor, pg)
-        if started_ray:
-            ray.shutdown()
-    return [results[i] for i in range(total)]
 
 
 def _reporter(total, tracker, settings, on_result, log):
