@@ -6,8 +6,9 @@ import pytest
 
 from trsp_ray.config import load_config
 from trsp_ray.errors import TrspError
-from trsp_ray.search.cache import RunLog, Stage1Cache
-from trsp_ray.search.space import grid_points, parse_space, sample_points, stage1_key, trial_key
+from trsp_ray.search.cache import RunLog
+from trsp_ray.search.space import grid_points, parse_space, sample_points, trial_key
+from trsp_ray.stage1_store import Stage1Store, stage1_key
 from trsp_ray.stage1 import Stage1Result
 
 GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3], "stage2.lambda2": [1e-3]}}
@@ -93,19 +94,24 @@ def test_keys_ignore_what_does_not_change_the_result():
     assert stage1_key(base, "d") == stage1_key(other_ratio, "d")
     assert stage1_key(base, "d") != stage1_key(base, "other data")
     assert stage1_key(base, "d") != stage1_key({**base, "stage1": {**base["stage1"], "lambda1": 1.0}}, "d")
+    assert stage1_key(base, "d") != stage1_key({**base, "dtype": "bf16"}, "d")
+    held_out = {**base, "data": {**base["data"], "eval_seqlen": 64, "eval_max_windows": 2}}
+    assert stage1_key(base, "d") == stage1_key(held_out, "d")  # stage 1 never reads the held-out settings
     assert trial_key(base) != trial_key(other_ratio)
     assert trial_key(base) == trial_key({**base, "tracking": {"enabled": False}})
 
 
-def test_cache_serves_prefixes_only_up_to_the_computed_length(tmp_path):
-    cache = Stage1Cache(tmp_path)
+def test_store_serves_prefixes_only_up_to_the_computed_length(tmp_path):
+    store = Stage1Store(tmp_path)
     result = Stage1Result(drop_order=[4, 2, 5], round1_ranking=[4, 5, 2, 1], gate_history=[[1.0, 0.5]],
                           round_ends=[1, 2, 3], steps=3, tokens=30)
-    assert cache.get("k", 1) is None
-    with cache.locked("k"):
-        cache.put("k", result, settings={})
-    assert cache.get("k", 3).drop_order == [4, 2, 5]
-    assert cache.get("k", 4) is None  # a larger ratio than was computed needs a new stage 1
+    assert store.get("k", 1) is None
+    computed = []
+    compute = lambda n: computed.append(n) or result
+    assert store.obtain("k", need=2, plan=3, compute=compute, content={}) == (result, True)
+    assert store.get("k", 3).drop_order == [4, 2, 5] and computed == [3]  # computed once, for the plan
+    assert store.obtain("k", need=1, compute=compute, content={})[1] is False and computed == [3]
+    assert store.get("k", 4) is None  # a larger ratio than was computed needs a new stage 1
 
 
 def test_run_log_counts_events_per_invocation(tmp_path):

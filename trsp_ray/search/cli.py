@@ -73,8 +73,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reuse", action="store_true", help="compute stage 1 in every trial (for comparison)")
     p.add_argument("--no-asha", action="store_true", help="no early stopping")
     p.add_argument("--cpus-per-trial", type=float, default=1.0)
-    p.add_argument("--max-concurrent", type=int, default=None, help="default: cluster CPUs // cpus per trial")
+    p.add_argument("--gpus-per-trial", type=float, default=None,
+                   help="GPUs (or a fraction) per trial; default: from the memory planner when the run is on GPUs")
+    p.add_argument("--trial-workers", type=int, default=None,
+                   help="run each trial's stage 2 on this many Ray Train workers (default: when the planner "
+                        "says a trial does not fit one GPU)")
+    p.add_argument("--max-concurrent", type=int, default=None, help="default: what the cluster's CPUs/GPUs hold")
     p.add_argument("--eval-actors", type=int, default=1)
+    p.add_argument("--eval-gpus-per-actor", type=float, default=None,
+                   help="default: what a pruned model's inference needs, on a GPU run")
     p.add_argument("--eval-tasks", default="", help="zero-shot tasks scored for every trial, comma-separated")
     p.add_argument("--register-name", default="trsp-search-best", help="registry name of the best model")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
@@ -86,7 +93,9 @@ def options(args) -> "SearchOptions":  # noqa: F821
     tasks = tuple(t for t in args.eval_tasks.split(",") if t)
     return SearchOptions(search_dir=args.search_dir, name=args.name, reuse=not args.no_reuse,
                          asha=not args.no_asha, cpus_per_trial=args.cpus_per_trial,
-                         max_concurrent=args.max_concurrent, eval_actors=args.eval_actors, eval_tasks=tasks,
+                         gpus_per_trial=args.gpus_per_trial, trial_workers=args.trial_workers,
+                         max_concurrent=args.max_concurrent, eval_actors=args.eval_actors,
+                         eval_gpus_per_actor=args.eval_gpus_per_actor, eval_tasks=tasks,
                          register_name=args.register_name or None, address=args.address)
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from trsp_ray.config import RunConfig, from_dict
 from trsp_ray.errors import TrspError
-from trsp_ray.search.cache import RunLog, data_fingerprint
-from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, stage1_key, trial_key
+from trsp_ray.search.cache import RunLog
+from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
 from trsp_ray.search.trial import TRIALS, trial_record_path
+from trsp_ray.stage1_store import data_fingerprint, stage1_key
 
 TRSP_METHODS = ("trsp", "trsp-oneshot", "trsp-no-stage2")
 
@@ -34,8 +35,11 @@ class SearchOptions:
     val_every: int | None = None  # stage-2 steps between validation reports (None: about 4 per trial)
     val_windows: int = 8  # validation windows per report
     cpus_per_trial: float = 1.0
-    max_concurrent: int | None = None  # None: cluster CPUs // cpus_per_trial
+    gpus_per_trial: float | None = None  # None: from the memory planner on a GPU run (see route.py), else 0
+    trial_workers: int | None = None  # force stage 2 onto this many Ray Train workers per trial
+    max_concurrent: int | None = None  # None: what the cluster's CPUs and GPUs hold at once
     eval_actors: int = 1
+    eval_gpus_per_actor: float | None = None  # None: what a pruned model's inference needs on a GPU run
     eval_tasks: tuple[str, ...] = ()  # zero-shot tasks for every trial's model (PPL is always scored)
     eval_limit: int | None = None
     register_name: str | None = "trsp-search-best"
@@ -133,17 +137,31 @@ def _searcher(space: SearchSpace, done: dict[str, dict], remaining: list[dict] |
     return _tune_space(space), search, max(0, space.num_samples - len(done))
 
 
-def _concurrency(opts: SearchOptions, trials: int) -> int:
-    import ray
-
-    cpus = ray.cluster_resources().get("CPU", 1.0)
-    if opts.cpus_per_trial > cpus:
-        raise TrspError(f"cpus_per_trial={opts.cpus_per_trial} exceeds the cluster's {cpus:g} CPUs")
-    limit = max(1, int(cpus // opts.cpus_per_trial))
+def _concurrency(opts: SearchOptions, trials: int, route, cluster: dict) -> int:
+    """Trials at once: what the cluster's CPUs hold, and its GPUs (a Ray Train trial occupies its
+    workers' GPUs, and each of them a CPU, besides its own CPU)."""
+    cpus = cluster.get("CPU", 1.0)
+    per_trial_cpus = opts.cpus_per_trial + route.workers
+    if per_trial_cpus > cpus:
+        raise TrspError(f"a trial needs {per_trial_cpus:g} CPUs ({opts.cpus_per_trial:g} + one per Ray Train "
+                        f"worker), the cluster has {cpus:g}; lower --cpus-per-trial or add nodes")
+    limit = max(1, int(cpus // per_trial_cpus))
+    if route.gpus_per_trial():
+        limit = min(limit, max(1, int(cluster.get("GPU", 0.0) / route.gpus_per_trial() + 1e-9)))
     return max(1, min(opts.max_concurrent or limit, limit, trials))
 
 
-def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, trials, trial_config, num_layers):
+def _route(base: RunConfig, opts: SearchOptions, cluster: dict):
+    from trsp_ray import assets
+    from trsp_ray.search.route import trial_route
+
+    return trial_route(base, model_path=assets.resolve_model(base.model), cluster=cluster,
+                       gpus_per_trial=opts.gpus_per_trial, workers=opts.trial_workers,
+                       eval_gpus=opts.eval_gpus_per_actor)
+
+
+def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, trials, trial_config, num_layers,
+              route, cluster):
     from ray import tune
 
     from trsp_ray.search.scheduler import GroupedASHA
@@ -154,12 +172,13 @@ def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, t
     scheduler = GroupedASHA(num_layers=num_layers, base_ratio=base_dict["ratio"], metric="val_loss", mode="min",
                             max_t=reports, grace_period=max(1, reports // 3), reduction_factor=2) if opts.asha else None
     tuner = tune.Tuner(
-        tune.with_resources(run_trial, {"cpu": opts.cpus_per_trial}),
+        tune.with_resources(run_trial, route.resources(opts.cpus_per_trial)),
         param_space={**trial_config, "point": point_space},
         # reuse_actors: a trial's process keeps torch/transformers/DeepSpeed imported for the next
         # trial (a fresh process costs ~14 s of imports per trial on a 2-core machine).
         tune_config=tune.TuneConfig(num_samples=num_samples, search_alg=search_alg, scheduler=scheduler,
-                                    max_concurrent_trials=_concurrency(opts, trials), reuse_actors=True),
+                                    max_concurrent_trials=_concurrency(opts, trials, route, cluster),
+                                    reuse_actors=True),
         run_config=tune.RunConfig(name=f"{opts.name}-{trial_config['invocation']}", verbose=0,
                                   storage_path=str(Path(opts.search_dir, "tune").resolve())),
     )
@@ -189,10 +208,11 @@ def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
     return out
 
 
-def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log) -> None:
-    """Held-out PPL (and optional zero-shot tasks) of every new export, on the evaluation pool."""
+def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log, route) -> None:
+    """Held-out PPL (and optional zero-shot tasks) of every new export, on the evaluation pool
+    (actors on GPUs, in bf16, when the search runs on GPUs)."""
     from trsp_ray.evaluation.evaluator import EvalSettings
-    from trsp_ray.evaluation.pool import evaluate_pool
+    from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
     from trsp_ray.tracking import write_json_atomic
 
     todo = [r for r in records if r["status"] == "finished" and r.get("evaluation") is None]
@@ -200,8 +220,11 @@ def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log) -> No
         return
     d = base.data
     settings = EvalSettings(tasks=opts.eval_tasks, limit=opts.eval_limit, eval_text=d.eval_text,
-                            ppl_seqlen=d.eval_seqlen, ppl_windows=d.eval_max_windows, speed=None)
-    results = evaluate_pool([r["model_dir"] for r in todo], settings=settings, actors=opts.eval_actors, log=log)
+                            ppl_seqlen=d.eval_seqlen, ppl_windows=d.eval_max_windows, speed=None,
+                            dtype="bfloat16" if route.use_gpu else "float32")
+    resources = ActorResources(num_cpus=1.0, num_gpus=route.eval_gpus, placement_group=route.eval_gpus > 1)
+    results = evaluate_pool([r["model_dir"] for r in todo], settings=settings, actors=opts.eval_actors,
+                            resources=resources, log=log)
     for record, result in zip(todo, results):
         record["evaluation"] = result
         record["heldout_ppl"] = result.get("ppl")
@@ -244,12 +267,18 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     try:
         new = []
         if trials:
-            log(f"search {opts.name}: {trials} trial(s) to run, {len(done)} finished earlier are skipped")
+            cluster = ray.cluster_resources()
+            route = _route(base, opts, cluster)  # a bad device or a trial too large fails here
+            trial_config["route"] = route.to_dict()
+            runlog.write("route", **route.to_dict())
+            log(f"search {opts.name}: {trials} trial(s) to run, {len(done)} finished earlier are skipped; "
+                f"per trial {route.resources(opts.cpus_per_trial)}"
+                + (f" + {route.workers} Ray Train workers" if route.workers else ""))
             results = _run_tune(base_dict, space, opts, point_space=point_space, search_alg=search_alg,
                                 num_samples=num_samples, trials=trials, trial_config=trial_config,
-                                num_layers=num_layers)
+                                num_layers=num_layers, route=route, cluster=cluster)
             new = _collect(results, search_dir, base_dict)
-            _score(new, base, opts, log)
+            _score(new, base, opts, log, route)
         else:
             log(f"search {opts.name}: all {len(done)} trial(s) finished earlier; nothing to run")
     finally:

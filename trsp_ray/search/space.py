@@ -9,22 +9,19 @@ than the candidate layers.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from trsp_ray.config import RunConfig, from_dict
 from trsp_ray.errors import TrspError
+from trsp_ray.stage1_store import content_key
 
 # Keys a search may vary; anything else is fixed for the whole search through the run config.
 SEARCHABLE = ("ratio", "stage1.lambda1", "stage2.lambda2", "stage1.lr", "stage1.first_round_steps",
               "stage1.steps_per_round", "stage2.trainable", "stage2.steps", "stage2.lr")
 ALGORITHMS = ("grid", "random", "optuna")
 RANGES = ("uniform", "loguniform", "int")
-# The stage-1 result depends on these config sections and nothing else (ratio only sets its length).
-STAGE1_SECTIONS = ("model", "seed", "device", "data", "gates", "stage1")
 
 
 @dataclass(frozen=True)
@@ -168,17 +165,6 @@ def check_points(base: RunConfig, space: SearchSpace, points: list[dict] | None,
         except TrspError as e:
             raise TrspError(f"search point {point}: {e}") from None
         check_drop_count(round(cfg.ratio * num_layers), candidates, cfg.ratio, num_layers)
-
-
-def content_key(obj: Any, length: int = 16) -> str:
-    """A short stable hash of a JSON-able object (sorted keys)."""
-    blob = json.dumps(obj, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:length]
-
-
-def stage1_key(cfg: dict, data_fingerprint: str) -> str:
-    """Content key of what stage 1 depends on: model, seed, data settings and texts, gates, stage1."""
-    return content_key({"config": {k: cfg[k] for k in STAGE1_SECTIONS}, "data": data_fingerprint})
 
 
 def trial_key(cfg: dict) -> str:

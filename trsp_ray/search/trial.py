@@ -14,8 +14,9 @@ import math
 import time
 from pathlib import Path
 
-from trsp_ray.search.cache import RunLog, Stage1Cache, stage1_for_trial
-from trsp_ray.search.space import apply_point, stage1_key, trial_key
+from trsp_ray.search.cache import RunLog, stage1_for_trial, stage1_on
+from trsp_ray.search.space import apply_point, trial_key
+from trsp_ray.stage1_store import Stage1Store, stage1_content, stage1_key
 
 TRIALS = "trials"  # finished-trial records: <search_dir>/trials/<trial key>.json
 MODELS = "models"  # exported pruned models: <search_dir>/models/<trial key>/
@@ -77,6 +78,16 @@ def _stage2_reporter(bench, made: list, *, every: int, steps: int, windows: int,
     return on_metrics
 
 
+def trial_store(config: dict) -> Stage1Store | None:
+    """The search's stage-1 store, or None when reuse is off."""
+    return Stage1Store(Path(config["search_dir"]) / "stage1") if config.get("reuse", True) else None
+
+
+def planned_n_drop(config: dict, skey: str) -> int:
+    """Layers the first stage-1 computation of `skey` covers: the most any trial sharing it drops."""
+    return int(config.get("plan_n_drop", {}).get(skey, config.get("default_plan_n_drop", 0)))
+
+
 def gates_at_ratio(stage1, n_drop: int) -> list[float]:
     """Gate values when the n_drop-th layer was chosen (end of that selection round)."""
     if not stage1.gate_history:
@@ -90,17 +101,20 @@ def run_trial(config: dict) -> None:
     """Tune entry point. `config`: run (base config dict), point (searched values), search_dir,
     data_fp, reuse, plan_n_drop ({stage-1 key: layers}), default_plan_n_drop, val_every,
     val_windows, threads, invocation."""
+    import ray
     from ray import tune
 
-    _execute(config, report=tune.report)
+    _execute(config, report=tune.report, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
 
 
-def _execute(config: dict, *, report) -> dict:
+def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
+    """One trial; `gpu_ids` are the GPUs Ray assigned to it (the route in `config` says how many)."""
     import torch
 
-    from trsp_ray.config import from_dict
+    from trsp_ray.config import from_dict, replace
     from trsp_ray.methods import apply_method
     from trsp_ray.pipeline import kept_parameters, prepare
+    from trsp_ray.search.route import trial_device
 
     torch.set_num_threads(int(config.get("threads") or 1))
     search_dir = Path(config["search_dir"])
@@ -108,12 +122,18 @@ def _execute(config: dict, *, report) -> dict:
     cfg = from_dict(cfg_dict)
     tkey, skey = trial_key(cfg_dict), stage1_key(cfg_dict, config["data_fp"])
     log = RunLog(search_dir, invocation=config["invocation"])
+    if (config.get("route") or {}).get("workers"):
+        from trsp_ray.search.distributed_trial import run_distributed_trial
+
+        return run_distributed_trial(config, cfg, report=report, log=log, tkey=tkey, skey=skey)
+    device = trial_device(cfg.device, gpu_ids=list(gpu_ids))
+    log.write("trial_started", trial=tkey, device=device, gpu_ids=list(gpu_ids))
     start = time.perf_counter()
-    bench = prepare(cfg)
+    bench = prepare(replace(cfg, device=device))
     windows = int(config.get("val_windows") or 8)
-    cache = Stage1Cache(search_dir / "stage1") if config.get("reuse", True) else None
-    plan = config.get("plan_n_drop", {}).get(skey, config.get("default_plan_n_drop", 0))
-    stage1 = stage1_for_trial(bench, cache=cache, key=skey, plan_n_drop=int(plan), log=log, trial=tkey)
+    stage1 = stage1_for_trial(need=bench.n_drop(), compute=lambda n: stage1_on(bench, n),
+                              content=stage1_content(cfg_dict), store=trial_store(config),
+                              key=skey, plan_n_drop=planned_n_drop(config, skey), log=log, trial=tkey)
     captured, made = _capture_models(bench)
     every = max(1, int(config.get("val_every") or 1))
     curve: list = []
@@ -136,6 +156,7 @@ def _execute(config: dict, *, report) -> dict:
               "num_layers_original": bench.num_layers, "val_loss": val, "val_ppl": math.exp(val),
               "kept_parameters": kept, "dense_parameters": dense, "kept_fraction": kept / dense,
               "gates": gates_at_ratio(stage1, n_drop), "curve": curve, "seconds": time.perf_counter() - start,
+              "device": device, "gpu_ids": list(gpu_ids), "route": "single",
               "info": {k: v for k, v in outcome.info.items() if k != "relative_update"}}
     record["model_dir"] = _export(outcome, bench, search_dir, tkey, record)
     from trsp_ray.tracking import write_json_atomic

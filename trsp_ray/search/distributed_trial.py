@@ -1,0 +1,111 @@
+"""A search trial whose model needs several GPUs: the trial process holds one CPU and drives
+Ray Train from inside the trial (the Train V2 pattern for Tune), never loading the model itself.
+
+    stage 1   from the search's stage-1 store, else learned once by a Ray task on one device
+    stage 2   + export on `route.workers` Ray Train workers (trsp_ray/distributed/handoff.py)
+    score     validation loss of the export by a Ray task holding the evaluation actors' GPUs
+
+It reports only the final validation loss (ASHA never stops it early: Ray Train runs stage 2 as
+one unit) and writes the same finished-trial record as a single-device trial, with the route,
+the worker count and whether the exported drop set is the shared stage-1 one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from trsp_ray.search.cache import stage1_for_trial
+from trsp_ray.search.trial import MODELS, planned_n_drop, trial_record_path, trial_store
+from trsp_ray.stage1_store import result_dict, result_from, stage1_content
+
+# Tune captures a trial's child tasks into the trial's own placement group, which holds only the
+# trial's CPU; these tasks (like the Ray Train workers) take free cluster resources instead.
+OUTSIDE_TRIAL = {"scheduling_strategy": "DEFAULT"}
+
+
+def _stage1_task(run: dict, n_drop: int) -> dict:
+    """Ray task body: stage 1 of `run` for `n_drop` layers on the device the task was given."""
+    import ray
+
+    from trsp_ray.config import from_dict, replace
+    from trsp_ray.pipeline import prepare
+    from trsp_ray.search.cache import stage1_on
+    from trsp_ray.search.route import trial_device
+
+    cfg = from_dict(run)
+    device = trial_device(cfg.device, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
+    return result_dict(stage1_on(prepare(replace(cfg, device=device)), n_drop))
+
+
+def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
+    """Ray task body: validation loss (nats, calibration tail), parameters and layers of an export,
+    and the dense model's parameter count (from its config, on the meta device: no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trsp_ray import assets
+    from trsp_ray.config import from_dict
+    from trsp_ray.evaluation.evaluator import load_candidate
+    from trsp_ray.perplexity import perplexity
+    from trsp_ray.pipeline import calibration_ids, kept_parameters
+
+    cfg = from_dict(run)
+    model, tokenizer = load_candidate(model_dir, dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    _, val_ids = calibration_ids(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
+    ppl = perplexity(model, val_ids, seqlen=cfg.data.eval_seqlen, batch_size=4, max_windows=windows)
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets.resolve_model(cfg.model)))
+    return {"val_loss": math.log(ppl), "kept_parameters": kept_parameters(model),
+            "dense_parameters": kept_parameters(dense), "layers": model.config.num_hidden_layers}
+
+
+def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: str) -> dict:
+    """The trial as above; `config` is the Tune config (see trial.run_trial), `cfg` its RunConfig."""
+    import ray
+
+    from trsp_ray.config import replace
+    from trsp_ray.distributed.handoff import run_stage2_distributed
+    from trsp_ray.pipeline import check_plan
+    from trsp_ray.tracking import write_json_atomic
+
+    route, search_dir, start = config["route"], Path(config["search_dir"]), time.perf_counter()
+    num_layers = check_plan(cfg)  # config.json only: the trial never holds the model
+    n_drop = round(cfg.ratio * num_layers)
+    cfg_dict = cfg.to_dict()
+    stage1 = None
+    if route.get("stage1_on_one_device", True):
+        task = ray.remote(_stage1_task).options(num_cpus=1, num_gpus=1 if route["use_gpu"] else 0, **OUTSIDE_TRIAL)
+        stage1 = result_dict(stage1_for_trial(
+            need=n_drop, compute=lambda n: result_from(ray.get(task.remote(cfg_dict, n))),
+            content=stage1_content(cfg_dict), store=trial_store(config), key=skey,
+            plan_n_drop=planned_n_drop(config, skey), log=log, trial=tkey))
+    out = search_dir / MODELS / tkey
+    dcfg = replace(cfg, output=str(out), **{
+        "distributed.workers": route["workers"], "distributed.use_gpu": route["use_gpu"],
+        "tracking.enabled": False,  # trials never write MLflow (one writer per store: the driver)
+        "distributed.storage_path": cfg.distributed.storage_path or str(search_dir / "ray")})
+    log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"],
+              route=f"ray-train x{route['workers']}")
+    result, shared = run_stage2_distributed(dcfg, stage1=stage1, n_drop=n_drop, name=f"trial-{tkey}")
+    windows = int(config.get("val_windows") or 8)
+    scored = ray.get(ray.remote(_validation_task).options(num_cpus=1, num_gpus=route["eval_gpus"], **OUTSIDE_TRIAL)
+                     .remote(str(out), cfg_dict, windows))
+    drop = list(result.drop_order)
+    record = {"trial_key": tkey, "stage1_key": skey, "point": config["point"], "config": cfg_dict,
+              "status": "finished", "drop": drop, "kept": [i for i in range(num_layers) if i not in drop],
+              "num_layers_original": num_layers, "val_loss": scored["val_loss"],
+              "val_ppl": math.exp(scored["val_loss"]), "kept_parameters": scored["kept_parameters"],
+              "dense_parameters": scored["dense_parameters"],
+              "kept_fraction": scored["kept_parameters"] / scored["dense_parameters"],
+              "gates": [], "curve": [], "seconds": time.perf_counter() - start, "model_dir": str(out),
+              "route": "ray-train", "workers": route["workers"], "stage1_shared": shared,
+              "info": {"storage": result.storage}}
+    if scored["layers"] != num_layers - len(drop):
+        raise RuntimeError(f"export {out} has {scored['layers']} layers, expected {num_layers - len(drop)}")
+    write_json_atomic(record, trial_record_path(search_dir, tkey))
+    log.write("trial_finished", trial=tkey, val_ppl=record["val_ppl"])
+    report({"val_loss": record["val_loss"], "val_ppl": record["val_ppl"], "kept_parameters": record["kept_parameters"],
+            "kept_fraction": record["kept_fraction"], "trial_key": tkey, "phase": "final", "done_trial": 1})
+    return record

@@ -1,0 +1,142 @@
+"""Stage-1 results stored under the content of what produced them: the one stage-1 store that the
+search and the reproduction both use.
+
+Stage 1 depends on the model (its files), the calibration text (its bytes), the windows it is cut
+into (data.seqlen, data.batch_size), the seed, the precision (device, dtype), the gates and the
+stage1 settings - and on nothing else. Not on the ratio: the drop order for a smaller ratio is a
+prefix of the order for a larger one (SPEC section 1), so a stored result serves every ratio up to
+its length, and a longer one replaces it. Changing any of those settings changes the key, so a
+changed setting recomputes instead of silently reusing a stale result.
+
+`<root>/<key>.json` holds the result and the content it was keyed by (to read why two keys
+differ); writes are atomic, and `obtain` holds a per-key file lock while it computes, so parallel
+processes (search trials, reproduction tasks) wait for one computation instead of repeating it.
+The root must be on storage every node sees (a shared filesystem on a multi-node cluster).
+No Ray, DeepSpeed or MLflow here: the single-process path could use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from trsp_ray.tracking import write_json_atomic
+
+if TYPE_CHECKING:
+    from trsp_ray.stage1 import Stage1Result
+
+# Config fields stage 1 reads (data: only what shapes the calibration windows; the text itself
+# enters through the fingerprint).
+STAGE1_TOP = ("model", "seed", "device", "dtype")
+STAGE1_DATA = ("calib_text", "seqlen", "batch_size")
+STAGE1_SECTIONS = ("gates", "stage1")
+
+
+def content_key(obj: Any, length: int = 16) -> str:
+    """A short stable hash of a JSON-able object (sorted keys)."""
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def model_fingerprint(model: str) -> str:
+    """What identifies a model's weights beyond its name: size + mtime of config and weight files
+    (cheap, and changes whenever the weights are rewritten); a hub id stands for itself."""
+    from trsp_ray import assets
+
+    path = Path(assets.resolve_model(model))
+    if not path.is_dir():
+        return f"hub:{model}"
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def text_fingerprint(path: str | None) -> str:
+    """The bytes of a text file, or the name of the default Wikipedia split."""
+    from trsp_ray import assets
+
+    if not path:
+        return assets.WIKI_SOURCE
+    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
+
+
+def data_fingerprint(*, model: str, calib_text: str | None) -> str:
+    """Fingerprint of the model files and the calibration text: what the key needs beyond the config."""
+    return content_key({"model": model_fingerprint(model), "calib": text_fingerprint(calib_text)})
+
+
+def stage1_content(cfg: dict) -> dict:
+    """The part of a run-config dict stage 1 depends on."""
+    return {**{k: cfg.get(k) for k in STAGE1_TOP}, "data": {k: cfg["data"][k] for k in STAGE1_DATA},
+            **{k: cfg[k] for k in STAGE1_SECTIONS}}
+
+
+def stage1_key(cfg: dict, fingerprint: str) -> str:
+    """Content key of a stage-1 result: `stage1_content(cfg)` and the data fingerprint."""
+    return content_key({"config": stage1_content(cfg), "data": fingerprint})
+
+
+def result_dict(result: Stage1Result) -> dict:
+    """A Stage1Result as plain data (what crosses Ray boundaries and lands in the store)."""
+    return dataclasses.asdict(result)
+
+
+def result_from(data: dict) -> Stage1Result:
+    from trsp_ray.stage1 import Stage1Result  # torch: only when a result is read
+
+    return Stage1Result(**{f.name: data[f.name] for f in dataclasses.fields(Stage1Result) if f.name in data})
+
+
+class Stage1Store:
+    """Stage-1 results by content key under `root`."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    @contextlib.contextmanager
+    def locked(self, key: str) -> Iterator[None]:
+        with open(self.root / f"{key}.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def record(self, key: str) -> dict | None:
+        f = self.path(key)
+        return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+
+    def get(self, key: str, n_drop: int) -> Stage1Result | None:
+        """The stored result if its drop order covers `n_drop` layers, else None."""
+        data = self.record(key)
+        if data is None or len(data["drop_order"]) < n_drop:
+            return None
+        return result_from(data)
+
+    def put(self, key: str, result: Stage1Result, *, content: dict, **extra) -> None:
+        write_json_atomic({**result_dict(result), "key": key, "content": content, **extra}, self.path(key))
+
+    def obtain(self, key: str, *, need: int, compute: Callable[[int], Stage1Result], content: dict,
+               plan: int = 0) -> tuple[Stage1Result, bool]:
+        """(result covering `need` layers, whether it was computed now). Under the key's lock: the
+        stored result when it is long enough, else `compute(max(need, plan))`, stored before return."""
+        with self.locked(key):
+            hit = self.get(key, need)
+            if hit is not None:
+                return hit, False
+            n_drop = max(need, plan)
+            result = compute(n_drop)
+            self.put(key, result, content=content, n_drop=n_drop)
+            return result, True
