@@ -12,8 +12,9 @@ logits with those the ZeRO-3 model gave before the export, on the same device an
 happens in a temp dir renamed into place at the end (`export.publish`): a failed export leaves
 no output, and a failure on rank 0 never leaves the other ranks hanging in a gather.
 
-Rank 0's extra host memory is the gathered unit (on CPU runs; on GPU the gather is on the device)
-plus the tensor on its way to disk: about one layer or the embedding, never a shard or the model.
+Rank 0's extra host memory: on GPU the gather is in device memory and the host holds the one
+tensor on its way to disk; on CPU runs it is the gathered unit, briefly twice over (torch's gloo
+all_gather stages its output in a temporary): about one layer or the embedding, never the model.
 `benchmarks/export_memory.py` measures it.
 
 Timeouts. The per-unit gathers run on the training process group (Ray Train's default timeout is
