@@ -184,6 +184,23 @@ def test_corruption_during_export_fails_it_and_leaves_nothing(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C (or a failing disk) after some shards are on disk: no target, no temp dir."""
+    real_write, calls = ShardWriter.write, []
+
+    def write(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 20:
+            raise KeyboardInterrupt
+        real_write(self, name, tensor)
+
+    monkeypatch.setattr(ShardWriter, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        export_streaming(_gated("llama"), tokenizer=None, drop=DROP, output=str(tmp_path / "out"), manifest={},
+                         max_shard_mb=0.1)
+    assert len(calls) == 20 and list(tmp_path.iterdir()) == []
+
+
 def test_bad_drop_set_and_existing_output_are_refused(tmp_path):
     with pytest.raises(TrspError, match=r"drop set \[1, 9\] is not valid for 6 layers"):
         export_streaming(_gated("llama"), tokenizer=None, drop=[1, 9], output=str(tmp_path / "s"), manifest={})
@@ -205,6 +222,16 @@ def test_reload_check_only_where_the_model_fits(tmp_path):
     check = done["export_check"]
     assert check["reload_check"].startswith("skipped") and "max_abs_logit_diff" not in check
     assert check["tensors"] == 39  # the checksums still cover every tensor
+
+
+def test_bad_export_settings_are_one_line_errors():
+    from trsp_ray.config import load_config
+
+    for override, message in [("distributed.export_shard_mb=0", "distributed.export_shard_mb=0 is not valid"),
+                              ("distributed.export_timeout_s=-5", "distributed.export_timeout_s=-5 is not valid")]:
+        with pytest.raises(TrspError, match=message):
+            load_config(overrides=[override])
+    assert load_config(overrides=["distributed.export_shard_mb=20"]).distributed.export_shard_mb == 20
 
 
 def test_timeout_is_sized_from_the_bytes():
