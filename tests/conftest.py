@@ -20,3 +20,42 @@ def pytest_configure(config):
     # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning
     # threads slow everything down.
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def private_ray():
+    """`start(**ray_init_kwargs)`: a Ray instance of this test's own (its own short temp dir, so
+    ray.init neither joins another engineer's cluster on this machine nor leaves one running)."""
+    import shutil
+    import tempfile
+
+    started = []
+
+    def start(**kwargs):
+        import ray
+
+        temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+        started.append(temp)
+        ray.init(include_dashboard=False, _temp_dir=temp, **kwargs)
+
+    yield start
+    if started:
+        import ray
+
+        ray.shutdown()
+        for temp in started:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def own_ray_tmpdir(monkeypatch):
+    """For code that starts Ray itself (ray.init(address=None)): a short RAY_TMPDIR of this test's
+    own, so Ray starts a fresh local instance instead of joining the latest cluster on the machine."""
+    import shutil
+    import tempfile
+
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", temp)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    yield temp
+    shutil.rmtree(temp, ignore_errors=True)

@@ -104,9 +104,8 @@ def test_evaluator_measures_ppl_tasks_and_speed(candidates):
 
 
 @pytest.mark.ray
-def test_pool_streams_results_retries_and_reports_failures(tmp_path, candidates):
+def test_pool_streams_results_retries_and_reports_failures(tmp_path, candidates, private_ray):
     import mlflow
-    import ray
 
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
     from trsp_ray.tracking import make_tracker
@@ -117,13 +116,10 @@ def test_pool_streams_results_retries_and_reports_failures(tmp_path, candidates)
     tracker = make_tracker(tracking_uri=uri, experiment="pool-test")
     settings = EvalSettings(tasks=("piqa",), limit=2, ppl_windows=1, ppl_seqlen=32, speed=None)
     lines, streamed = [], []
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        with tracker.run("eval"):
-            results = evaluate_pool(models, settings=settings, actors=2, resources=ActorResources(num_cpus=1),
-                                    tracker=tracker, log=lines.append, on_result=streamed.append)
-    finally:
-        ray.shutdown()
+    private_ray(num_cpus=2)
+    with tracker.run("eval"):
+        results = evaluate_pool(models, settings=settings, actors=2, resources=ActorResources(num_cpus=1),
+                                tracker=tracker, log=lines.append, on_result=streamed.append)
     assert [r["status"] for r in results] == ["ok", "failed", "failed", "ok"]
     assert results[0]["layers"] == 3 and results[3]["layers"] == 4 and results[0]["ppl"] > 1000
     assert results[1]["attempts"] == 0 and "is not a directory" in results[1]["error"]  # before starting
@@ -142,7 +138,7 @@ def test_pool_streams_results_retries_and_reports_failures(tmp_path, candidates)
 
 
 @pytest.mark.ray
-def test_cli_eval_writes_tables_and_exit_code(tmp_path, candidates, capsys):
+def test_cli_eval_writes_tables_and_exit_code(tmp_path, candidates, capsys, own_ray_tmpdir):
     from trsp_ray.evaluation.cli import register
 
     parser = argparse.ArgumentParser()

@@ -76,12 +76,8 @@ def test_trial_device_uses_cuda_only_when_torch_sees_the_assigned_gpu(monkeypatc
 
 
 @pytest.fixture
-def fake_gpu_ray(tmp_path):
-    import ray
-
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, _temp_dir=f"/tmp/ray-gpu-{tmp_path.name[-12:]}")
-    yield
-    ray.shutdown()
+def fake_gpu_ray(private_ray):
+    private_ray(num_cpus=2, num_gpus=1)  # a GPU resource Ray schedules by; this machine has no CUDA
 
 
 @pytest.mark.ray

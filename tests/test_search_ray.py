@@ -32,12 +32,8 @@ def assets(tmp_path_factory):
 
 
 @pytest.fixture
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+def local_ray(private_ray):
+    private_ray(num_cpus=2)
 
 
 @pytest.mark.ray
