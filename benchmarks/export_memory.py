@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -141,7 +142,10 @@ def main() -> None:
 
     args.model = args.model or resolve_model("smollm2-135m")
     root = Path(tempfile.mkdtemp(prefix="trsp-export-memory-"))
-    rows = {path: run_path(args, path, str(root / path.replace("+", "-"))) for path in PATHS}
+    try:
+        rows = {path: run_path(args, path, str(root / path.replace("+", "-"))) for path in PATHS}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # three exported models
     largest = rows["stream"]["largest_shard_bytes"]
     mb = lambda b: f"{b / 10**6:8.1f}"
     print(f"\nSmolLM2-135M fp32 under ZeRO-3 on {args.workers} gloo processes, {len(args.drop.split(','))} layers "
