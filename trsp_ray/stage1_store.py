@@ -140,3 +140,14 @@ class Stage1Store:
             result = compute(n_drop)
             self.put(key, result, content=content, n_drop=n_drop)
             return result, True
+
+
+def compute_stage1(bench, n_drop: int) -> Stage1Result:
+    """Stage 1 on a loaded workbench (pipeline.prepare) for `n_drop` layers, whatever its ratio."""
+    from trsp_ray.config import replace
+    from trsp_ray.methods import run_stage1_for
+
+    wide = dataclasses.replace(bench, cfg=replace(bench.cfg, ratio=n_drop / bench.num_layers))
+    if wide.n_drop() != n_drop:
+        raise ValueError(f"ratio {wide.cfg.ratio} gives {wide.n_drop()} layers, not {n_drop}")
+    return run_stage1_for(wide)

@@ -69,15 +69,3 @@ def stage1_for_trial(*, need: int, compute: Callable[[int], Stage1Result], conte
     if not computed:
         log.write("stage1_reused", key=key, trial=trial, n_drop=need, cached_n_drop=len(result.drop_order))
     return result
-
-
-def stage1_on(bench, n_drop: int) -> Stage1Result:
-    """Stage 1 on `bench`'s model for `n_drop` layers (it reads n_drop from the config's ratio)."""
-    import dataclasses
-
-    from trsp_ray.config import replace
-    from trsp_ray.methods import run_stage1_for
-
-    wide = dataclasses.replace(bench, cfg=replace(bench.cfg, ratio=n_drop / bench.num_layers))
-    assert wide.n_drop() == n_drop, (wide.n_drop(), n_drop)
-    return run_stage1_for(wide)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trsp_ray.search.cache import stage1_for_trial
 from trsp_ray.search.trial import MODELS, planned_n_drop, trial_record_path, trial_store
-from trsp_ray.stage1_store import result_dict, result_from, stage1_content
+from trsp_ray.stage1_store import compute_stage1, result_dict, result_from, stage1_content
 
 # Tune captures a trial's child tasks into the trial's own placement group, which holds only the
 # trial's CPU; these tasks (like the Ray Train workers) take free cluster resources instead.
@@ -31,12 +31,11 @@ def _stage1_task(run: dict, n_drop: int) -> dict:
 
     from trsp_ray.config import from_dict, replace
     from trsp_ray.pipeline import prepare
-    from trsp_ray.search.cache import stage1_on
     from trsp_ray.search.route import trial_device
 
     cfg = from_dict(run)
     device = trial_device(cfg.device, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
-    return result_dict(stage1_on(prepare(replace(cfg, device=device)), n_drop))
+    return result_dict(compute_stage1(prepare(replace(cfg, device=device)), n_drop))
 
 
 def _validation_task(model_dir: str, run: dict, windows: int) -> dict:

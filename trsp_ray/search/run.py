@@ -137,14 +137,14 @@ def _searcher(space: SearchSpace, done: dict[str, dict], remaining: list[dict] |
     return _tune_space(space), search, max(0, space.num_samples - len(done))
 
 
-def _concurrency(opts: SearchOptions, trials: int, route, cluster: dict) -> int:
+def _concurrency(opts: SearchOptions, trials: int, route, cluster: dict, *, cpus_per_worker: int) -> int:
     """Trials at once: what the cluster's CPUs hold, and its GPUs (a Ray Train trial occupies its
-    workers' GPUs, and each of them a CPU, besides its own CPU)."""
+    workers' GPUs and CPUs besides its own CPU)."""
     cpus = cluster.get("CPU", 1.0)
-    per_trial_cpus = opts.cpus_per_trial + route.workers
+    per_trial_cpus = opts.cpus_per_trial + route.workers * cpus_per_worker
     if per_trial_cpus > cpus:
-        raise TrspError(f"a trial needs {per_trial_cpus:g} CPUs ({opts.cpus_per_trial:g} + one per Ray Train "
-                        f"worker), the cluster has {cpus:g}; lower --cpus-per-trial or add nodes")
+        raise TrspError(f"a trial needs {per_trial_cpus:g} CPUs ({opts.cpus_per_trial:g} + {cpus_per_worker} per Ray "
+                        f"Train worker), the cluster has {cpus:g}; lower --cpus-per-trial or add nodes")
     limit = max(1, int(cpus // per_trial_cpus))
     if route.gpus_per_trial():
         limit = min(limit, max(1, int(cluster.get("GPU", 0.0) / route.gpus_per_trial() + 1e-9)))
@@ -177,7 +177,9 @@ def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, t
         # reuse_actors: a trial's process keeps torch/transformers/DeepSpeed imported for the next
         # trial (a fresh process costs ~14 s of imports per trial on a 2-core machine).
         tune_config=tune.TuneConfig(num_samples=num_samples, search_alg=search_alg, scheduler=scheduler,
-                                    max_concurrent_trials=_concurrency(opts, trials, route, cluster),
+                                    max_concurrent_trials=_concurrency(
+                                        opts, trials, route, cluster,
+                                        cpus_per_worker=base_dict["distributed"]["cpus_per_worker"]),
                                     reuse_actors=True),
         run_config=tune.RunConfig(name=f"{opts.name}-{trial_config['invocation']}", verbose=0,
                                   storage_path=str(Path(opts.search_dir, "tune").resolve())),

@@ -14,9 +14,9 @@ import math
 import time
 from pathlib import Path
 
-from trsp_ray.search.cache import RunLog, stage1_for_trial, stage1_on
+from trsp_ray.search.cache import RunLog, stage1_for_trial
 from trsp_ray.search.space import apply_point, trial_key
-from trsp_ray.stage1_store import Stage1Store, stage1_content, stage1_key
+from trsp_ray.stage1_store import Stage1Store, compute_stage1, stage1_content, stage1_key
 
 TRIALS = "trials"  # finished-trial records: <search_dir>/trials/<trial key>.json
 MODELS = "models"  # exported pruned models: <search_dir>/models/<trial key>/
@@ -100,7 +100,7 @@ def gates_at_ratio(stage1, n_drop: int) -> list[float]:
 def run_trial(config: dict) -> None:
     """Tune entry point. `config`: run (base config dict), point (searched values), search_dir,
     data_fp, reuse, plan_n_drop ({stage-1 key: layers}), default_plan_n_drop, val_every,
-    val_windows, threads, invocation."""
+    val_windows, threads, invocation, route (route.TrialRoute as a dict)."""
     import ray
     from ray import tune
 
@@ -131,7 +131,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     start = time.perf_counter()
     bench = prepare(replace(cfg, device=device))
     windows = int(config.get("val_windows") or 8)
-    stage1 = stage1_for_trial(need=bench.n_drop(), compute=lambda n: stage1_on(bench, n),
+    stage1 = stage1_for_trial(need=bench.n_drop(), compute=lambda n: compute_stage1(bench, n),
                               content=stage1_content(cfg_dict), store=trial_store(config),
                               key=skey, plan_n_drop=planned_n_drop(config, skey), log=log, trial=tkey)
     captured, made = _capture_models(bench)
