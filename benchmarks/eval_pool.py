@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -99,7 +100,10 @@ def main() -> None:
     startup: dict[int, list[float]] = {1: [], k: []}
     with tempfile.TemporaryDirectory(prefix="trsp-eval-bench-") as tmp:
         paths = make_candidates(Path(tmp), max(args.candidates, k))[:args.candidates]
-        ray.init(num_cpus=k * c, include_dashboard=False, log_to_driver=False)
+        # its own temp dir: ray.init would otherwise join the latest Ray cluster started on this machine
+        ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        ray.init(num_cpus=k * c, include_dashboard=False, log_to_driver=False,
+                 _temp_dir=ray_tmp)
         try:
             order = [n for r in range(args.repeats) for n in ((1, k) if r % 2 == 0 else (k, 1))]
             for n in order:
@@ -110,6 +114,7 @@ def main() -> None:
                       f"(start-up + warm-up {up:.1f} s); load {_load()}", flush=True)
         finally:
             ray.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     one, many = statistics.median(times[1]), statistics.median(times[k])
     n = len(paths)
     print(f"{n} SmolLM2 candidates (22 layers), PPL {args.ppl_windows}x256 tokens + piqa/arc_easy limit "

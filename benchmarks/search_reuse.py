@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -73,12 +74,15 @@ def main() -> int:
         "data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4", "threads=1",
         f"stage1.first_round_steps={args.first_round_steps}", f"stage1.steps_per_round={args.steps_per_round}",
         f"stage2.steps={args.stage2_steps}", "tracking.enabled=false"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # its own temp dir: ray.init would otherwise join the latest Ray cluster started on this machine
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=ray_tmp)
     try:
         with_reuse, a = timed_search(base, root=root, reuse=True)
         without, b = timed_search(base, root=root, reuse=False)
     finally:
         ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     print(f"stage-1 settings: first_round_steps={args.first_round_steps} steps_per_round={args.steps_per_round}, "
           f"stage2.steps={args.stage2_steps}")
     print(f"with reuse:    {with_reuse:7.1f} s, stage-1 computations {a['stage1_computed']}, stage-2 runs {a['stage2_runs']}")
