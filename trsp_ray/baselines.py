@@ -59,13 +59,24 @@ def sleb_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, candida
     Removing block j leaves layers < j untouched, so each round records every layer's input once
     and scores candidate j by replaying only the layers after it from x_j (bit-identical to a full
     forward with j bypassed, and about half the compute).
+
+    Memory: batches are streamed. Each batch's layer inputs are recorded, every candidate is scored
+    on that batch, and they are released before the next batch, so SLEB holds the model plus one
+    batch's inputs to every layer (layers x batch x seqlen x hidden, model dtype, on the model's
+    device) plus one forward pass, whatever the number of calibration windows. Per-candidate sums
+    run over the batches in the same order as a batch-outer loop would, so the scores (and the drop
+    list) are bit-identical to holding every batch's inputs at once.
     """
     drop: list[int] = []
     for r in range(n_drop):
-        inputs = _layer_inputs(model, gates, batches, bypass=drop)
-        scores = {}
-        for j in (c for c in candidates if c not in drop):
-            scores[j] = _score_without(model, gates, batches, inputs, bypass=drop, j=j)
+        remaining = [c for c in candidates if c not in drop]
+        totals = dict.fromkeys(remaining, 0.0)
+        for batch in batches:
+            inputs = _layer_inputs(model, gates, [batch], bypass=drop)
+            for j in remaining:
+                totals[j] += _score_without(model, gates, [batch], inputs, bypass=drop, j=j)
+            del inputs
+        scores = {j: total / len(batches) for j, total in totals.items()}
         best = min(scores, key=scores.get)
         drop.append(best)
         if progress is not None:

@@ -17,6 +17,7 @@ from trsp_ray import families
 from trsp_ray.perplexity import windows
 
 Report = Callable[[dict, int], None]
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # dtypes whose trained parameters get an fp32 master
 
 
 def null_report(metrics: dict, step: int) -> None:
@@ -62,31 +63,125 @@ def causal_lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
 
 
 class TorchStepper:
-    """AdamW over explicit param groups, with gradient-norm clipping."""
+    """AdamW over explicit param groups, with gradient-norm clipping.
+
+    fp32 parameters step in place, exactly as they always have. A bf16/fp16 parameter gets an
+    fp32 master copy that AdamW steps (its moments are fp32 too) and that is rounded back into
+    the parameter after each step: bf16 keeps 8 significant bits, so an update of lr 1e-4 x a
+    weight of 0.05 (2e-3 relative) would round away entirely in a bf16 weight. fp16 also gets a
+    dynamic loss scale (its gradients underflow below 6e-8); a step whose gradients overflow is
+    skipped and the scale halved. Gates are fp32 parameters and never need a master.
+    """
 
     def __init__(self, model, param_groups: list[dict], *, clip: float = 1.0):
         self.model = model
-        self.params = [p for g in param_groups for p in g["params"]]
-        self.optimizer = torch.optim.AdamW(param_groups, weight_decay=0.0)
+        self.masters: list[tuple[nn.Parameter, nn.Parameter]] = []  # (low-precision param, fp32 master)
+        groups = []
+        for g in param_groups:
+            params = []
+            for p in g["params"]:
+                if p.dtype in LOW_PRECISION:
+                    master = nn.Parameter(p.detach().to(torch.float32, copy=True))
+                    self.masters.append((p, master))
+                    p = master
+                params.append(p)
+            groups.append({**g, "params": params})
+        self.params = [p for g in groups for p in g["params"]]
+        # fused: no multi-tensor temporaries the size of all gradients (only on the new master path,
+        # so fp32 runs keep their exact update order).
+        extra = {"fused": True} if self.masters else {}
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0, **extra)
         self.clip = clip
+        fp16 = any(p.dtype == torch.float16 for p, _ in self.masters)
+        self.loss_scale = 2.0**16 if fp16 else 1.0
+        self.skipped_steps = 0
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(self.model, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
 
     def step(self) -> None:
+        for p, master in self.masters:  # fp32 gradients for the masters; the low-precision ones go
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        if self.loss_scale != 1.0 and not self._unscale():
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, master in self.masters:
+                p.copy_(master)
+
+    def _unscale(self) -> bool:
+        """Divide every gradient by the loss scale; False (and a halved scale) on inf/NaN."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        if not finite:
+            self.loss_scale /= 2.0
+            self.skipped_steps += 1
+            return False
+        for g in grads:
+            g.div_(self.loss_scale)
+        return True
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+        with torch.no_grad():  # resumed masters hold the resumed parameters, not the old rounding
+            for p, master in self.masters:
+                master.copy_(p.float())
+
+
+
+def set_checkpointing(model, enabled: bool) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    Only the wrapped layer is recomputed: a GatedLayer's gate, probe and stage-2 distance stay
+    outside, so what it records is computed once. Unlike `gradient_checkpointing_enable`, this
+    does not need training mode (which would switch on dropout, e.g. OPT's 0.1) and leaves the
+    module tree and parameter names alone (LoRA targets, export). No-op without gradients.
+    """
+    from trsp_ray.gates import GatedLayer
+
+    for layer in families.decoder_layers(model):
+        inner = layer.layer if isinstance(layer, GatedLayer) else layer
+        cls = type(inner)
+        base = cls.__mro__[1] if getattr(cls, "_trsp_checkpointed", False) else cls
+        inner.__class__ = _checkpointed_class(base) if enabled else base
+
+
+def checkpointing_enabled(model) -> bool:
+    from trsp_ray.gates import GatedLayer
+
+    layers = families.decoder_layers(model)
+    return any(getattr(layer.layer if isinstance(layer, GatedLayer) else layer, "_trsp_checkpointed", False)
+               for layer in layers)
+
+
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    """A subclass of a decoder-layer class whose forward runs under torch.utils.checkpoint."""
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                return cls.forward(self, *args, **kwargs)
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
+
+        _CHECKPOINTED[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                         "__qualname__": cls.__qualname__,
+                                                         "_trsp_checkpointed": True})
+    return _CHECKPOINTED[cls]
 
 
 MakeStepper = Callable[[nn.Module, list[dict]], Stepper]
