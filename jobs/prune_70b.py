@@ -1,11 +1,16 @@
 """Prune 25% of the layers of Llama-2-70B / Llama-3-70B with TRSP on a Ray GPU cluster.
 
-    ray job submit --working-dir . -- python jobs/prune_70b.py --model /shared/models/Llama-2-70b-hf
+    ray job submit --runtime-env cluster/runtime_env.yaml -- python jobs/prune_70b.py \
+        --model meta-llama/Llama-2-70b-hf --storage-path s3://my-bucket/trsp --output /shared/pruned/llama2-70b
 
-Cluster this configuration assumes: 2 nodes x 8 x 80 GB GPUs (16 workers, ZeRO-3, bf16), a shared
-filesystem for the model and `--storage-path`. Why (from `trsp-ray plan`, 2048-token windows,
-activation checkpointing): stage 1 trains only the 80 gate scalars and needs ~25 GB per GPU at 8
-GPUs, but stage 2 trains all 69B weights, ~16 bytes per parameter of model state (1.1 TB): on 16
+Cluster this configuration assumes: 2 nodes x 8 x 80 GB GPUs (16 workers, ZeRO-3, bf16). `--model`
+is a hub id (read from the Hugging Face cache, HF_HOME on shared storage, else the hub) or a model
+directory; `--storage-path` (progress records, checkpoints, resume) is a shared path or any URI Ray
+Train supports (s3://, gs://; `?endpoint_override=host:port&scheme=http` for an S3-compatible
+server). Ray Train keeps the last `distributed.keep_checkpoints` (2) checkpoints, ~771 GB each
+(fp32 master + Adam moments). Why these GPUs (from `trsp-ray plan`, 2048-token windows, activation
+checkpointing): stage 1 trains only the 80 gate scalars and needs ~25 GB per GPU at 8 GPUs, but
+stage 2 trains all 69B weights, ~16 bytes per parameter of model state (1.1 TB): on 16
 GPUs that is ~74 GB per GPU, which fits without offload. On one 8-GPU node it fits only with
 `--offload-optimizer` (then ~26 GB per GPU and ~130 GB host memory per GPU, slower steps), or
 with `--set stage2.trainable=lora` once LoRA is supported under ZeRO-3.
@@ -41,7 +46,8 @@ def job_config(args: argparse.Namespace):
         "stage2": {"lambda2": args.lambda2, "steps": 200, "trainable": "all"},
         # MLflow, written by the driver: --tracking-uri, else $TRSP_RAY_MLFLOW_DIR/mlflow.db, else <storage-path>/mlflow.db
         "tracking": {"enabled": not args.no_tracking, "tracking_uri": args.tracking_uri},
-        "distributed": {"workers": args.workers, "strategy": "zero3", "use_gpu": gpu, "cpus_per_worker": 1,
+        # cpus_per_worker 0 = auto: 1, or the node's CPUs per GPU with --offload-optimizer (CPU Adam)
+        "distributed": {"workers": args.workers, "strategy": "zero3", "use_gpu": gpu, "cpus_per_worker": 0,
                         "activation_checkpointing": gpu, "offload_optimizer": args.offload_optimizer,
                         "max_failures": args.max_failures, "checkpoint_every": 20,
                         "storage_path": args.storage_path, "gpu_memory_gb": args.gpu_memory_gb},

@@ -79,3 +79,18 @@ def test_mlflow_store_of_a_distributed_run(tmp_path, monkeypatch):
     monkeypatch.delenv("TRSP_RAY_MLFLOW_DIR")
     assert tracking_uri_for(plain, str(tmp_path / "st")) == f"sqlite:///{tmp_path / 'st' / 'mlflow.db'}"
     assert tracking_uri_for(plain, None) is None  # remote storage and no URI: skipped, said so
+
+
+def test_worker_threads_follow_the_nodes_cores_under_offload():
+    from trsp_ray.distributed.train import worker_cpus
+
+    gpu_nodes = [{"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}}] * 2 + [{"Alive": True, "Resources": {"CPU": 8.0}}]
+    offload = DistributedConfig(workers=16, use_gpu=True, offload_optimizer=True)
+    assert worker_cpus(offload, gpu_nodes) == 12  # 96 cores / 8 GPUs; the CPU-only head does not count
+    assert worker_cpus(DistributedConfig(workers=16, use_gpu=True), gpu_nodes) == 1  # no CPU Adam to feed
+    assert worker_cpus(DistributedConfig(workers=16, use_gpu=True, offload_optimizer=True, cpus_per_worker=4),
+                       gpu_nodes) == 4  # an explicit value wins
+    cpu_nodes = [{"Alive": True, "Resources": {"CPU": 8.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]
+    assert worker_cpus(DistributedConfig(workers=2, offload_optimizer=True), cpu_nodes) == 4  # dead node ignored
+    with pytest.raises(TrspError, match="x cpus_per_worker=12 needs 192 CPUs but the Ray cluster has 100"):
+        check_resources(offload, {"CPU": 100.0, "GPU": 16.0}, 12)

@@ -102,3 +102,46 @@ def test_gathered_parameters_follow_zero3_live_cache():
     ds = {"zero_optimization": {"stage3_max_live_parameters": 1e6}}
     assert planner.setup_for_run(cfg, ds).max_live_parameters == 1e6
     assert planner.setup_for_run(cfg).max_live_parameters == 1e9
+
+
+def test_checkpoint_disk_and_host_figures_by_hand():
+    s = planner.Shape(32000, 8192, 28672, 80, 64, 8, 128, False)
+    st = planner.Setup(workers=16, activation_checkpointing=True, keep_checkpoints=2, export_shard_gb=5.0)
+    h = planner.plan(s, st).host()
+    # Stage 2 trains all weights: fp32 master + Adam m, v = 12 bytes per parameter, plus gate state.
+    assert h.checkpoint_gb == pytest.approx((s.params * 12 + 64 * 1024 * 16) / planner.GB)
+    assert h.storage_gb == pytest.approx(3 * h.checkpoint_gb)  # 2 kept + 1 being written
+    assert h.disk_per_node_gb == pytest.approx(h.checkpoint_gb * 8 / 16)  # 8 of 16 ranks stage their share
+    assert h.export_host_gb == pytest.approx(10.0)  # 2 x the 5 GB shard (> the largest tensor, 0.47 GB)
+    assert h.host_per_node_gb == pytest.approx(8 * planner.HOST_BASE_GB["gpu"] + 10.0)
+    assert h.threads_per_worker == 1
+    off = planner.plan(s, planner.Setup(workers=8, activation_checkpointing=True, offload_optimizer=True,
+                                        cpus_per_node=96)).host()
+    assert off.threads_per_worker == 12  # 96 cores / 8 GPU workers, for CPU Adam
+    assert off.host_per_worker_gb == pytest.approx(s.params * 16 / 8 / planner.GB + planner.HOST_BASE_GB["gpu"])
+    shared = planner.plan(s, planner.Setup(workers=16, remote_storage=False)).host()
+    assert shared.disk_per_node_gb == 0.0  # written in place on the shared path
+    gates_only = planner.plan(s, st)
+    gates_only.stages = gates_only.stages[:1]  # a run without stage 2 saves gate state only
+    assert gates_only.host().checkpoint_gb < 0.01
+
+
+def test_disk_budget_refuses_on_one_line(tmp_path):
+    path = str(_write(tmp_path, LLAMA2_70B))
+    with pytest.raises(TrspError) as err:
+        _cli(["plan", "--model-config", path, "--workers", "16", "--activation-checkpointing",
+              "--disk-budget-gb", "2000"])
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("checkpoints need 2312.6 GB of storage (keep_checkpoints=2")
+    assert "use keep_checkpoints=1 (1541.8 GB)" in str(err.value)
+    assert _cli(["plan", "--model-config", path, "--workers", "16", "--activation-checkpointing",
+                 "--disk-budget-gb", "2000", "--keep-checkpoints", "1"]) == 0
+    # The driver refuses the same before any worker starts (CPU run: only the disk budget is checked).
+    from trsp_ray.config import load_config
+    from trsp_ray.distributed.train import prepare_run
+
+    cfg = load_config(overrides=[f"model={tmp_path}", "distributed.workers=2", "distributed.disk_budget_gb=0.001",
+                                 f"distributed.storage_path={tmp_path / 'st'}"])
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    with pytest.raises(TrspError, match=r"^checkpoints need .* but distributed.disk_budget_gb=0.001; use"):
+        prepare_run(cfg)

@@ -80,11 +80,13 @@ def resolve_model(name: str) -> str:
             raise TrspError(f"model path {name!r} has no config.json; pass a Hugging Face model "
                             f"directory, a hub id, or {DEFAULT_MODEL!r}")
         return str(path.resolve())
-    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep + os.sep in name
-    if looks_like_path or "/" not in name:
+    from trsp_ray import hub
+
+    if not hub.is_hub_id(name):
         raise TrspError(f"model {name!r} not found: not a directory, not a hub id (owner/name), "
                         f"and not {DEFAULT_MODEL!r}")
-    return name  # a hub id; from_pretrained reports whether it can be fetched
+    hub.config_file(name)  # cached or fetchable now, in the driver, or a one-line error before any work
+    return name  # a hub id: from_pretrained reads the weights from the same cache (or the hub)
 
 
 def _clean_wiki(markup: str) -> str:

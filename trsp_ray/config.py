@@ -145,7 +145,7 @@ class DistributedConfig:
     workers: int = 0  # 0 = single process, no Ray Train
     strategy: str = "zero3"  # zero3 | ddp
     use_gpu: bool = False
-    cpus_per_worker: int = 1
+    cpus_per_worker: int = 0  # CPUs (= torch threads) per worker; 0 = auto: 1, or the node's CPUs per worker when offloading
     offload_params: bool = False
     offload_optimizer: bool = False
     grad_accum: int = 1
@@ -153,6 +153,8 @@ class DistributedConfig:
     storage_path: str | None = None  # Ray Train storage; default ./runs/ray
     max_failures: int = 0
     checkpoint_every: int = 10  # stage-2 steps between checkpoints (stage 1: every round)
+    keep_checkpoints: int = 2  # Ray Train keeps the last K checkpoints, deletes older ones
+    disk_budget_gb: float | None = None  # storage the kept checkpoints may use; the plan refuses more
     gpu_memory_gb: float = 80.0  # per-GPU memory the planner checks against
     # Streaming export (distributed/export.py): max safetensors shard size in MB (10^6 bytes; a
     # larger single tensor gets its own shard); exports up to export_reload_max_gb GiB are also
@@ -164,10 +166,13 @@ class DistributedConfig:
     def __post_init__(self):
         _positive("distributed.workers", self.workers, allow_zero=True)
         _choice("distributed.strategy", self.strategy, ("zero3", "ddp"))
-        _positive("distributed.cpus_per_worker", self.cpus_per_worker)
+        _positive("distributed.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         _positive("distributed.grad_accum", self.grad_accum)
         _positive("distributed.max_failures", self.max_failures, allow_zero=True)
         _positive("distributed.checkpoint_every", self.checkpoint_every)
+        _positive("distributed.keep_checkpoints", self.keep_checkpoints)
+        if self.disk_budget_gb is not None:
+            _positive("distributed.disk_budget_gb", self.disk_budget_gb)
         _positive("distributed.gpu_memory_gb", self.gpu_memory_gb)
         _positive("distributed.export_shard_mb", self.export_shard_mb)
         _positive("distributed.export_reload_max_gb", self.export_reload_max_gb, allow_zero=True)

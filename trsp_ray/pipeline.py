@@ -198,7 +198,7 @@ def stage1_checkpoints(cfg: RunConfig, n_drop: int):
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
     path = root / f"stage1-{key}.pt"
-    resume = torch.load(path, weights_only=False) if path.exists() else None
+    resume = torch.load(path, weights_only=True) if path.exists() else None  # tensors, numbers, lists: no pickle
     if resume is not None:
         log(f"stage 1: resuming after round {len(resume['round_ends'])} from {path}")
 

@@ -1,10 +1,13 @@
 """`trsp-ray plan`: will a distributed run fit? From a model's config.json alone (no weights).
 
-    trsp-ray plan --model-config meta-llama/Llama-2-70b/config.json --workers 8 --gpu-memory-gb 80 \
-        --seqlen 2048 --activation-checkpointing --offload-optimizer
+    trsp-ray plan --model-config meta-llama/Llama-2-70b-hf --workers 16 --gpu-memory-gb 80 \
+        --seqlen 2048 --activation-checkpointing [--offload-optimizer] [--disk-budget-gb 3000]
 
-Prints stage 1 and stage 2 per-GPU memory, whether each fits and, if not, what would.
-Exit status: 0 fits, 1 does not fit.
+`--model-config` is a config.json, a model directory or a hub id (read from the Hugging Face cache,
+else the hub). Prints stage 1 and stage 2 per-GPU memory, whether each fits and, if not, what
+would; then checkpoint size per save, storage for the kept ones, disk and host memory per node,
+threads per worker and the export's host memory. Exit status: 0 fits, 1 does not fit, 2 refused
+(checkpoints over the disk budget, bad input).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import argparse
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-config", required=True, help="config.json or a model directory holding one")
+    parser.add_argument("--model-config", required=True, help="config.json, a model directory or a hub id")
     parser.add_argument("--workers", type=int, required=True, help="world size (GPUs)")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU (GB)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
@@ -26,28 +29,45 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--train-base", action="store_true", help="stage 1 also trains the weights")
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="sets the fixed runtime overhead")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--cpus-per-node", type=int, default=96)
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints Ray Train keeps")
+    parser.add_argument("--disk-budget-gb", type=float, default=None, help="storage the kept checkpoints may use")
+    parser.add_argument("--export-shard-mb", type=int, default=5000, help="safetensors shard size of the export")
+    parser.add_argument("--storage", choices=("remote", "shared"), default="remote",
+                        help="remote (s3://, gs://: saves staged on local disk) or a shared path (written in place)")
 
 
 def setup_from_args(args: argparse.Namespace):
     from trsp_ray.distributed.planner import Setup
     from trsp_ray.errors import TrspError
 
-    for name in ("workers", "micro_batch", "seqlen", "lora_rank"):
+    for name in ("workers", "micro_batch", "seqlen", "lora_rank", "gpus_per_node", "cpus_per_node",
+                 "keep_checkpoints", "export_shard_mb"):
         if getattr(args, name) < 1:
             raise TrspError(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid; it must be >= 1")
-    if args.gpu_memory_gb <= 0:
-        raise TrspError(f"--gpu-memory-gb={args.gpu_memory_gb} is not valid; it must be > 0")
+    for name in ("gpu_memory_gb", "disk_budget_gb"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise TrspError(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid; it must be > 0")
     return Setup(workers=args.workers, gpu_memory_gb=args.gpu_memory_gb, dtype_bytes=2 if args.dtype == "bf16" else 4,
                  micro_batch=args.micro_batch, seqlen=args.seqlen, trainable=args.trainable,
                  lora_rank=args.lora_rank, offload_params=args.offload_params,
                  offload_optimizer=args.offload_optimizer, activation_checkpointing=args.activation_checkpointing,
-                 train_base=args.train_base, device=args.device)
+                 train_base=args.train_base, device=args.device, gpus_per_node=args.gpus_per_node,
+                 cpus_per_node=args.cpus_per_node, keep_checkpoints=args.keep_checkpoints,
+                 disk_budget_gb=args.disk_budget_gb, export_shard_gb=args.export_shard_mb * 1e6 / 2**30,
+                 remote_storage=args.storage == "remote")
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from trsp_ray.distributed import planner
 
+    from trsp_ray.errors import TrspError
+
     result = planner.plan(planner.read_shape(args.model_config), setup_from_args(args))
+    disk = result.disk_problem()
+    if disk:
+        raise TrspError(disk)
     print(planner.format_plan(result))
     return 0 if result.fits else 1
 

@@ -51,7 +51,7 @@ def zero_ready_gates(gates) -> None:
     for w in gates.wrappers:
         if w.gate.dim() == 0:
             w.gate = nn.Parameter(w.gate.detach().reshape(1).clone(), requires_grad=w.gate.requires_grad)
-    gates.gather = gather_context
+    gates.gather = gather_gates
 
 
 def is_partitioned(model) -> bool:
@@ -67,6 +67,62 @@ def gather_context(params: list[nn.Parameter]):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
+@contextlib.contextmanager
+def gather_gates(params: list[nn.Parameter]):
+    """`gather_context` for the gates, whose edits (the projection onto s >= 0, a reset, a restore)
+    must also reach the optimizer's fp32 master copy: ZeRO-3 keeps one per trained parameter (on
+    the host under optimizer offload, and a separate copy even in fp32) and writes it back over
+    the parameter at the next step, which would undo the edit. After the gathered block, each rank
+    copies its re-partitioned slice into its master slice (safe_set_local_fp32_param)."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        yield
+        return
+    import torch.distributed as dist
+    from deepspeed.utils import safe_set_local_fp32_param
+
+    with gather_context(params):
+        before = [p.detach().clone() for p in params]
+        yield
+        changed = torch.tensor([float(not torch.equal(p.detach(), b)) for p, b in zip(params, before)])
+    dist.all_reduce(changed, op=dist.ReduceOp.MAX)  # rank 0 is the modifier; every rank must agree
+    for p, c in zip(params, changed.tolist()):
+        if c and p.requires_grad and getattr(p, "_z3_optimizer", None) is not None:
+            safe_set_local_fp32_param(p, p.ds_tensor.detach())
+
+
+def master_values(params: list[nn.Parameter]) -> list[float | None]:
+    """The optimizer's fp32 master value of each 1-element parameter (None: not trained now).
+    Collective under ZeRO-3 (each trained parameter's master is all-gathered)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = []
+    for p in params:
+        trained = p.requires_grad and getattr(p, "_z3_optimizer", None) is not None
+        out.append(float(safe_get_full_fp32_param(p).reshape(-1)[0]) if trained else None)
+    return out
+
+
+# DeepSpeed's optimizer checkpoints hold two plain-data objects besides tensors and containers;
+# allowing exactly these lets every checkpoint load with torch.load(weights_only=True).
+def _deepspeed_safe_globals() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [LossScaler, ZeroStageEnum]
+
+
+def load_safely(path, map_location="cpu"):
+    """torch.load without arbitrary unpickling (weights_only=True) for this package's checkpoints."""
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def _safe_checkpoint_engine(engine) -> None:
+    """Make DeepSpeed's own checkpoint loads (model + optimizer partitions) weights_only too."""
+    ce = engine.checkpoint_engine
+    ce.load = lambda path, map_location=None: load_safely(path, map_location=map_location)
+
+
 class DeepSpeedStepper:
     """The `Stepper` of training.py over a DeepSpeed engine.
 
@@ -79,9 +135,13 @@ class DeepSpeedStepper:
     def __init__(self, model, param_groups: list[dict], *, ds_config: dict, rank: int, world: int):
         import deepspeed
 
+        from trsp_ray.gates import GatedLayer
+
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
+        _safe_checkpoint_engine(self.engine)
         self.rank, self.world = rank, world
         self.skip = 0
+        self.gated_layers = [m for m in model.modules() if isinstance(m, GatedLayer)]
 
     def _slice(self, batch: torch.Tensor) -> torch.Tensor:
         if batch.shape[0] % self.world:
@@ -107,6 +167,21 @@ class DeepSpeedStepper:
         self.engine.step()
         if boundary:
             self._clear_grad_partitions()
+            self._average_gate_grad_ema()
+
+    def _average_gate_grad_ema(self) -> None:
+        """Each rank's gates record dLoss/ds of its own slice of the batch (GatedLayer.grad_ema); the
+        ranking breaks ties between gates pinned at 0 with it, so every rank must hold the same
+        value, or ranks drop different layers and their collectives stop matching. The mean over
+        ranks is the single-process value (the EMA is linear; the batch splits evenly)."""
+        if self.world < 2 or not self.gated_layers:
+            return
+        import torch.distributed as dist
+
+        values = torch.tensor([m.grad_ema for m in self.gated_layers], dtype=torch.float64)
+        dist.all_reduce(values)
+        for m, v in zip(self.gated_layers, (values / self.world).tolist()):
+            m.grad_ema = v
 
     def _clear_grad_partitions(self) -> None:
         """Zero ZeRO-3's gradient partitions after an optimizer step.

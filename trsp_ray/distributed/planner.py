@@ -18,10 +18,8 @@ overhead (CUDA context + allocator slack on GPU; Python, torch and DeepSpeed the
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from trsp_ray.errors import TrspError
 
@@ -30,6 +28,9 @@ ADAM_FP32 = 12  # fp32 master copy + two Adam moments, bytes per trained paramet
 REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
 MAX_LIVE_PARAMETERS = 1e9  # DeepSpeed's default stage3_max_live_parameters (elements)
 OVERHEAD_GB = {"gpu": 2.0, "cpu": 1.0}
+# Host memory of one worker process besides offloaded state: Python, torch, DeepSpeed, the CUDA
+# context's host side and the pinned staging buffers on GPU; measured ~1 GiB per CPU worker here.
+HOST_BASE_GB = {"gpu": 6.0, "cpu": 1.0}
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,11 @@ class Shape:
 
 
 def read_shape(path: str) -> Shape:
-    """Shape from a config.json file or a model directory holding one (no weights are read)."""
-    p = Path(path).expanduser()
-    p = p / "config.json" if p.is_dir() else p
-    if not p.is_file():
-        raise TrspError(f"model config {path!r} not found; pass a config.json or a model directory")
-    return shape_from_config(json.loads(p.read_text()), source=path)
+    """Shape from a config.json file, a model directory holding one, or a hub id (its cached or
+    downloaded config.json, see trsp_ray.hub); no weights are read."""
+    from trsp_ray import hub
+
+    return shape_from_config(hub.read_config(path), source=path)
 
 
 def shape_from_config(c: dict, *, source: str = "config") -> Shape:
@@ -100,6 +100,14 @@ class Setup:
     train_base: bool = False  # stage 1 also trains the weights
     device: str = "gpu"  # gpu | cpu (only the fixed overhead differs)
     max_live_parameters: float = MAX_LIVE_PARAMETERS  # DeepSpeed's stage3_max_live_parameters
+    # Host side (see `host_and_disk`): the node shape, checkpoints kept, their disk budget, the
+    # export's shard size, and whether storage is remote (checkpoints staged on local disk first).
+    gpus_per_node: int = 8
+    cpus_per_node: int = 96
+    keep_checkpoints: int = 2
+    disk_budget_gb: float | None = None
+    export_shard_gb: float = 5.0
+    remote_storage: bool = True
 
 
 @dataclass
@@ -183,9 +191,67 @@ class Plan:
     def suggestion(self) -> str:
         return "what would fit: " + "; ".join(alternatives(self.shape, self.setup))
 
+    def host(self) -> "HostPlan":
+        return host_and_disk(self)
+
+    def disk_problem(self) -> str | None:
+        """A one-line refusal when the kept checkpoints exceed `disk_budget_gb`, else None."""
+        h, st = self.host(), self.setup
+        if st.disk_budget_gb is None or h.storage_gb <= st.disk_budget_gb:
+            return None
+        one = h.checkpoint_gb * 2  # keep_checkpoints=1: the kept one + the one being written
+        return (f"checkpoints need {h.storage_gb:.1f} GB of storage (keep_checkpoints={st.keep_checkpoints} + 1 being "
+                f"written, {h.checkpoint_gb:.1f} GB per save) but distributed.disk_budget_gb={st.disk_budget_gb:g}; "
+                f"use keep_checkpoints=1 ({one:.1f} GB) or a disk budget >= {h.storage_gb:.1f} GB")
+
 
 def plan(s: Shape, st: Setup) -> Plan:
     return Plan(s, st, estimate(s, st))
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What a run needs besides GPU memory, in GB (see `host_and_disk`)."""
+
+    checkpoint_gb: float  # one save, all ranks together
+    storage_gb: float  # the kept saves + the one being written
+    disk_per_node_gb: float  # local disk a node needs while its ranks' share of a save is staged
+    threads_per_worker: int
+    host_per_worker_gb: float
+    host_per_node_gb: float  # the node of rank 0 during the export
+    export_host_gb: float  # rank 0's host memory above its baseline during the export
+
+
+def checkpoint_bytes(s: Shape, st: Setup, *, trained: int) -> float:
+    """One save, all ranks: DeepSpeed's ZeRO-3 checkpoint holds the optimizer's fp32 master copy
+    and both Adam moments of the trained parameters (12 bytes each) and no 16-bit weights (they
+    are rebuilt from the fp32 copy; frozen weights come from the model); plus the gate state."""
+    return trained * ADAM_FP32 + 64 * 1024 * st.workers
+
+
+def host_and_disk(p: Plan) -> HostPlan:
+    """Checkpoint size per save, storage for the kept ones, local disk and host memory per node,
+    threads per worker and the export's host memory.
+
+    Host memory per worker = offloaded state (+ pinned copies) + HOST_BASE_GB; per node = its
+    workers + the export on rank 0's node, which streams one layer at a time into safetensors
+    shards and holds about 2 x the largest shard (the shard being filled + the one being written).
+    """
+    s, st = p.shape, p.setup
+    trained = s.params if (len(p.stages) > 1 and st.trainable != "lora") or st.train_base else 0
+    if len(p.stages) > 1 and st.trainable == "lora":
+        trained = s.lora_params(st.lora_rank)
+    ckpt = checkpoint_bytes(s, st, trained=trained) / GB
+    per_node = min(st.gpus_per_node, st.workers)
+    offload = st.offload_optimizer or st.offload_params
+    threads = max(1, st.cpus_per_node // max(1, per_node)) if offload else 1
+    host_worker = max(stage.host for stage in p.stages) + HOST_BASE_GB[st.device]
+    largest_tensor = max(s.vocab * s.hidden, s.hidden * s.intermediate) * st.dtype_bytes / GB
+    export = 2 * max(st.export_shard_gb, largest_tensor)
+    return HostPlan(checkpoint_gb=ckpt, storage_gb=ckpt * (st.keep_checkpoints + 1),
+                    disk_per_node_gb=ckpt * per_node / st.workers if st.remote_storage else 0.0,
+                    threads_per_worker=threads, host_per_worker_gb=host_worker,
+                    host_per_node_gb=host_worker * per_node + export, export_host_gb=export)
 
 
 def min_workers(s: Shape, st: Setup, *, limit: int = 4096) -> int | None:
@@ -230,9 +296,23 @@ def format_plan(p: Plan) -> str:
         host = f", host {stage.host:.1f} GB" if stage.host else ""
         lines.append(f"  {stage.name}: {stage.total:.1f} GB per worker ({verdict}{host})")
         lines += [f"      {k}: {v:.2f} GB" for k, v in stage.parts.items()]
+    h = p.host()
+    budget = f" (budget {st.disk_budget_gb:g} GB)" if st.disk_budget_gb is not None else ""
+    lines += [f"  checkpoint: {h.checkpoint_gb:.1f} GB per save; storage {h.storage_gb:.1f} GB for "
+              f"keep_checkpoints={st.keep_checkpoints} + 1 being written{budget}",
+              f"  disk per node: {h.disk_per_node_gb:.1f} GB ("
+              + ("its ranks' share of a save, staged before upload" if st.remote_storage else
+                 "none: saves are written in place on the shared path") + ")",
+              f"  host memory per node: {h.host_per_node_gb:.1f} GB ({min(st.gpus_per_node, st.workers)} workers x "
+              f"{h.host_per_worker_gb:.1f} GB + the export on rank 0's node); "
+              f"{h.threads_per_worker} CPU threads per worker",
+              f"  export host memory: {h.export_host_gb:.1f} GB above baseline on rank 0 "
+              f"(2 x {st.export_shard_gb:.1f} GB shards, one layer gathered at a time)"]
     lines.append(f"plan {'fits' if p.fits else 'does not fit: ' + p.reason()}")
     if not p.fits:
         lines.append(p.suggestion())
+    if p.disk_problem():
+        lines.append(f"refused: {p.disk_problem()}")
     return "\n".join(lines)
 
 
@@ -246,12 +326,20 @@ def setup_for_run(cfg, ds_config: dict | None = None) -> Setup:
                  trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank, offload_params=d.offload_params,
                  offload_optimizer=d.offload_optimizer, activation_checkpointing=d.activation_checkpointing,
                  train_base=cfg.stage1.train_base, device="gpu" if d.use_gpu else "cpu",
-                 max_live_parameters=float(zero.get("stage3_max_live_parameters", MAX_LIVE_PARAMETERS)))
+                 max_live_parameters=float(zero.get("stage3_max_live_parameters", MAX_LIVE_PARAMETERS)),
+                 keep_checkpoints=d.keep_checkpoints, disk_budget_gb=d.disk_budget_gb,
+                 export_shard_gb=getattr(d, "export_shard_mb", 5000) * 1e6 / GB,
+                 remote_storage="://" in (d.storage_path or "") and not (d.storage_path or "").startswith("file://"))
 
 
 def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
     """The plan of a run config; stage 2 counts only when the method trains weights."""
-    p = plan(read_shape(model_path), setup_for_run(cfg, ds_config))
+    return zero3_plan(cfg, read_shape(model_path), ds_config)
+
+
+def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
+    """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
+    p = plan(s, setup_for_run(cfg, ds_config))
     if not (cfg.method in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0):
         p.stages = p.stages[:1]
     return p

@@ -4,25 +4,30 @@
 
 Every check that can fail does so here, as a one-line TrspError, before any worker starts: the
 DeepSpeed config (parsed by DeepSpeed), the worker count against the cluster's resources, the
-storage path, the export target and the memory plan.
+storage (reachable and writable, any filesystem Ray Train supports), the model (local, cached or on
+the hub), the export target, the memory plan and the checkpoints' disk budget. Progress comes back
+through the run's records on that storage (storage.RunRecords), so nothing assumes a shared disk.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trsp_ray.distributed.storage import RunRecords, check_storage, is_remote, location
 from trsp_ray.errors import TrspError
+
+__all__ = ["DistributedResult", "check_plan", "check_resources", "check_storage", "prepare_run", "run_distributed"]
 
 
 @dataclass
 class DistributedResult:
     drop_order: list[int]
     output: str | None
-    storage: str  # the run's folder under storage_path (checkpoints + trsp_events.jsonl)
+    storage: str  # the run's folder under storage_path (checkpoints + records/)
     events: list[dict] = field(default_factory=list)
     mlflow_run: str | None = None  # the driver's MLflow run id (None when tracking is off)
 
@@ -34,37 +39,32 @@ class DistributedResult:
         return sum(e["event"] == "start" for e in self.events)
 
 
-def check_storage(storage_path: str) -> str:
-    """A local path must be creatable and writable; a URI's filesystem must answer."""
-    if "://" in storage_path and not storage_path.startswith("file://"):
-        try:
-            import pyarrow.fs
-
-            fs, path = pyarrow.fs.FileSystem.from_uri(storage_path)
-            fs.get_file_info(path)
-        except Exception as exc:
-            raise TrspError(f"distributed.storage_path={storage_path!r} is not reachable "
-                            f"({' '.join(str(exc).split())[:160]}); pass a reachable URI or a shared local path") from None
-        return storage_path
-    path = Path(storage_path.removeprefix("file://")).expanduser().resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".trsp-write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise TrspError(f"distributed.storage_path={storage_path!r} is not writable ({exc.strerror}); "
-                        f"pass a directory you can write to") from None
-    return str(path)
+def worker_cpus(dist, nodes: list[dict]) -> int:
+    """CPUs (and torch threads) per worker: `cpus_per_worker`, else 1, else under offload the CPUs of
+    the tightest node divided among the workers it hosts (its GPUs, or on CPU an even share):
+    DeepSpeed's CPU Adam steps each rank's whole partition every step, 1 thread would stall it."""
+    if dist.cpus_per_worker:
+        return dist.cpus_per_worker
+    if not (dist.offload_optimizer or dist.offload_params):
+        return 1
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    if dist.use_gpu:
+        shares = [int(r.get("CPU", 0)) // int(r["GPU"]) for r in alive if r.get("GPU")]
+    else:
+        hosts = [r for r in alive if r.get("CPU")]
+        per_node = math.ceil(dist.workers / max(1, len(hosts)))
+        shares = [int(r["CPU"]) // per_node for r in hosts]
+    return max(1, min(shares, default=1))
 
 
-def check_resources(dist, resources: dict) -> None:
-    """The cluster must hold workers x (cpus_per_worker CPUs [+ 1 GPU]) at once."""
-    need_cpu = dist.workers * dist.cpus_per_worker
+def check_resources(dist, resources: dict, cpus: int | None = None) -> None:
+    """The cluster must hold workers x (cpus CPUs [+ 1 GPU]) at once (cpus: worker_cpus)."""
+    cpus = cpus or dist.cpus_per_worker or 1
+    need_cpu = dist.workers * cpus
     have_cpu = int(resources.get("CPU", 0))
     if need_cpu > have_cpu:
-        fit = max(0, have_cpu // dist.cpus_per_worker)
-        raise TrspError(f"distributed.workers={dist.workers} x cpus_per_worker={dist.cpus_per_worker} needs "
+        fit = max(0, have_cpu // cpus)
+        raise TrspError(f"distributed.workers={dist.workers} x cpus_per_worker={cpus} needs "
                         f"{need_cpu} CPUs but the Ray cluster has {have_cpu}; use workers <= {fit} or add nodes")
     if dist.use_gpu and dist.workers > int(resources.get("GPU", 0)):
         raise TrspError(f"distributed.workers={dist.workers} with use_gpu=true needs {dist.workers} GPUs but the "
@@ -72,17 +72,20 @@ def check_resources(dist, resources: dict) -> None:
 
 
 def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
-    """Refuse a GPU plan that does not fit, naming what would (see planner.py)."""
+    """Refuse a plan whose GPU memory (GPU runs) or checkpoints (`disk_budget_gb`, any run) do not
+    fit, naming what would (see planner.py)."""
     from trsp_ray.distributed import planner
 
-    if not cfg.distributed.use_gpu:
-        return
     plan = planner.plan_for_run(cfg, model_path, ds_config)
-    if not plan.fits:
+    disk = plan.disk_problem()
+    if disk:
+        raise TrspError(disk)
+    if cfg.distributed.use_gpu and not plan.fits:
         raise TrspError(f"the plan does not fit: {plan.reason()}; {plan.suggestion()}")
 
 
-def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False, resources: dict | None = None):
+def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False, resources: dict | None = None,
+                cpus: int | None = None):
     """All checks, in the driver; returns (ds_config, storage, model_path)."""
     from trsp_ray import assets
     from trsp_ray.distributed.deepspeed_config import build_ds_config, validate_ds_config
@@ -106,45 +109,43 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
         check_output_dir(cfg.output, overwrite=overwrite)
     model_path = assets.resolve_model(cfg.model)
     if resources is not None:
-        check_resources(dist, resources)
+        check_resources(dist, resources, cpus)
     check_plan(cfg, model_path, ds_config)
     return ds_config, storage, model_path
 
 
-def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | None = None, overwrite: bool = False,
-                    name: str | None = None) -> DistributedResult:
+def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list | None = None,
+                    overwrite: bool = False, name: str | None = None) -> DistributedResult:
     """Stage 1 + stage 2 + export of `cfg` on `cfg.distributed.workers` Ray Train workers.
 
-    `fault` = {"round": r, "rank": k, "after_steps": n} kills worker k once, n steps into stage-1
-    round r (needs max_failures >= 1 to recover). Connects to the running Ray cluster or starts one.
+    `fault` (tests): one spec or a list, see worker.FaultInjector; e.g. {"round": 2} kills worker
+    1 once, one step into stage-1 round 2 (needs max_failures >= 1 to recover). Connects to the
+    running Ray cluster (RAY_ADDRESS) or starts one.
     """
     import ray
 
+    # Everything but the cluster's resources is checked before Ray is even started or joined.
+    ds_config, storage, model_path = prepare_run(cfg, ds_options=ds_options, overwrite=overwrite)
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
-    ds_config, storage, model_path = prepare_run(cfg, ds_options=ds_options, overwrite=overwrite,
-                                                 resources=ray.cluster_resources())
+    cpus = worker_cpus(cfg.distributed, ray.nodes())
+    check_resources(cfg.distributed, ray.cluster_resources(), cpus)
     name = name or f"trsp-{time.strftime('%Y%m%d-%H%M%S')}"
-    local = "://" not in storage
-    run_dir = Path(storage) / name
-    events = str(run_dir / "trsp_events.jsonl") if local else None
-    if fault is not None:
-        if not local:
-            raise TrspError("fault injection needs a local storage_path (its once-only marker lives there)")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fault = {"rank": 1, "after_steps": 1, **fault, "marker": str(run_dir / "fault-injected")}
-    loop_config = {"run": cfg.to_dict(), "ds_config": ds_config, "model_path": model_path, "events": events,
-                   "fault": fault, "manifest": {"method": cfg.method, "config": cfg.to_dict(),
-                                                "workers": cfg.distributed.workers}}
-    _fit(cfg, loop_config, storage=storage, name=name)
-    records = _read_events(events)
-    done = [e for e in records if e["event"] == "done"]
+    records = RunRecords(storage, name)
+    specs = [fault] if isinstance(fault, dict) else list(fault or [])
+    specs = [{**spec, "marker": spec.get("marker", f"fault-{i}")} for i, spec in enumerate(specs)]
+    loop_config = {"run": cfg.to_dict(), "ds_config": ds_config, "model_path": model_path,
+                   "records": {"storage": storage, "run": name}, "fault": specs, "cpus_per_worker": cpus,
+                   "manifest": {"method": cfg.method, "config": cfg.to_dict(), "workers": cfg.distributed.workers}}
+    _fit(cfg, loop_config, storage=storage, name=name, cpus=cpus)
+    events = records.read()
+    done = [e for e in events if e["event"] == "done"]
     if not done:
-        raise RuntimeError(f"the run ended without a 'done' event; see {events or storage}")
-    result = DistributedResult(drop_order=done[-1]["drop_order"], output=cfg.output, storage=str(run_dir),
-                               events=records)
+        raise RuntimeError(f"the run ended without a 'done' record; see {location(storage, name)}/records")
+    result = DistributedResult(drop_order=done[-1]["drop_order"], output=cfg.output, storage=location(storage, name),
+                               events=events)
     if cfg.tracking.enabled:
-        result.mlflow_run = log_run(cfg, result, name=name, local_storage=storage if local else None)
+        result.mlflow_run = log_run(cfg, result, name=name, local_storage=None if is_remote(storage) else storage)
     return result
 
 
@@ -193,32 +194,29 @@ def log_run(cfg, result: DistributedResult, *, name: str, local_storage: str | N
                                "gate_trajectories.png")
         tracker.log_dict({"drop_order": result.drop_order, "output": result.output, "storage": result.storage},
                          "result.json")
-        if local_storage and Path(result.storage, "trsp_events.jsonl").exists():
-            tracker.log_artifact(str(Path(result.storage, "trsp_events.jsonl")))
+        tracker.log_dict({"records": ev}, "records.json")
         if result.output and Path(result.output, "trsp_ray.json").exists():
             tracker.log_artifact(str(Path(result.output, "trsp_ray.json")))
         return tracker.run_id
 
 
-def _fit(cfg, loop_config: dict, *, storage: str, name: str) -> None:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+def _fit(cfg, loop_config: dict, *, storage: str, name: str, cpus: int) -> None:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from trsp_ray.distributed.storage import filesystem
     from trsp_ray.distributed.worker import train_loop
 
     dist = cfg.distributed
+    fs, path = filesystem(storage)  # the same filesystem the records use (endpoint options included)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=dist.workers, use_gpu=dist.use_gpu,
-                                     resources_per_worker={"CPU": dist.cpus_per_worker}),
+                                     resources_per_worker={"CPU": cpus}),
         torch_config=TorchConfig(backend="nccl" if dist.use_gpu else "gloo"),
-        run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(max_failures=dist.max_failures)),
+        run_config=RunConfig(name=name, storage_path=path, storage_filesystem=fs,
+                             failure_config=FailureConfig(max_failures=dist.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=dist.keep_checkpoints)),
     )
     trainer.fit()
-
-
-def _read_events(path: str | None) -> list[dict]:
-    if not path or not Path(path).exists():
-        return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -3,16 +3,21 @@
 Each Ray Train worker runs `train_loop(config)`. The stage loops are the single-process ones
 (`run_stage1`, `run_stage2`); only the stepper (a DeepSpeed engine), gate gathering and
 checkpointing differ. Checkpoints: after every stage-1 round and every `checkpoint_every` stage-2
-steps, each rank writes its own files into one Ray checkpoint (Ray merges the workers' folders).
+steps, each rank writes its own files into one Ray checkpoint, once: straight into the run's
+checkpoint folder on a local/shared path, or into a local staging folder that Ray uploads to a
+remote storage and then deletes. A resumed rank reads only its own files. Progress goes to the
+run's records on the same storage (storage.RunRecords), never to a side file on a local disk.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -22,21 +27,24 @@ ENGINE_DIR = "engine"  # stage-2 DeepSpeed checkpoint (model + optimizer partiti
 
 
 class EventLog:
-    """The run's own log: rank 0 appends one JSON line per event (and echoes it to stdout)."""
+    """The run's records: rank 0 writes one per event (and echoes it to stdout) to the run's
+    storage (storage.RunRecords), so they survive a lost node and work on s3:// as on a local path."""
 
-    def __init__(self, path: str | None, rank: int, attempt: int):
-        self.path = Path(path) if path and rank == 0 else None
-        self.rank, self.attempt = rank, attempt
+    def __init__(self, records: dict | None, rank: int):
+        from trsp_ray.distributed.storage import RunRecords
+
+        self.store = RunRecords(records["storage"], records["run"]) if records and rank == 0 else None
+        self.rank = rank
+        # 1 + the starts recorded so far (read once, by the only writer)
+        self.attempt = 1 + sum(r["event"] == "start" for r in self.store.read()) if self.store else 0
 
     def write(self, event: str, **fields) -> None:
         if self.rank != 0:
             return
         record = {"event": event, "attempt": self.attempt, "time": round(time.time(), 3), **fields}
         print(f"[trsp_ray worker] {json.dumps(record)}", flush=True)
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
+        if self.store is not None:
+            self.store.write(record)
 
 
 def reset_peak_memory() -> None:
@@ -60,71 +68,130 @@ def peak_memory_gb() -> float | None:
     return None
 
 
-def _attempt(events_path: str | None) -> int:
-    """1 + the number of earlier starts recorded in the log (every rank reads the same file)."""
-    if not events_path or not Path(events_path).exists():
-        return 1
-    lines = Path(events_path).read_text(encoding="utf-8").splitlines()
-    return 1 + sum(json.loads(line)["event"] == "start" for line in lines if line.strip())
+def _storage():
+    """(pyarrow filesystem, is it local) of this run's Ray Train storage."""
+    import pyarrow.fs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    return storage, isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
+
+
+def _own_file(rank: int):
+    """Which files of a checkpoint rank `rank` reads: meta, its state, its DeepSpeed partitions and
+    the engine's shared files (`latest`), never another rank's partitions."""
+    import re
+
+    def keep(rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        other = re.search(r"(?:state-rank|zero_pp_rank_)(\d+)[_.]", name)
+        return other is None or int(other.group(1)) == rank
+
+    return keep
 
 
 def _restore_point(rank: int) -> tuple[dict | None, str | None]:
-    """(meta + this rank's stage-1 state, local engine dir or None) of the last Ray checkpoint."""
+    """(meta + this rank's stage-1 state, engine dir or None) of the last Ray checkpoint. A local or
+    shared checkpoint is read in place; a remote one is fetched, this rank's files only."""
     import ray.train
+
+    from trsp_ray.distributed.engine import load_safely
+    from trsp_ray.distributed.storage import download
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None, None
-    local = checkpoint.to_directory()  # a stable local copy; storage may be remote
-    meta = json.loads((Path(local) / "meta.json").read_text())
-    meta["stage1"] = torch.load(Path(local) / STATE.format(rank=rank), weights_only=False)
-    engine_dir = str(Path(local) / ENGINE_DIR) if (Path(local) / ENGINE_DIR).exists() else None
+    _, local = _storage()
+    if local:
+        where = checkpoint.path
+    else:
+        where = tempfile.mkdtemp(prefix="trsp-restore-")
+        download(checkpoint.filesystem, checkpoint.path, where, _own_file(rank))
+    meta = json.loads((Path(where) / "meta.json").read_text())
+    meta["stage1"] = load_safely(Path(where) / STATE.format(rank=rank))
+    engine_dir = str(Path(where) / ENGINE_DIR) if (Path(where) / ENGINE_DIR).exists() else None
     return meta, engine_dir
 
 
-def _save(meta: dict, stage1_state: dict, *, rank: int, engine=None) -> None:
-    """One Ray checkpoint from every rank: meta (rank 0), its own state file, its engine shards."""
-    import ray.train
+def _same_on_all_ranks(value):
+    import torch.distributed as dist
 
-    with tempfile.TemporaryDirectory(prefix="trsp-ckpt-") as tmp:
-        torch.save(stage1_state, Path(tmp) / STATE.format(rank=rank))
-        if engine is not None:  # collective: every rank writes its partitions
-            engine.save_checkpoint(str(Path(tmp) / ENGINE_DIR), tag="stage2")
-        if rank == 0:
-            (Path(tmp) / "meta.json").write_text(json.dumps(meta))
-        ray.train.report({k: v for k, v in meta.items() if not isinstance(v, (list, dict))},
-                         checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _save(meta: dict, stage1_state: dict, *, rank: int, engine=None) -> None:
+    """One Ray checkpoint from every rank: meta (rank 0), its own state file, its engine shards.
+
+    Written once: in place in the run's checkpoint folder when the storage is a local/shared path
+    (reported with NO_UPLOAD), else into a local staging folder that Ray uploads and deletes."""
+    import ray.train
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    storage, local = _storage()
+    name = _same_on_all_ranks(f"checkpoint-{meta['label']}-{uuid.uuid4().hex[:8]}")
+    target = storage.build_checkpoint_path_from_name(name) if local else tempfile.mkdtemp(prefix="trsp-ckpt-")
+    Path(target).mkdir(parents=True, exist_ok=True)
+    torch.save(stage1_state, Path(target) / STATE.format(rank=rank))
+    if engine is not None:  # collective: every rank writes its partitions
+        engine.save_checkpoint(str(Path(target) / ENGINE_DIR), tag="stage2")
+    if rank == 0:
+        (Path(target) / "meta.json").write_text(json.dumps(meta))
+    metrics = {k: v for k, v in meta.items() if not isinstance(v, (list, dict))}
+    if local:
+        ray.train.report(metrics, checkpoint=Checkpoint(target, filesystem=storage.storage_filesystem),
+                         checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    else:
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(target), checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.SYNC, delete_local_checkpoint_after_upload=True)
+        shutil.rmtree(target, ignore_errors=True)
 
 
 class FaultInjector:
-    """Kills one worker (SIGKILL, as a lost node would) once: after `after_steps` steps of stage-1
-    round `round` (1-based), or right after stage-2 step `stage2_step` (after that step's checkpoint,
-    if it takes one). A marker file makes it happen exactly once per run."""
+    """Test-only faults, each once per run (a marker in the run's storage records that it fired).
 
-    def __init__(self, spec: dict | None, rank: int):
-        self.spec = spec or {}
-        self.armed = bool(spec) and rank == self.spec.get("rank", 1) and not Path(self.spec["marker"]).exists()
-        self.seen = 0
+    A spec fires on rank `rank` (default 1) after `after_steps` steps of stage-1 round `round`
+    (1-based), or right after stage-2 step `stage2_step` (after that step's checkpoint, if it takes
+    one). `action` "kill" SIGKILLs the worker (a lost process); "wait" writes the marker with this
+    worker's node id and waits, so that a test can remove that whole node (a lost node).
+    """
+
+    def __init__(self, specs: list[dict] | None, rank: int, records: dict | None):
+        from trsp_ray.distributed.storage import RunRecords
+
+        self.store = RunRecords(records["storage"], records["run"]) if specs and records else None
+        self.armed = [s for s in specs or [] if rank == s.get("rank", 1) and self.store.marker(s["marker"]) is None]
+        self.seen: dict[str, int] = {}
 
     def check(self, metrics: dict) -> None:
         """Stage-1 hook (every step's metrics)."""
-        if not self.armed or "round" not in self.spec or metrics.get("stage1/round") != self.spec["round"] - 1:
-            return
-        self.seen += 1
-        if self.seen >= self.spec.get("after_steps", 1):
-            self._kill()
+        for spec in self.armed:
+            if "round" in spec and metrics.get("stage1/round") == spec["round"] - 1:
+                self.seen[spec["marker"]] = self.seen.get(spec["marker"], 0) + 1
+                if self.seen[spec["marker"]] >= spec.get("after_steps", 1):
+                    self._fire(spec)
 
     def check_stage2(self, step: int) -> None:
-        if self.armed and step == self.spec.get("stage2_step"):
-            self._kill()
+        for spec in self.armed:
+            if step == spec.get("stage2_step"):
+                self._fire(spec)
 
-    def _kill(self) -> None:
+    def _fire(self, spec: dict) -> None:
+        import ray
+
         # Ray Train V2 takes a reported checkpoint from the worker's queue at its next poll
         # (health-check interval, 2 s by default); dying sooner would lose the last checkpoint
         # too, and the test would measure Ray's poll timing, not our resume.
         time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
-        Path(self.spec["marker"]).write_text(f"killed pid {os.getpid()} at {time.time()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
+        node = ray.get_runtime_context().get_node_id()
+        self.store.set_marker(spec["marker"], json.dumps({"pid": os.getpid(), "node": node, "time": time.time()}))
+        if spec.get("action", "kill") == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        deadline = time.time() + spec.get("wait_s", 600)
+        while time.time() < deadline:  # the test removes this node; nothing after this line should run
+            time.sleep(1)
+        raise RuntimeError(f"fault {spec['marker']}: node {node} was not removed within {spec.get('wait_s', 600)} s")
 
 
 def train_loop(config: dict) -> None:
@@ -137,21 +204,33 @@ def train_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     cfg = from_dict(config["run"])
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    # Threads: the run's setting, else the CPUs Ray gave this worker (more when the optimizer is
+    # offloaded: CPU Adam steps this rank's whole partition every step).
+    torch.set_num_threads(cfg.threads or config.get("cpus_per_worker") or 1)
     torch.manual_seed(cfg.seed)
     eng.init_deepspeed(backend="nccl" if cfg.distributed.use_gpu else "gloo")
-    events = EventLog(config.get("events"), rank, _attempt(config.get("events")))
+    events = EventLog(config.get("records"), rank)
     meta, engine_dir = _restore_point(rank)
-    events.write("start", world=world, resumed_from=None if meta is None else meta["label"])
+    events.write("start", world=world, resumed_from=None if meta is None else meta["label"], nodes=_nodes(world),
+                 threads=torch.get_num_threads())
     bench = _load(config, cfg, rank=rank, world=world)
-    fault = FaultInjector(config.get("fault"), rank)
+    fault = FaultInjector(config.get("fault"), rank, config.get("records"))
     drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank, fault=fault)
     model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
                     engine_dir=engine_dir, rank=rank, fault=fault)
     _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank)
     events.write("done", drop_order=drop)
     ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
+
+
+def _nodes(world: int) -> list[str]:
+    """The Ray node id of every rank, in rank order (collective)."""
+    import ray
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, ray.get_runtime_context().get_node_id())
+    return out
 
 
 def _load(config: dict, cfg, *, rank: int, world: int):
@@ -188,6 +267,7 @@ def _batches(cfg, bench, seed_offset: int):
 
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
+    from trsp_ray.distributed import engine as eng
     from trsp_ray.stage1 import candidate_layers, check_drop_count, run_stage1
 
     s1, g = cfg.stage1, cfg.gates
@@ -200,7 +280,11 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
     def report(metrics: dict, step: int) -> None:
         fault.check(metrics)
         if "stage1/rounds_done" in metrics:
-            events.write("round", round=metrics["stage1/rounds_done"], dropped=metrics["stage1/dropped"], step=step)
+            # The optimizer's fp32 copy of the gates (collective): what the next step starts from;
+            # after the projection onto s >= 0 it must equal the gates themselves.
+            master = eng.master_values(bench.gates.gate_params())
+            events.write("round", round=metrics["stage1/rounds_done"], dropped=metrics["stage1/dropped"], step=step,
+                         gate_master=master)
 
     def on_round(state: dict) -> None:
         last["state"] = state
