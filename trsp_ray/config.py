@@ -149,7 +149,7 @@ class DistributedConfig:
     offload_params: bool = False
     offload_optimizer: bool = False
     grad_accum: int = 1
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute layer activations in backward; every route (one process too)
     storage_path: str | None = None  # Ray Train storage; default ./runs/ray
     max_failures: int = 0
     checkpoint_every: int = 10  # stage-2 steps between checkpoints (stage 1: every round)
@@ -187,6 +187,9 @@ class RunConfig:
     output: str | None = None  # export directory; None = do not export
     seed: int = 0
     device: str = "cpu"  # cpu | cuda | auto
+    # Model dtype: auto = fp32 on CPU, bf16 on CUDA. Gates, and the fp32 master copies and Adam
+    # moments of trained bf16/fp16 weights, stay fp32 (training.TorchStepper says why).
+    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     threads: int | None = None  # torch intra-op threads (None = torch default)
     checkpoint_dir: str | None = None  # stage-1 round checkpoints; default ./runs/checkpoints
     data: DataConfig = field(default_factory=DataConfig)
@@ -203,6 +206,7 @@ class RunConfig:
         if not 0.0 < self.ratio < 1.0:
             raise TrspError(f"ratio={self.ratio!r} is not valid; it must be in the open interval (0, 1)")
         _choice("device", self.device, ("cpu", "cuda", "auto"))
+        _choice("dtype", self.dtype, ("auto", "bf16", "fp16", "fp32"))
         if self.threads is not None:
             _positive("threads", self.threads)
 

@@ -11,9 +11,9 @@ import torch
 from trsp_ray import assets, families
 from trsp_ray.config import RunConfig
 from trsp_ray.errors import TrspError
-from trsp_ray.perplexity import encode, perplexity
+from trsp_ray.perplexity import bos_token, encode, perplexity
 from trsp_ray.stage1 import candidate_layers, check_drop_count
-from trsp_ray.training import Batches
+from trsp_ray.training import Batches, set_checkpointing
 
 
 VALIDATION_TOKENS = 4096
@@ -21,6 +21,9 @@ VALIDATION_TOKENS = 4096
 
 def log(msg: str) -> None:
     print(f"[trsp_ray {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -31,19 +34,33 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_model(name: str, *, device: str = "cpu"):
-    """(model in eval mode, tokenizer) for a --model value (default name, directory or hub id)."""
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The model dtype of `dtype` ('auto': bf16 on CUDA, fp32 on CPU)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def run_dtype(cfg: RunConfig) -> str:
+    """cfg.dtype with 'auto' resolved for cfg.device: bf16 | fp16 | fp32."""
+    resolved = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    return next(name for name, dt in DTYPES.items() if dt == resolved)
+
+
+def load_model(name: str, *, device: str = "cpu", dtype: str = "auto"):
+    """(model in eval mode on `device`, tokenizer) for a --model value (default name, directory or hub id)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = assets.resolve_model(name)
+    target = resolve_device(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, target))
     except OSError as exc:
         raise TrspError(f"model {name!r} could not be loaded ({str(exc).splitlines()[0]}); "
                         f"pass a local model directory or {assets.DEFAULT_MODEL!r}") from None
     families.family_of(model)  # unsupported architectures fail here, by name
-    return model.to(resolve_device(device)).eval(), tokenizer
+    return model.to(target).eval(), tokenizer
 
 
 @dataclass
@@ -57,6 +74,8 @@ class Workbench:
     heldout_ids: torch.Tensor
     texts: assets.TextSplit
     val_ids: torch.Tensor | None = None  # calibration tail, never trained on (for tuning)
+    device: str = "cpu"  # where methods train and score; `model` (the original) stays in host memory
+    bos: int | None = None  # the BOS id every evaluation window starts with (perplexity.bos_token)
 
     @property
     def num_layers(self) -> int:
@@ -83,17 +102,53 @@ class Workbench:
     def heldout_ppl(self, model=None) -> float:
         d = self.cfg.data
         progress = _progress_printer("held-out PPL")
-        return perplexity(model or self.model, self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
-                          max_windows=d.eval_max_windows, progress=progress)
+        return perplexity(self._scoring(model), self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
+                          max_windows=d.eval_max_windows, bos=self.bos, progress=progress)
 
     def validation_ppl(self, model=None) -> float:
-        return perplexity(model or self.model, self.val_ids, seqlen=self.cfg.data.eval_seqlen, batch_size=4)
+        return perplexity(self._scoring(model), self.val_ids, seqlen=self.cfg.data.eval_seqlen, batch_size=4,
+                          bos=self.bos)
+
+    def _scoring(self, model):
+        """`model`, else the original on the run's device (a transient copy when it lives elsewhere)."""
+        if model is not None:
+            return model
+        here = next(self.model.parameters()).device
+        there = torch.device(self.device)
+        same = here.type == there.type and (there.index is None or here.index == there.index)
+        return self.model if same else self.fresh_model()
 
     def fresh_model(self):
-        """A copy of the original model; methods train and cut copies, never the original."""
-        import copy
+        """A copy of the original model on the run's device; methods train and cut copies, never
+        the original.
 
-        return copy.deepcopy(self.model)
+        The original stays where `prepare` loaded it (host memory) and the copy's tensors are
+        created on the device directly, so a GPU never holds two copies (LLaMA2-13B in bf16 is 26 GB
+        each); on CPU both live in host memory, as they always did. With activation checkpointing
+        configured, the copy recomputes its layers in backward (training.set_checkpointing).
+        """
+        import gc
+
+        gc.collect()  # a previous copy kept only by a reference cycle must go before the next one
+        model = copy_model(self.model, torch.device(self.device))
+        if self.cfg.distributed.activation_checkpointing:
+            set_checkpointing(model, True)
+        return model
+
+
+def copy_model(model, device: torch.device):
+    """A deep copy of `model` whose parameters and buffers are made on `device` straight from the
+    source tensors (tied weights stay tied); nothing of the copy is ever materialised elsewhere."""
+    import copy
+    import itertools
+
+    memo: dict = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            data = t.detach().to(device, copy=True)
+            memo[id(t)] = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else data
+    return copy.deepcopy(model, memo)
 
 
 def _progress_printer(what: str):
@@ -165,21 +220,49 @@ def calibration_ids(tokenizer, text: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:-n_val], ids[-n_val:]
 
 
-def prepare(cfg: RunConfig) -> Workbench:
-    """Check inputs (cheaply, first), load the model and tokenize the texts."""
+def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbench:
+    """Check inputs (cheaply, first: the device, config.json, the single-process memory plan of
+    `cfg.method` or of every method in `methods`), load the model and tokenize the texts."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
     check_plan(cfg)
+    check_single_plan(cfg, methods=methods)
     texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
-    model, tokenizer = load_model(cfg.model, device=cfg.device)
+    model, tokenizer = load_model(cfg.model, device="cpu", dtype=run_dtype(cfg))
     calib_ids, val_ids = calibration_ids(tokenizer, texts.calibration)
     heldout_ids = encode_cached(tokenizer, texts.heldout)
     for name, ids, seqlen in (("calibration", calib_ids, cfg.data.seqlen), ("evaluation", heldout_ids, cfg.data.eval_seqlen)):
         if ids.numel() < seqlen + 1:
             raise TrspError(f"{name} text has {ids.numel()} tokens, fewer than one window of {seqlen}; pass a longer text")
-    return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=calib_ids,
-                     heldout_ids=heldout_ids, texts=texts, val_ids=val_ids)
+    return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=calib_ids, heldout_ids=heldout_ids,
+                     texts=texts, val_ids=val_ids, device=str(device), bos=bos_token(tokenizer))
+
+
+def device_kind(cfg: RunConfig) -> tuple[str, float]:
+    """('gpu' | 'cpu', GB that one device holds) for the planner, on the machine that runs `cfg`:
+    the smaller of distributed.gpu_memory_gb and the visible GPU's memory; host memory on CPU."""
+    import os
+
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        visible = torch.cuda.get_device_properties(index).total_memory / 2**30
+        return "gpu", min(cfg.distributed.gpu_memory_gb, visible)
+    return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def check_single_plan(cfg: RunConfig, *, methods: tuple[str, ...] | None = None):
+    """Refuse, in one line and before any weights load, a single-process run whose memory plan does
+    not fit this machine's device; returns the plan (see distributed/planner.py)."""
+    from trsp_ray.distributed import planner
+
+    kind, memory = device_kind(cfg)
+    plan = planner.single_plan_for_run(cfg, device=kind, memory_gb=memory, methods=methods)
+    if not plan.fits:
+        raise TrspError(f"the single-process plan does not fit: {plan.reason()}; {planner.single_hint(cfg, plan)}")
+    return plan
 
 
 def stage1_checkpoints(cfg: RunConfig, n_drop: int):
@@ -194,7 +277,8 @@ def stage1_checkpoints(cfg: RunConfig, n_drop: int):
     from pathlib import Path
 
     key_src = {"model": assets.resolve_model(cfg.model), "stage1": cfg.to_dict()["stage1"],
-               "gates": cfg.to_dict()["gates"], "data": cfg.to_dict()["data"], "seed": cfg.seed, "n_drop": n_drop}
+               "gates": cfg.to_dict()["gates"], "data": cfg.to_dict()["data"], "seed": cfg.seed, "n_drop": n_drop,
+               "dtype": str(resolve_dtype(cfg.dtype, resolve_device(cfg.device)))}
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
     path = root / f"stage1-{key}.pt"
@@ -227,6 +311,10 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
 
     if cfg.output:
         check_output_dir(cfg.output, overwrite=overwrite)
+    chosen = route_for(cfg)
+    log(f"route: {chosen.describe()}")
+    if chosen.workers:
+        return run_on_workers(cfg, chosen, overwrite=overwrite)
     bench = prepare(cfg)
     t = cfg.tracking
     tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
@@ -270,4 +358,42 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                   {"method": cfg.method, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
                    "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
     print(f"(held-out text: {bench.texts.heldout_source})")
+    return results
+
+
+def route_for(cfg: RunConfig):
+    """The planner's route of `cfg` on this machine (planner.route), after the cheap checks: the
+    device exists, config.json and the ratio are valid. One-line TrspError when nothing fits."""
+    from trsp_ray.distributed import planner
+
+    resolve_device(cfg.device)
+    check_plan(cfg)
+    kind, memory = device_kind(cfg)
+    return planner.route(cfg, device=kind, memory_gb=memory)
+
+
+def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
+    """`run` for a model the single-process plan cannot hold: stage 1, stage 2 and export on
+    `chosen.workers` Ray Train workers (distributed/train.py), then held-out PPL of the export in
+    this process when an evaluation pass fits one device."""
+    from trsp_ray.config import replace
+    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.train import run_distributed
+
+    cfg_w = replace(cfg, **{"distributed.workers": chosen.workers, "distributed.use_gpu": chosen.device == "gpu"})
+    result = run_distributed(cfg_w, overwrite=overwrite)
+    results = {"method": cfg.method, "ratio": cfg.ratio, "route": f"{chosen.workers} workers",
+               "dropped_layers": result.drop_order, "output": result.output, "storage": result.storage}
+    kind, memory = device_kind(cfg)
+    evaluation = planner.single_plan_for_run(cfg, device=kind, memory_gb=memory, methods=("dense",))
+    if not result.output or not evaluation.fits:
+        log("held-out PPL skipped: " + ("nothing was exported" if not result.output else evaluation.reason()))
+        return results
+    texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
+    for key, name in (("dense_ppl", cfg.model), ("heldout_ppl", result.output)):
+        model, tokenizer = load_model(name, device=cfg.device, dtype=run_dtype(cfg))
+        results[key] = perplexity(model, encode_cached(tokenizer, texts.heldout), seqlen=cfg.data.eval_seqlen, batch_size=4,
+                                  max_windows=cfg.data.eval_max_windows, bos=bos_token(tokenizer))
+        del model
+        log(f"{key.replace('_', ' ')} {results[key]:.2f}")
     return results

@@ -343,3 +343,278 @@ def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     if not (cfg.method in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0):
         p.stages = p.stages[:1]
     return p
+
+
+# --- The single-process path (pipeline.run, the benchmark, search trials, reproduction cells) and
+# the route every job takes: one process on one device when that plan fits, else Ray Train workers.
+#
+# One device holds the working copy of the model (Workbench.fresh_model; the original stays in host
+# memory, so on CPU both count), then per stage (bytes per token unless said otherwise; e = dtype
+# bytes, h hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate, V vocab):
+#   stage 1   gates train, weights frozen: per layer the RMSNorms' fp32 inputs (2 x 4h), attention's
+#             q, k, v, output and log-sum-exp (e(2q + 2kv) + 4 heads), SwiGLU's gate, act and up
+#             (3eI) and the gate's (y - x) (eh). Frozen Linears keep no inputs.
+#   stage 2   all weights train: + the Linears' inputs (e(2h + q + I)). Per parameter, Adam's two
+#             fp32 moments (8) and, for bf16/fp16, an fp32 master copy (4): training.TorchStepper.
+#             The step's fp32 gradients (4 per parameter) appear after backward freed the
+#             activations, so the stage peaks at the larger of the two.
+#   checkpointing  only each layer's input (+ a gate's (y - x) in stage 1) is kept; the layer
+#             being recomputed holds its activations once more, after the logits' gradients are gone.
+#   logits    training: the fp32 log-softmax kept for backward (4V), and at the start of backward
+#             its gradient and the NLL gradient (8V); SLEB / ShortGPT forward: the model-dtype
+#             logits, their fp32 upcast and the log-softmax (eV + 4V + 4V; fp32 skips the upcast);
+#             evaluation (perplexity.py): fp32 logits, their shifted copy and the log-softmax (12V).
+#   SLEB      the inputs of every layer for one batch (L e h): baselines.sleb_drop streams batches.
+# Measured against this on CPU with glibc returning freed memory at once (MALLOC_MMAP_THRESHOLD_,
+# the analog of torch.cuda.max_memory_allocated): benchmarks/planner_single.py.
+
+@dataclass(frozen=True)
+class SingleSetup:
+    """What the single-process path's memory depends on (RunConfig fields, see `single_setup_for_run`)."""
+
+    memory_gb: float = 80.0  # what the one device holds: a GPU's memory, or host memory on CPU
+    dtype_bytes: int = 2  # 2 = bf16 / fp16, 4 = fp32
+    device: str = "gpu"  # gpu | cpu: on CPU the original model shares the memory with the working copy
+    batch: int = 4  # windows per training step
+    seqlen: int = 2048
+    activation_checkpointing: bool = False
+    trainable: str = "all"  # stage 2: all | lora
+    lora_rank: int = 8
+    train_base: bool = False
+    baseline_batch: int = 4  # windows per ShortGPT / SLEB forward
+    baseline_seqlen: int = 2048
+    eval_batch: int = 4  # windows per perplexity forward
+    eval_seqlen: int = 2048
+
+
+SINGLE_OVERHEAD_GB = {"gpu": 1.5, "cpu": 0.8}  # CUDA context + allocator slack; Python + torch + transformers
+
+
+@dataclass
+class SinglePlan:
+    """The single-process stages of a run on one device; same reading as `Plan`."""
+
+    shape: Shape
+    setup: SingleSetup
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def peak(self) -> float:
+        return max(st.total for st in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.setup.memory_gb
+
+    def worst(self) -> StagePlan:
+        return max(self.stages, key=lambda st: st.total)
+
+    def reason(self) -> str:
+        w = self.worst()
+        where = "one GPU" if self.setup.device == "gpu" else "host memory"
+        return f"{w.name} needs {w.total:.1f} GB in one process, more than the {self.setup.memory_gb:.1f} GB of {where}"
+
+
+def _layer_activations(s: Shape, e: int, *, trained: bool, gated: bool) -> float:
+    """Bytes per token kept for backward by one decoder layer (see the table above)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    kept = 2 * 4 * s.hidden + e * (2 * q + 2 * kv + 3 * s.intermediate) + 4 * s.heads
+    if trained:
+        kept += e * (2 * s.hidden + q + s.intermediate)
+    if gated:
+        kept += e * s.hidden
+    return kept
+
+
+def _training_activations_gb(s: Shape, st: SingleSetup, *, layers: int, trained: bool, gated: bool) -> float:
+    tokens = st.batch * st.seqlen
+    per_layer = _layer_activations(s, st.dtype_bytes, trained=trained, gated=gated)
+    if st.activation_checkpointing:
+        kept = layers * st.dtype_bytes * s.hidden * (2 if gated else 1)
+        return tokens * (kept + 4 * s.vocab + max(8 * s.vocab, 2 * per_layer)) / GB
+    return tokens * (layers * per_layer + 12 * s.vocab) / GB
+
+
+def _single_weights(plan: StagePlan, s: Shape, st: SingleSetup, params: int) -> None:
+    plan.parts["model (working copy)"] = params * st.dtype_bytes / GB
+    if st.device == "cpu":
+        plan.parts["model (original, host)"] = s.params * st.dtype_bytes / GB
+    plan.parts["runtime overhead"] = SINGLE_OVERHEAD_GB[st.device]
+
+
+def _optimizer_gb(params: int, e: int) -> float:
+    """Adam's fp32 moments, plus the fp32 master copy of low-precision parameters (GB)."""
+    return params * (8 if e == 4 else 12) / GB
+
+
+def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int, gated: bool, lora: bool = False,
+                    layers: int | None = None) -> StagePlan:
+    """One training stage in one process (stage 1, stage 2, heal); `layers` < L after removal;
+    `lora`: `trained_params` are fp32 adapters beside the frozen weights."""
+    layers = s.layers if layers is None else layers
+    params = s.params - (s.layers - layers) * s.layer_params
+    plan = StagePlan(name)
+    _single_weights(plan, s, st, params)
+    # Adapters keep the same Linear inputs for their gradients as trained weights do.
+    acts = _training_activations_gb(s, st, layers=layers, trained=trained_params > 0, gated=gated)
+    if lora:
+        plan.parts["LoRA adapters (fp32)"] = trained_params * 4 / GB
+    if trained_params:
+        plan.parts["optimizer state"] = _optimizer_gb(trained_params, 4 if lora else st.dtype_bytes)
+    # The step's fp32 gradients appear once backward has freed the activations.
+    plan.parts["activations + logits | step gradients"] = max(acts, trained_params * 4 / GB)
+    return plan
+
+
+def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: int, evaluation: bool) -> StagePlan:
+    """A no-grad pass: ShortGPT, SLEB (with its per-batch layer inputs) or perplexity."""
+    e, tokens = st.dtype_bytes, batch * seqlen
+    plan = StagePlan(name)
+    _single_weights(plan, s, st, s.params)
+    logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
+    layer = e * (3 * s.hidden + 3 * s.intermediate)  # one layer's intermediates at a time
+    plan.parts["logits + one layer"] = tokens * (logits + layer) / GB
+    if name == "sleb":
+        plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
+    return plan
+
+
+def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark rows)."""
+    out: list[str] = []
+    for m in methods or (cfg.method,):
+        base = m.removesuffix("+heal")
+        wanted = ["stage 1"] if base.startswith("trsp") else []
+        if base in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0:
+            wanted.append("stage 2")
+        if base in ("sleb", "shortgpt"):
+            wanted.append(base)
+        if (cfg.heal.steps > 0 and m != "dense") or m.endswith("+heal"):
+            wanted.append("heal")
+        out += [w for w in wanted + ["evaluation"] if w not in out]
+    return tuple(out)
+
+
+def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
+    e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(cfg.dtype, 2 if device == "gpu" else 4)
+    d = cfg.data
+    return SingleSetup(memory_gb=memory_gb, dtype_bytes=e, device=device, batch=d.batch_size, seqlen=d.seqlen,
+                       activation_checkpointing=cfg.distributed.activation_checkpointing,
+                       trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank,
+                       train_base=cfg.stage1.train_base, baseline_batch=d.batch_size, baseline_seqlen=d.seqlen,
+                       eval_batch=4, eval_seqlen=d.eval_seqlen)
+
+
+def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
+                heal_lora_rank: int = 8) -> SinglePlan:
+    """The plan of the single-process `stages` (names as `single_stages` gives them)."""
+    built = []
+    for name in stages:
+        if name == "stage 1":
+            built.append(single_training(name, s, st, trained_params=s.params if st.train_base else 0, gated=True))
+        elif name == "stage 2":
+            lora = st.trainable == "lora"
+            trained = s.lora_params(st.lora_rank) if lora else s.params
+            built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora))
+        elif name == "heal":
+            kept = s.layers - n_drop
+            lora = heal_trainable == "lora"
+            trained = (kept * s.lora_params(heal_lora_rank) // s.layers if lora
+                       else s.params - n_drop * s.layer_params)
+            built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora, layers=kept))
+        elif name in ("sleb", "shortgpt"):
+            built.append(single_forward(name, s, st, batch=st.baseline_batch, seqlen=st.baseline_seqlen,
+                                        evaluation=False))
+        else:
+            built.append(single_forward(name, s, st, batch=st.eval_batch, seqlen=st.eval_seqlen, evaluation=True))
+    return SinglePlan(s, st, tuple(built))
+
+
+def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[str, ...] | None = None,
+                        shape: Shape | None = None) -> SinglePlan:
+    """The single-process plan of `cfg` (or of every method in `methods`) on one `device` of `memory_gb`."""
+    s = shape or _run_shape(cfg)
+    st = single_setup_for_run(cfg, device=device, memory_gb=memory_gb)
+    return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=round(cfg.ratio * s.layers),
+                       heal_trainable=cfg.heal.trainable, heal_lora_rank=cfg.heal.lora_rank)
+
+
+def _run_shape(cfg) -> Shape:
+    from trsp_ray import assets
+
+    return read_shape(assets.resolve_model(cfg.model))
+
+
+def single_hint(cfg, p: SinglePlan) -> str:
+    """What would make a single-process plan fit (cheapest first), or the Ray Train route."""
+    from trsp_ray.config import replace
+
+    st = p.setup
+    changes = [("distributed.activation_checkpointing", True), ("dtype", "bf16"), ("stage2.trainable", "lora")]
+    for key, value in changes:
+        section, _, name = key.rpartition(".")
+        now = getattr(getattr(cfg, section) if section else cfg, name)
+        if now != value and single_plan_for_run(replace(cfg, **{key: value}), device=st.device,
+                                                memory_gb=st.memory_gb, shape=p.shape).fits:
+            return f"set {key}={str(value).lower()}"
+    if cfg.method in WORKER_METHODS and cfg.heal.steps == 0:
+        return "or allow Ray Train workers (distributed.workers=N) so it runs under ZeRO-3"
+    return "use a smaller data.batch_size or data.seqlen, or a larger device"
+
+
+WORKER_METHODS = ("trsp", "trsp-oneshot", "trsp-no-stage2")  # what the Ray Train path runs: stage 1, 2, export
+
+
+@dataclass
+class Route:
+    """How a job runs: `workers` 0 = one process on one device, N >= 1 = N Ray Train workers (ZeRO-3)."""
+
+    workers: int
+    device: str  # gpu | cpu
+    plan: SinglePlan | Plan  # the plan the route was chosen by (per worker when workers >= 1)
+
+    def describe(self) -> str:
+        where = "GPU" if self.device == "gpu" else "CPU"
+        if self.workers == 0:
+            return (f"single process on one {where}: peak {self.plan.peak:.1f} of "
+                    f"{self.plan.setup.memory_gb:.1f} GB ({self.plan.worst().name})")
+        return (f"{self.workers} Ray Train worker(s), ZeRO-3 on {where}: peak {self.plan.peak:.1f} of "
+                f"{self.plan.setup.gpu_memory_gb:g} GB per worker")
+
+
+def route(cfg, *, device: str | None = None, memory_gb: float | None = None, shape: Shape | None = None,
+          max_workers: int | None = None) -> Route:
+    """The route of `cfg`: one process on one device when its single-process plan fits, else the
+    fewest Ray Train workers (at most `max_workers`, default distributed.workers; 0 = none allowed)
+    whose ZeRO-3 plan fits. A one-line TrspError when neither does, before any work.
+
+    device: gpu | cpu (default from cfg.device; auto = gpu when distributed.use_gpu); memory_gb: what
+    one device holds (default distributed.gpu_memory_gb on gpu, this host's memory on cpu); shape:
+    the model's planner Shape (default: read from cfg.model's config.json, no weights).
+    """
+    import os
+
+    from trsp_ray.config import replace
+
+    if device is None:
+        device = "gpu" if cfg.device == "cuda" or (cfg.device == "auto" and cfg.distributed.use_gpu) else "cpu"
+    if memory_gb is None:
+        memory_gb = (cfg.distributed.gpu_memory_gb if device == "gpu"
+                     else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB)
+    s = shape or _run_shape(cfg)
+    single = single_plan_for_run(cfg, device=device, memory_gb=memory_gb, shape=s)
+    if single.fits:
+        return Route(0, device, single)
+    limit = cfg.distributed.workers if max_workers is None else max_workers
+    if limit >= 1 and cfg.method in WORKER_METHODS and cfg.heal.steps == 0:
+        for w in range(1, limit + 1):
+            if cfg.data.batch_size % w:  # every worker takes an equal slice of each batch
+                continue
+            cfg_w = replace(cfg, **{"distributed.workers": w, "distributed.use_gpu": device == "gpu",
+                                    "distributed.gpu_memory_gb": memory_gb})
+            zero = zero3_plan(cfg_w, s)
+            if zero.fits:
+                return Route(w, device, zero)
+        raise TrspError(f"{single.reason()}, and no ZeRO-3 plan fits on <= {limit} workers; "
+                        f"{single_hint(cfg, single)}")
+    raise TrspError(f"the plan does not fit: {single.reason()}; {single_hint(cfg, single)}")

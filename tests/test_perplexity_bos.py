@@ -1,0 +1,121 @@
+"""Perplexity follows the tokenizer's conventions: a tokenizer that puts BOS in front of every text
+gets [BOS] + seqlen - 1 text tokens per window (as lm-eval does); one that adds none (SmolLM2) gets
+the plain windows it always had."""
+
+import math
+
+import pytest
+import torch
+
+from trsp_ray.perplexity import bos_token, encode, perplexity, windows
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def bos_tokenizer():
+    """A word-level tokenizer that adds <bos> in front of every text, as Llama's and Gemma's do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def _text(n_words: int, seed: int = 0) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n_words,), generator=gen))
+
+
+def test_bos_token_reads_what_the_tokenizer_does():
+    from transformers import AutoTokenizer
+
+    from trsp_ray.assets import smollm2_dir
+
+    assert bos_token(bos_tokenizer()) == 1
+    smollm2 = AutoTokenizer.from_pretrained(smollm2_dir())
+    assert smollm2.bos_token_id is not None  # declared, but never added: no BOS windows
+    assert bos_token(smollm2) is None
+
+
+def test_bos_windows_hold_every_text_token_once():
+    ids = torch.arange(100, 131)  # 31 text tokens
+    w = windows(ids, 8, bos=1)
+    assert w.shape == (4, 8)  # 4 windows of 1 BOS + 7 text tokens; the 3-token tail is dropped
+    assert (w[:, 0] == 1).all()
+    assert w[:, 1:].reshape(-1).tolist() == list(range(100, 128))
+    assert torch.equal(windows(ids, 8), ids[:24].view(3, 8))  # no BOS: unchanged
+    with pytest.raises(ValueError, match="fewer than one window"):
+        windows(ids[:6], 8, bos=1)
+
+
+def test_perplexity_with_bos_matches_manual_nll_on_gemma3():
+    from trsp_ray.tiny import tiny_model
+
+    model = tiny_model("gemma3_text", layers=2, vocab=64)
+    tok = bos_tokenizer()
+    ids = encode(tok, _text(200))
+    assert ids[0].item() != 1 and (ids != 1).all()  # encode adds no special tokens
+    seqlen = 16
+    got = perplexity(model, ids, seqlen=seqlen, batch_size=3, bos=bos_token(tok))
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for k in range(ids.numel() // (seqlen - 1)):
+            window = torch.cat([torch.tensor([1]), ids[k * (seqlen - 1):(k + 1) * (seqlen - 1)]]).view(1, -1)
+            logp = torch.log_softmax(model(input_ids=window).logits.float(), dim=-1)
+            nll -= logp[0, torch.arange(seqlen - 1), window[0, 1:]].sum().item()
+            count += seqlen - 1
+    assert got == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert abs(got - perplexity(model, ids, seqlen=seqlen, batch_size=3)) > 1e-3  # the convention matters
+
+
+def _bos_workspace(root):
+    """A tiny random Gemma-3 text model + the BOS tokenizer, with calibration / held-out texts."""
+    from trsp_ray.tiny import tiny_model
+
+    tok = bos_tokenizer()
+    tiny_model("gemma3_text", layers=6, vocab=64).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    (root / "calib.txt").write_text(_text(6000, seed=1))
+    (root / "eval.txt").write_text(_text(2000, seed=2))
+    return root
+
+
+def test_prune_reports_bos_convention_dense_ppl(tmp_path):
+    """What `trsp-ray prune` prints as the dense held-out PPL of a BOS model is the BOS figure
+    (the acceptance's Gemma-3-270m case, on a tiny random gemma3_text model: no weights offline)."""
+    from transformers import AutoModelForCausalLM
+
+    from trsp_ray.config import load_config
+    from trsp_ray.pipeline import run
+
+    root = _bos_workspace(tmp_path)
+    cfg = load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
+                                 f"data.eval_text={root / 'eval.txt'}", "method=shortgpt", "ratio=0.34",
+                                 "data.seqlen=16", "data.eval_seqlen=32", "data.eval_max_windows=8",
+                                 "baselines.calib_windows=2", "tracking.enabled=false", "threads=1"])
+    results = run(cfg)
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    ids = encode(bos_tokenizer(), (root / "eval.txt").read_text())
+    with_bos = perplexity(model, ids, seqlen=32, batch_size=4, max_windows=8, bos=1)
+    without = perplexity(model, ids, seqlen=32, batch_size=4, max_windows=8)
+    assert results["dense_ppl"] == pytest.approx(with_bos, rel=1e-6)
+    assert abs(results["dense_ppl"] - without) > 1e-3
+
+
+def test_smollm2_tokenizer_windows_unchanged(tmp_path):
+    """SmolLM2's tokenizer adds no BOS, so the Workbench scores exactly the windows it always did."""
+    from trsp_ray.config import load_config
+    from trsp_ray.pipeline import prepare
+    from trsp_ray.tiny import tiny_workspace
+
+    root = tiny_workspace(tmp_path, layers=4, calib_chars=20000, eval_chars=8000)
+    bench = prepare(load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
+                                           f"data.eval_text={root / 'eval.txt'}", "data.eval_seqlen=64",
+                                           "data.eval_max_windows=4", "tracking.enabled=false"]))
+    assert bench.bos is None
+    plain = perplexity(bench.model, bench.heldout_ids, seqlen=64, batch_size=4, max_windows=4)
+    assert bench.heldout_ppl() == plain
