@@ -125,3 +125,48 @@ def test_readme_commands_name_existing_files():
         assert path in text and (ROOT / path).is_file(), path
     for command in ("ray up", "ray job submit", "mlflow ui", "kubectl apply", "ray dashboard"):
         assert command in text, command
+
+
+def _containers(doc: dict) -> list[dict]:
+    spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+    groups = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    out = [c for g in groups for c in g["template"]["spec"]["containers"]]
+    if doc["kind"] == "RayJob":
+        out += doc["spec"]["submitterPodTemplate"]["spec"]["containers"]
+    return out
+
+
+def test_dashboard_and_mlflow_are_not_open_to_the_network():
+    """Job submission through the dashboard runs code: localhost only (cluster launcher) or a token
+    on every Ray container (KubeRay, where the submitter and the operator reach the head)."""
+    launcher = _load(CLUSTER / "ray-cluster.yaml")
+    head = " ".join(launcher["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "mlflow ui --host 127.0.0.1" in head
+    for name in ("raycluster.yaml", "rayjob-prune-70b.yaml", "rayjob-reproduce.yaml"):
+        doc = _load(KUBERAY / name)
+        for container in _containers(doc):
+            env = {e["name"]: e for e in container.get("env", [])}
+            assert env["RAY_AUTH_MODE"]["value"] == "token", (name, container["name"])
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "trsp-ray-auth"
+    text = " ".join(p.read_text() for p in CLUSTER.rglob("*") if p.suffix in (".yaml", ".md"))
+    assert "--host 0.0.0.0" not in text and "containerPort: 5000" not in text
+    assert "kubectl create secret generic trsp-ray-auth" in (CLUSTER / "README.md").read_text()
+
+
+def test_no_checkpoint_is_unpickled(tmp_path):
+    """Checkpoints load with torch.load(weights_only=True) (or safetensors / JSON), never a pickle."""
+    import re
+
+    for path in list((ROOT / "trsp_ray").rglob("*.py")) + list((ROOT / "jobs").glob("*.py")):
+        for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
+            # torch >= 2.6 defaults to weights_only=True; an explicit False would unpickle
+            assert "weights_only=False" not in call and "pickle_module" not in call, (path, call)
+    # ... and this torch's default refuses a pickled object indeed.
+    import pickle
+
+    import torch
+
+    path = tmp_path / "evil.pt"
+    torch.save({"obj": Path(".")}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path)
