@@ -116,6 +116,18 @@ def _logits(path) -> torch.Tensor:
 def test_zero3_two_workers_match_single_process(tiny_dir, tmp_path, single, clean_run):
     result, root = clean_run
     assert result.drop_order == single.drop_order
+    # Ray Train kept the last 2 checkpoints (keep_checkpoints) of the 3 written, and a stage-2 save
+    # is the size the planner prints (fp32 master + Adam moments of every weight + gate state).
+    from trsp_ray.distributed import planner
+
+    run_dir = root / "storage" / Path(result.storage).name
+    kept = sorted(p.name.rsplit("-", 1)[0] for p in run_dir.glob("checkpoint-*"))
+    assert kept == ["checkpoint-stage1-round2", "checkpoint-stage2-step2"]
+    saved = sum(f.stat().st_size for f in next(run_dir.glob("checkpoint-stage2-*")).rglob("*") if f.is_file())
+    shape = planner.read_shape(str(tiny_dir))
+    estimate = planner.checkpoint_bytes(shape, planner.Setup(workers=2), trained=shape.params)
+    print(f"stage-2 checkpoint: {saved} bytes written, planner {estimate:.0f} ({saved / estimate - 1:+.2%})")
+    assert abs(saved / estimate - 1) < 0.02
     stage1 = next(e for e in result.events if e["event"] == "stage1_done")
     print("max live-gate difference:", _live_gates_close(single, stage1["gate_history"]))
     _reloads(root / "out")

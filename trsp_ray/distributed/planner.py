@@ -247,7 +247,7 @@ def host_and_disk(p: Plan) -> HostPlan:
     threads = max(1, st.cpus_per_node // max(1, per_node)) if offload else 1
     host_worker = max(stage.host for stage in p.stages) + HOST_BASE_GB[st.device]
     largest_tensor = max(s.vocab * s.hidden, s.hidden * s.intermediate) * st.dtype_bytes / GB
-    export = 2 * max(st.export_shard_gb, largest_tensor)
+    export = 2 * max(min(st.export_shard_gb, s.params * st.dtype_bytes / GB), largest_tensor)
     return HostPlan(checkpoint_gb=ckpt, storage_gb=ckpt * (st.keep_checkpoints + 1),
                     disk_per_node_gb=ckpt * per_node / st.workers if st.remote_storage else 0.0,
                     threads_per_worker=threads, host_per_worker_gb=host_worker,
