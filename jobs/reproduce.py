@@ -2,11 +2,15 @@
 
     ray job submit --working-dir . -- python jobs/reproduce.py --preset paper --out /shared/reproduce
 
+    python jobs/reproduce.py --preset paper --dry-run    # every cell's route and plan; nothing runs
+
 Cluster this assumes (cluster/): GPU nodes of 8 x 80 GB with model-hub access (HF_TOKEN for the
 LLaMA repos), WikiText-2 train/test as text files under /shared/data/wikitext2, and /shared for
-outputs. Each model's cells are one Ray task on one GPU; cells whose stage 2 does not fit one GPU
-(the memory planner decides) run on Ray Train + ZeRO-3; the evaluation actor pool scores every
-exported cell. Resubmitting with the same --out skips finished cells (see <out>/run_log.jsonl).
+outputs. Each model's shared stage 1 (one run serves trsp, trsp-oneshot and trsp-no-stage2) and
+its single-GPU cells are one Ray task on one GPU; cells whose stage 2 does not fit one GPU (the
+memory planner routes every cell) run on Ray Train + ZeRO-3 from that same stage 1; the evaluation
+actor pool scores every exported cell. Resubmitting with the same --out skips finished cells whose
+settings are unchanged (see <out>/run_log.jsonl); a changed setting recomputes what it affects.
 
 On this machine:
 

@@ -5,8 +5,12 @@ between trials that share it, ASHA on the stage-2 validation loss, MLflow lineag
         --space ratio=0.25,0.3 --space stage1.lambda1=1e-3,5e-3 --space stage2.lambda2=1e-3 \
         --search-dir /shared/runs/search-llama2-7b --device cuda --cpus-per-trial 8
 
-`--search-dir` must be on storage every node sees: it holds the stage-1 cache, the trial records
+`--search-dir` must be on storage every node sees: it holds the stage-1 store, the trial records
 that make a rerun skip finished trials, the exports, and the JSON-lines run log (`events.jsonl`).
+On GPUs (`--device cuda`, or `auto` on a cluster with GPUs) each trial holds the GPU share the
+memory planner gives it (a quarter of one for a small model, `--gpus-per-trial` to override); a
+trial that does not fit one GPU drives stage 2 on Ray Train workers from inside the trial
+(`--trial-workers N` to force it), and the evaluation actors get GPUs too.
 On this CPU machine, with a tiny model directory:
 
     ray job submit --working-dir . -- python jobs/search.py --model /tmp/tiny --space ratio=0.125,0.25 \

@@ -58,15 +58,48 @@ def test_paper_numbers_only_for_the_papers_cells():
 
 
 def test_planner_routes_stage2_cells_of_7b_and_larger_to_ray_train():
-    from trsp_ray.reproduce.work import cell_config, distributed_workers, gpus_needed
+    from trsp_ray.reproduce.work import cell_config, cell_route, gpus_needed
 
     spec = PAPER.model("llama2-7b")
-    trsp = cell_config(PAPER, spec, method="trsp", ratio=0.25)
-    shortgpt = cell_config(PAPER, spec, method="shortgpt", ratio=0.25)
-    assert distributed_workers(PAPER, spec, trsp) > 1  # all 7B weights + Adam do not fit one 80 GB GPU
-    assert distributed_workers(PAPER, spec, shortgpt) == 0  # frozen weights fit one GPU
+    trsp = cell_route(PAPER, spec, cell_config(PAPER, spec, method="trsp", ratio=0.25), "trsp")
+    shortgpt = cell_route(PAPER, spec, cell_config(PAPER, spec, method="shortgpt", ratio=0.25), "shortgpt")
+    assert trsp.workers > 1 and trsp.plan.peak <= 80  # all 7B weights + Adam do not fit one 80 GB GPU
+    assert shortgpt.workers == 0 and shortgpt.plan.peak <= 80  # frozen weights fit one GPU
     assert 1 < gpus_needed(PAPER) <= 8
     assert gpus_needed(LOCAL) == 0
+
+
+def test_paper_preset_trsp_rows_of_a_model_share_one_stage1_run():
+    from trsp_ray.reproduce.run import plan_grid
+
+    plans = plan_grid(PAPER, build_grid(PAPER), [])
+    for model in ("llama2-7b", "llama2-13b", "llama3-8b"):
+        trsp, no_stage2, oneshot = (plans[f"{model}__{m}__r0.250"] for m in ("trsp", "trsp-no-stage2", "trsp-oneshot"))
+        assert trsp.stage1 is no_stage2.stage1 is oneshot.stage1  # one run, whatever each cell's route
+        assert trsp.route.workers > 1 and no_stage2.route.workers == 0
+        assert trsp.stage1.route.workers == 0 and trsp.stage1.n_drop == round(0.25 * trsp.route.plan.shape.layers)
+        assert plans[f"{model}__shortgpt__r0.250"].stage1 is None
+
+
+def test_paper_dry_run_prints_every_cell_with_route_and_plan_within_8x80gb(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parents[1] / "jobs" / "reproduce.py"
+    done = subprocess.run([sys.executable, str(job), "--preset", "paper", "--dry-run"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+    cells = build_grid(PAPER)
+    lines = {c.id: next(line for line in out.splitlines() if line.strip().startswith(c.id)) for c in cells}
+    for cid, line in lines.items():
+        assert ("single process on one GPU" in line or "Ray Train worker(s), ZeRO-3 on GPU" in line) and " GB" in line
+        peak = float(line.split("peak ")[1].split(" of")[0])
+        assert 0 < peak <= 80, line
+    assert "shared stage 1 for 3 cell(s)" in out and out.count("shared stage 1 for") == 3
+    assert "every cell fits one node of 8 x 80 GB: yes" in out
 
 
 def test_tables_show_paper_numbers_with_difference_and_name_the_text(tmp_path):
@@ -91,3 +124,20 @@ def test_store_writes_cells_atomically_and_logs_events(tmp_path):
     assert store.is_done(cell) and store.load(cell)["cell_id"] == cell.id
     assert [e["event"] for e in store.events()] == ["computed"]
     assert not list((tmp_path / "o" / "cells").glob(".tmp-*"))
+
+
+def test_a_gpu_preset_on_a_machine_without_cuda_fails_on_one_line_before_any_work(tmp_path, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    from test_reproduce_resume import tiny_preset
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    preset = tiny_preset(tmp_path)
+    gpu = dataclasses.replace(preset, run={**preset.run, "device": "cuda"}, gpus_per_model=1)
+    out = tmp_path / "out"
+    with pytest.raises(TrspError, match="CUDA") as err:
+        run_reproduce(gpu, out=str(out), methods=["dense", "trsp"], use_ray=False)
+    assert "\n" not in str(err.value)
+    assert not (out / "run_log.jsonl").exists() and not list((out / "stage1").glob("*.json"))

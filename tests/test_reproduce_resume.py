@@ -73,7 +73,8 @@ def _check_resume(tmp_path: Path, use_ray: bool) -> None:
     assert not set(pruned) & set(pruned_first), "an exported cell was pruned again"
     assert len(set(done_first) | set(computed)) == len(result["results"]) == 4
     assert second[-1]["event"] == "end" and second[-1]["complete"]
-    stage1 = json.loads((out / "stage1" / "tiny.json").read_text())
+    (stored,) = (out / "stage1").glob("*.json")  # one shared stage-1 run, by content key
+    stage1 = json.loads(stored.read_text())
     trsp = next(r for r in result["results"] if r["method"] == "trsp")
     assert trsp["dropped"] == sorted(stage1["drop_order"][:1]) and trsp["layers"] == 3
     dense = next(r for r in result["results"] if r["method"] == "dense")
@@ -98,6 +99,7 @@ def test_interrupted_run_resumes_without_redoing_cells_in_process(tmp_path, monk
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_interrupted_run_resumes_without_redoing_cells_on_ray(tmp_path, monkeypatch):
+def test_interrupted_run_resumes_without_redoing_cells_on_ray(tmp_path, monkeypatch, private_ray):
     monkeypatch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    private_ray(num_cpus=2)  # run_reproduce uses the running instance (and leaves it running)
     _check_resume(tmp_path, use_ray=True)

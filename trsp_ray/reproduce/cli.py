@@ -2,6 +2,7 @@
 
     trsp-ray reproduce --preset local --out runs/reproduce-local
     trsp-ray reproduce --preset paper --out /shared/reproduce --methods dense trsp shortgpt
+    trsp-ray reproduce --preset paper --dry-run      # every cell's route and plan; nothing runs
 
 Exit status: 0 when every cell finished, 1 when some failed (rerun to retry them), 2 for bad input
 caught before anything runs.
@@ -25,11 +26,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override for every cell, e.g. --set stage2.steps=50")
     p.add_argument("--no-ray", action="store_true", help="run every cell in this process (debugging)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every cell's route and memory plan (and each model's shared stage 1); run nothing")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from trsp_ray.reproduce.run import run_reproduce
+    from trsp_ray.reproduce.run import dry_run, run_reproduce
+
+    if args.dry_run:
+        print(dry_run(args.preset, models=args.models, methods=args.methods, ratios=args.ratios,
+                      overrides=args.overrides))
+        return 0
 
     out = args.out or f"runs/reproduce-{args.preset}"
     eval_overrides = {"limit": args.limit} if args.limit is not None else None

@@ -1,12 +1,16 @@
 """The grid of cells (model x method x ratio) and its on-disk store, which makes a run resumable.
 
 Layout under the output directory:
-    cells/<cell id>.json   one finished cell (pruned and scored), written atomically: present = done
-    models/<cell id>/      the exported pruned model (atomic export; present = pruned, maybe not scored)
-    stage1/<model>.json    the shared stage-1 drop order of a model (serves every TRSP cell and ratio)
-    run_log.jsonl          one JSON line per event: run start/end, cell skipped/pruned/computed
+    cells/<cell id>.json        one finished cell (pruned and scored), written atomically
+    models/<cell id>/           the exported pruned model (atomic export)
+    models/<cell id>.prune.json what its pruning did (drop set, route, time), with its prune key
+    stage1/<key>.json           shared stage-1 results by content key (trsp_ray/stage1_store.py)
+    run_log.jsonl               one JSON line per event: run start/end, cell skipped/stale/pruned/computed
 
-A rerun reads cells/ and skips what is there; the log says which cells each run skipped and computed.
+A cell is done when its record carries the cell's current content key, and pruned when its export
+exists and its prune record carries the current prune key (work.py): a rerun skips those, and a
+cell whose settings changed since is computed again (logged as "stale"). The log says which cells
+each run skipped and computed.
 """
 
 from __future__ import annotations
@@ -81,15 +85,32 @@ class CellStore:
     def model_dir(self, cell: Cell) -> Path:
         return self.root / "models" / cell.id
 
-    def stage1_path(self, model_key: str) -> Path:
-        return self.root / "stage1" / f"{model_key}.json"
+    @property
+    def stage1_root(self) -> Path:
+        return self.root / "stage1"
 
-    def is_done(self, cell: Cell) -> bool:
-        return self.cell_path(cell).is_file()
+    def prune_path(self, cell: Cell) -> Path:
+        return self.root / "models" / f"{cell.id}.prune.json"
 
-    def is_pruned(self, cell: Cell) -> bool:
-        """An export is renamed into place only when complete, so config.json means a usable model."""
-        return (self.model_dir(cell) / "config.json").is_file()
+    def is_done(self, cell: Cell, key: str | None = None) -> bool:
+        """A record of the cell exists (and, given `key`, was made by the same content)."""
+        if not self.cell_path(cell).is_file():
+            return False
+        return key is None or self.load(cell).get("cell_key") == key
+
+    def is_pruned(self, cell: Cell, key: str) -> bool:
+        """Its prune record carries `key` and names a usable model directory (an export is renamed
+        into place only when complete, so config.json means a usable model; the dense cell's
+        directory may be the original model's)."""
+        record = self.pruned(cell) or {}
+        return record.get("prune_key") == key and (Path(record.get("model_dir", "")) / "config.json").is_file()
+
+    def pruned(self, cell: Cell) -> dict | None:
+        path = self.prune_path(cell)
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+    def save_pruned(self, cell: Cell, record: dict, key: str) -> None:
+        write_json_atomic({**record, "prune_key": key}, self.prune_path(cell))
 
     def load(self, cell: Cell) -> dict:
         return json.loads(self.cell_path(cell).read_text(encoding="utf-8"))

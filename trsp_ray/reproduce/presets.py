@@ -15,8 +15,31 @@ from dataclasses import dataclass, field
 
 from trsp_ray.errors import TrspError
 
-GRID_METHODS = ("dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "shortgpt", "sleb")
 PAPER_RATIO = 0.25
+
+
+@dataclass(frozen=True)
+class GridMethod:
+    """A row of the grid: the RunConfig method it runs (None: the dense model, nothing pruned) and
+    the config overrides that define the row (e.g. a healed baseline: ("heal.steps=20",)). Rows
+    are data: a new one is a line here, and every part of the reproduction (grid, routes, the shared
+    stage 1 of the TRSP methods, tables) follows."""
+
+    name: str
+    method: str | None
+    overrides: tuple[str, ...] = ()
+
+
+GRID = (GridMethod("dense", None), GridMethod("trsp", "trsp"), GridMethod("trsp-no-stage2", "trsp-no-stage2"),
+        GridMethod("trsp-oneshot", "trsp-oneshot"), GridMethod("shortgpt", "shortgpt"), GridMethod("sleb", "sleb"))
+GRID_METHODS = tuple(m.name for m in GRID)  # also the tables' row order
+
+
+def grid_method(name: str) -> GridMethod:
+    for m in GRID:
+        if m.name == name:
+            return m
+    raise TrspError(f"unknown method {name!r}; valid: {', '.join(GRID_METHODS)}")
 
 # (model key, method) -> (WikiText-2 PPL, mean acc over PIQA/WinoGrande/HellaSwag/ARC-e/ARC-c in %).
 PAPER_NUMBERS: dict[tuple[str, str], tuple[float, float]] = {
@@ -52,6 +75,7 @@ class Preset:
     calibration: str  # what the calibration text is, for the report footer
     gpus_per_model: int = 0  # GPUs per single-process prune task (0: CPU)
     gpu_memory_gb: float = 80.0  # per-GPU memory the planner checks against
+    max_workers: int = 0  # most Ray Train workers a cell may use (one node of 8 for the paper's models)
     eval_actors: int = 1
     eval_gpus_per_actor: float = 0.0
     keep_models: bool = True  # keep exported pruned models after scoring
@@ -92,7 +116,7 @@ PAPER = Preset(
     evaluation={"tasks": ("piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge"), "limit": None,
                 "ppl_seqlen": 2048, "ppl_windows": None, "dtype": "bfloat16", "speed": {}},
     calibration="128 x 2048-token windows of WikiText-2 train (files on shared storage)",
-    gpus_per_model=1, eval_actors=4, eval_gpus_per_actor=1.0,
+    gpus_per_model=1, max_workers=8, eval_actors=4, eval_gpus_per_actor=1.0,
 )
 
 LOCAL = Preset(

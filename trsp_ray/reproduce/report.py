@@ -11,9 +11,13 @@ import csv
 import io
 from pathlib import Path
 
+from trsp_ray.reproduce.presets import GRID_METHODS
+
 COLUMNS = ["model", "method", "ratio", "layers", "dropped", "PPL", "paper PPL", "d PPL",
-           "mean5 acc %", "paper acc %", "d acc", "prefill x", "prune s"]
-METHOD_ORDER = ("dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "shortgpt", "sleb")
+           "mean5 acc %", "paper acc %", "d acc", "prefill x", "route", "prune s"]
+# A TRSP cell whose drop set is not the model's shared stage-1 one (a Ray Train run that learned
+# its own stage 1): marked, so an ablation that does not share its drop set cannot pass unseen.
+UNSHARED = "*"
 
 
 def _diff(ours, paper):
@@ -22,18 +26,20 @@ def _diff(ours, paper):
 
 def table_rows(results: list[dict]) -> list[dict]:
     """One row per cell, ordered by model, ratio, then the paper's method order."""
-    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    order = {m: i for i, m in enumerate(GRID_METHODS)}
     rows = []
     for r in sorted(results, key=lambda r: (r["model"], r["ratio"], order.get(r["method"], 99))):
         layers = f"{r.get('layers')}/{r.get('layers_original')}" if r.get("layers") is not None else None
         speed = r.get("speed") or {}
         rows.append({"model": r["model"], "method": r["method"], "ratio": r["ratio"] or None, "layers": layers,
-                     "dropped": " ".join(map(str, r.get("dropped") or [])) or "-",
+                     "dropped": (" ".join(map(str, r.get("dropped") or [])) or "-")
+                     + (UNSHARED if r.get("stage1_shared") is False else ""),
                      "PPL": r.get("ppl"), "paper PPL": r.get("paper_ppl"),
                      "d PPL": _diff(r.get("ppl"), r.get("paper_ppl")),
                      "mean5 acc %": r.get("mean5_acc"), "paper acc %": r.get("paper_acc"),
                      "d acc": _diff(r.get("mean5_acc"), r.get("paper_acc")),
-                     "prefill x": speed.get("prefill_speedup"), "prune s": r.get("prune_seconds")})
+                     "prefill x": speed.get("prefill_speedup"), "route": r.get("route"),
+                     "prune s": r.get("prune_seconds")})
     return rows
 
 
@@ -60,7 +66,8 @@ def footer(preset) -> str:
             f"PPL: {e.get('ppl_seqlen')}-token windows (max {e.get('ppl_windows') or 'all'}) of {eval_text}. "
             f"Zero-shot (lm-eval, 0-shot, limit {e.get('limit') or 'whole split'}): {tasks}; mean5 = mean acc over "
             "PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, in %. Paper numbers: Feng et al. (arXiv 2505.18232), "
-            "25% of layers removed, WikiText-2 PPL; d = ours - paper. " + " ".join(preset.notes))
+            "25% of layers removed, WikiText-2 PPL; d = ours - paper. Every TRSP row of a model prunes from "
+            f"one shared stage-1 run; {UNSHARED} marks a drop set that is not the shared one. " + " ".join(preset.notes))
 
 
 def to_markdown(rows: list[dict], foot: str) -> str:

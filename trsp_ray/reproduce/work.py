@@ -1,53 +1,128 @@
 """What one unit of the reproduction does, as plain functions (no Ray here; run.py ships them to Ray).
 
-`prune_cells` loads one model once and exports every pending cell of it: one stage-1 run at the
-largest TRSP ratio serves every TRSP cell (a smaller ratio's drop set is a prefix of the order;
-the one-shot ablation uses the round-1 ranking), and that stage-1 result is stored so a rerun after
-an interruption does not learn it again. `score_cell` turns an evaluator result into a cell record.
+Every TRSP cell of a model (trsp, trsp-oneshot, trsp-no-stage2, any ratio) prunes from one
+stage-1 run: learned once, on one device, at the largest TRSP ratio of the grid (a smaller ratio's
+drop set is a prefix of the order; the one-shot ablation uses the round-1 ranking), and kept in the
+content-keyed stage-1 store (trsp_ray/stage1_store.py, shared with the search), so a changed
+stage-1 setting recomputes it and an interrupted run does not. A cell whose stage 2 needs several
+GPUs gets that same result handed to its Ray Train run (distributed/handoff.py).
+
+Keys: a cell's export is keyed by the content of its config (`prune_key`), its score by that and
+the evaluation settings (`cell_key`): a changed setting recomputes the cell instead of reusing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
-from trsp_ray.config import RunConfig, from_dict, load_config, replace
+from trsp_ray.config import RunConfig, load_config, replace
 from trsp_ray.errors import TrspError
+from trsp_ray.reproduce.presets import grid_method
+from trsp_ray.stage1_store import content_key, model_fingerprint, text_fingerprint
 
-TRSP_METHODS = ("trsp", "trsp-no-stage2", "trsp-oneshot")
-STAGE2_METHODS = ("trsp", "trsp-oneshot")  # the cells whose pruning trains all weights
+TRSP_METHODS = ("trsp", "trsp-no-stage2", "trsp-oneshot")  # RunConfig methods that prune from stage 1
+# Config sections that do not change what a cell exports or scores.
+NOT_RESULTS = ("tracking", "output", "threads", "checkpoint_dir", "distributed")
 
 
 def cell_config(preset, spec, *, overrides: list[str] | None = None, method: str = "trsp",
                 ratio: float = 0.25) -> RunConfig:
-    """The RunConfig of one cell: preset values, the model, then user `key=value` overrides."""
-    base = {**preset.run, "model": spec.model, "method": method, "ratio": ratio}
-    return load_config(None, overrides, base=base)
+    """The RunConfig of one cell (`method` is a grid row): preset values, the model, user
+    `key=value` overrides, then the row's own overrides (they define the row)."""
+    row = grid_method(method)
+    base = {**preset.run, "model": spec.model, "method": row.method or "trsp", "ratio": ratio}
+    return load_config(None, list(overrides or []) + list(row.overrides), base=base)
 
 
-def _stage1(bench, store_path: Path, ratio: float):
-    """The shared stage-1 result at `ratio`: read back when stored for at least that ratio, else learned."""
-    from trsp_ray.methods import run_stage1_for
-    from trsp_ray.pipeline import log
-    from trsp_ray.stage1 import Stage1Result
-    from trsp_ray.tracking import write_json_atomic
+def uses_stage1(cfg: RunConfig, method: str) -> bool:
+    return grid_method(method).method is not None and cfg.method in TRSP_METHODS
 
-    n_drop = bench.n_drop(ratio)
-    if store_path.is_file():
-        saved = json.loads(store_path.read_text(encoding="utf-8"))
-        if len(saved["drop_order"]) >= n_drop:
-            log(f"stage 1: reusing {store_path.name} ({len(saved['drop_order'])} layers ordered)")
-            return Stage1Result(drop_order=saved["drop_order"], round1_ranking=saved["round1_ranking"],
-                                steps=saved["steps"], tokens=saved["tokens"])
-    bench_r = dataclasses.replace(bench, cfg=replace(bench.cfg, ratio=ratio))
-    t0 = time.time()
-    result = run_stage1_for(bench_r)
-    write_json_atomic({"drop_order": result.drop_order, "round1_ranking": result.round1_ranking,
-                       "steps": result.steps, "tokens": result.tokens, "ratio": ratio,
-                       "seconds": time.time() - t0}, store_path)
-    return result
+
+def prune_key(cfg: RunConfig, method: str, *, calib_fp: str) -> str:
+    """Content key of a cell's export: the model's files and every result-bearing config value
+    (the dense cell: the model alone)."""
+    if grid_method(method).method is None:
+        return content_key({"dense": cfg.model, "model": model_fingerprint(cfg.model)})
+    content = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RESULTS}
+    return content_key({"row": method, "config": content, "model": model_fingerprint(cfg.model), "calib": calib_fp})
+
+
+def cell_key(prune: str, eval_settings: dict) -> str:
+    """Content key of a scored cell: its export and how it was scored (settings and the text's bytes)."""
+    return content_key({"prune": prune, "eval": eval_settings, "eval_text": text_fingerprint(eval_settings.get("eval_text"))})
+
+
+def planner_shape(spec):
+    """A planner Shape from a preset's config.json fields (what read_shape would read from disk)."""
+    from trsp_ray.distributed import planner
+
+    return planner.shape_from_config(spec.shape, source=spec.key)
+
+
+def model_shape(spec):
+    from trsp_ray import assets
+    from trsp_ray.distributed import planner
+
+    return planner_shape(spec) if spec.shape else planner.read_shape(assets.resolve_model(spec.model))
+
+
+def _device(cfg: RunConfig) -> str:
+    return "gpu" if cfg.device == "cuda" or (cfg.device == "auto" and cfg.distributed.use_gpu) else "cpu"
+
+
+def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
+    """The planner's route of a cell: one process on one device, or N Ray Train workers (at most
+    the preset's `max_workers`); a one-line TrspError when neither fits. The dense cell is only
+    scored, and a TRSP cell's stage 1 is the shared one, so neither plans a stage 1 of its own."""
+    from trsp_ray.distributed import planner
+
+    shape = shape or model_shape(spec)
+    device = _device(cfg)
+    memory = preset.gpu_memory_gb if device == "gpu" else None
+    if grid_method(method).method is None:
+        setup = planner.single_setup_for_run(cfg, device=device, memory_gb=memory or _host_gb())
+        plan = planner.single_plan(shape, setup, ("evaluation",))
+        if not plan.fits:
+            raise TrspError(f"scoring {spec.key}: {plan.reason()}")
+        return planner.Route(0, device, plan)
+    return planner.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers)
+
+
+def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
+    """The route of a model's shared stage 1: one device, always (the store is filled by one process)."""
+    from trsp_ray.distributed import planner
+
+    shape = shape or model_shape(spec)
+    device = _device(cfg)
+    memory = preset.gpu_memory_gb if device == "gpu" else None
+    try:
+        return planner.route(replace(cfg, method="trsp-no-stage2", **{"heal.steps": 0}), device=device,
+                             memory_gb=memory, shape=shape, max_workers=0)
+    except TrspError as exc:
+        raise TrspError(f"the shared stage 1 of {spec.key} must run on one device: {exc}") from None
+
+
+def _host_gb() -> float:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def shared_stage1(load, *, root: str, key: str, n_drop: int, content: dict) -> dict:
+    """The shared stage-1 result of `key` covering `n_drop` layers, as plain data: from the store,
+    else learned on the workbench `load()` returns and stored."""
+    from trsp_ray.stage1_store import Stage1Store, compute_stage1, result_dict
+
+    def compute(n: int):
+        from trsp_ray.pipeline import log
+
+        log(f"stage 1: learning {n} layers (shared by every TRSP cell of this model)")
+        return compute_stage1(load(), n)
+
+    result, _ = Stage1Store(root).obtain(key, need=n_drop, compute=compute, content=content)
+    return result_dict(result)
 
 
 def _dense_dir(bench, out_dir: Path) -> str:
@@ -65,87 +140,66 @@ def _dense_dir(bench, out_dir: Path) -> str:
     return str(out_dir)
 
 
-def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], stage1_path: str) -> list[dict]:
-    """Export every cell of one model; returns one record per cell: {cell_id, model_dir, drop, info}.
+def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], stage1: list[dict]) -> dict:
+    """Export the single-device cells of one model, and make sure its shared stage-1 results are stored.
 
-    `run` is the model's RunConfig as a plain dict, `cells` are Cell dicts with their ids under
-    "id", `model_dirs` maps a cell id to its export target. Exports are atomic, so a cell whose
-    directory exists is complete.
+    `run` is a RunConfig dict of the model, `cells` are {"id", "method", "run" (the cell's RunConfig
+    dict), "stage1_key" (None for a non-TRSP cell)}, `model_dirs` maps a cell id to its export
+    target, `stage1` lists {"root", "key", "n_drop", "content"}. The model is loaded only when
+    there is a cell to prune or a stage 1 to learn. Returns {"records": one {cell_id, model_dir,
+    drop, info, prune_seconds, stage1_shared} per cell, "stage1": {key: result dict}}.
     """
+    from trsp_ray.config import from_dict
+
+    loaded: list = []
+
+    def load():
+        from trsp_ray.pipeline import prepare
+
+        if not loaded:
+            loaded.append(prepare(from_dict(run)))
+        return loaded[0]
+
+    shared = {spec["key"]: shared_stage1(load, **spec) for spec in stage1}
+    records = [_prune_one(load(), c, model_dirs[c["id"]], shared.get(c.get("stage1_key"))) for c in cells]
+    return {"records": records, "stage1": shared}
+
+
+def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
+    from trsp_ray.config import from_dict
     from trsp_ray.export import export_model
     from trsp_ray.methods import apply_method
-    from trsp_ray.pipeline import log, prepare
+    from trsp_ray.pipeline import log
+    from trsp_ray.stage1_store import result_from
 
-    cfg = from_dict(run)
-    bench = prepare(cfg)
-    trsp_ratios = [c["ratio"] for c in cells if c["method"] in TRSP_METHODS]
-    stage1 = _stage1(bench, Path(stage1_path), max(trsp_ratios)) if trsp_ratios else None
-    records = []
-    for c in cells:
-        t0 = time.time()
-        target = model_dirs[c["id"]]
-        if c["method"] == "dense":
-            records.append({"cell_id": c["id"], "model_dir": _dense_dir(bench, Path(target)), "drop": [],
-                            "info": {}, "prune_seconds": 0.0})
-            continue
-        bench_r = dataclasses.replace(bench, cfg=replace(cfg, ratio=c["ratio"], method=c["method"]))
-        log(f"cell {c['id']}: pruning {bench_r.n_drop()} of {bench.num_layers} layers")
-        out = apply_method(bench_r, c["method"], stage1=stage1)
-        manifest = {"method": c["method"], "dropped_layers": out.drop, "drop_order": out.drop,
-                    "kept_layers": out.kept, "num_layers_original": bench.num_layers,
-                    "num_layers_kept": len(out.kept), "config": bench_r.cfg.to_dict(),
-                    "info": {k: v for k, v in out.info.items() if k != "relative_update"}}
-        export_model(out.model, bench.tokenizer, target, manifest=manifest, overwrite=True)
-        records.append({"cell_id": c["id"], "model_dir": target, "drop": out.drop, "info": manifest["info"],
-                        "prune_seconds": time.time() - t0})
-    return records
+    t0 = time.time()
+    if grid_method(c["method"]).method is None:
+        return {"cell_id": c["id"], "model_dir": _dense_dir(bench, Path(target)), "drop": [], "info": {},
+                "prune_seconds": 0.0}
+    cfg = from_dict(c["run"])
+    cell_bench = dataclasses.replace(bench, cfg=cfg)
+    log(f"cell {c['id']}: pruning {cell_bench.n_drop()} of {bench.num_layers} layers")
+    out = apply_method(cell_bench, cfg.method, stage1=None if stage1 is None else result_from(stage1))
+    info = {k: v for k, v in out.info.items() if k != "relative_update"}
+    manifest = {"method": c["method"], "dropped_layers": out.drop, "drop_order": out.drop,
+                "kept_layers": out.kept, "num_layers_original": bench.num_layers,
+                "num_layers_kept": len(out.kept), "config": cfg.to_dict(), "info": info}
+    export_model(out.model, bench.tokenizer, target, manifest=manifest, overwrite=True)
+    return {"cell_id": c["id"], "model_dir": target, "drop": out.drop, "info": info,
+            "prune_seconds": time.time() - t0, "stage1_shared": True if stage1 is not None else None}
 
 
-def distributed_workers(preset, spec, cfg: RunConfig) -> int:
-    """GPUs a cell needs per the memory planner: 0 = fits the preset's single-process prune task.
+def prune_distributed(cfg: RunConfig, *, cell_id: str, target: str, workers: int, stage1: dict, n_drop: int) -> dict:
+    """A cell whose stage 2 needs several GPUs: Ray Train + ZeRO-3 on `workers` workers from the
+    shared stage 1, exported to `target`; the same record as `prune_cells` gives."""
+    from trsp_ray.distributed.handoff import run_stage2_distributed
 
-    Only cells that train all weights (stage 2) can outgrow one GPU; shapes come from the preset
-    (no hub access) or the model's config.json."""
-    from trsp_ray import assets
-    from trsp_ray.distributed import planner
-
-    if not cfg.distributed.use_gpu or cfg.method not in STAGE2_METHODS:
-        return 0
-    shape = planner_shape(spec) if spec.shape else planner.read_shape(assets.resolve_model(spec.model))
-    setup = planner.setup_for_run(replace(cfg, **{"distributed.workers": max(1, preset.gpus_per_model)}))
-    if planner.plan(shape, setup).fits:
-        return 0
-    need = planner.min_workers(shape, setup)
-    if need is None:
-        raise TrspError(f"model {spec.key!r} does not fit any number of {setup.gpu_memory_gb:g} GB GPUs with "
-                        "this config; see `trsp-ray plan`")
-    return need
-
-
-def planner_shape(spec):
-    """A planner Shape from a preset's config.json fields (what read_shape would read from disk)."""
-    from trsp_ray.distributed import planner
-
-    return planner.shape_from_config(spec.shape, source=spec.key)
-
-
-def cell_record(cell, pruned: dict, scored: dict, paper: tuple[float, float] | None) -> dict:
-    """The stored result of a finished cell: what was dropped, what it scored, the paper's numbers."""
-    from trsp_ray.evaluation.report import paper_mean
-
-    tasks = scored.get("tasks") or {}
-    mean = paper_mean(tasks, "acc")
-    manifest = scored.get("manifest") or {}
-    return {"model": cell.model, "method": cell.method, "ratio": cell.ratio, "status": scored.get("status", "ok"),
-            "layers": scored.get("layers"), "layers_original": manifest.get("num_layers_original", scored.get("layers")),
-            "dropped": sorted(pruned.get("drop") or manifest.get("dropped_layers") or []),
-            "ppl": scored.get("ppl"), "mean5_acc": None if mean is None else 100.0 * mean, "tasks": tasks,
-            "speed": scored.get("speed"),
-            # a cell exported by an earlier (interrupted) run: its manifest kept the pruning time
-            "prune_seconds": pruned.get("prune_seconds", (manifest.get("info") or {}).get("seconds")),
-            "eval_seconds": scored.get("seconds"), "info": pruned.get("info") or manifest.get("info") or {},
-            "paper_ppl": paper[0] if paper else None, "paper_acc": paper[1] if paper else None,
-            "lm_eval_version": scored.get("lm_eval_version")}
+    t0 = time.time()
+    dcfg = replace(cfg, output=target, **{"distributed.workers": workers, "tracking.enabled": False})
+    result, shared = run_stage2_distributed(dcfg, stage1=stage1, n_drop=n_drop, name=f"reproduce-{cell_id}")
+    return {"cell_id": cell_id, "model_dir": target, "drop": list(result.drop_order),  # the cell's drop set
+            "info": {"workers": workers, "storage": result.storage}, "prune_seconds": time.time() - t0,
+            "stage1_shared": shared}
 
 
 def gpus_needed(preset, *, overrides: list[str] | None = None) -> int:
@@ -153,9 +207,33 @@ def gpus_needed(preset, *, overrides: list[str] | None = None) -> int:
     a Ray Train cell's world size, else one prune task's GPUs, else one evaluation actor's."""
     need = max(preset.gpus_per_model, int(-(-preset.eval_gpus_per_actor // 1)))
     for spec in preset.models:
-        for method in STAGE2_METHODS:
-            if method in preset.methods:
-                for ratio in preset.ratios:
-                    cfg = cell_config(preset, spec, overrides=overrides, method=method, ratio=ratio)
-                    need = max(need, distributed_workers(preset, spec, cfg))
+        shape = model_shape(spec) if preset.gpus_per_model else None
+        for method in preset.methods:
+            for ratio in preset.ratios:
+                cfg = cell_config(preset, spec, overrides=overrides, method=method, ratio=ratio)
+                if _device(cfg) == "gpu":
+                    need = max(need, cell_route(preset, spec, cfg, method, shape=shape).workers)
     return need
+
+
+def cell_record(cell, pruned: dict, scored: dict, paper: tuple[float, float] | None, *, key: str) -> dict:
+    """The stored result of a finished cell: what was dropped, what it scored, the paper's numbers.
+
+    Layers come from the scored model itself; the original count from the manifest, else as kept +
+    dropped (a Ray Train export's manifest names the drop set under "drop")."""
+    from trsp_ray.evaluation.report import paper_mean
+
+    tasks = scored.get("tasks") or {}
+    mean = paper_mean(tasks, "acc")
+    manifest = scored.get("manifest") or {}
+    dropped = sorted(pruned.get("drop") or manifest.get("dropped_layers") or manifest.get("drop") or [])
+    layers = scored.get("layers")
+    original = manifest.get("num_layers_original") or (None if layers is None else layers + len(dropped))
+    return {"model": cell.model, "method": cell.method, "ratio": cell.ratio, "status": scored.get("status", "ok"),
+            "cell_key": key, "layers": layers, "layers_original": original, "dropped": dropped,
+            "route": pruned.get("route"), "stage1_shared": pruned.get("stage1_shared"),
+            "ppl": scored.get("ppl"), "mean5_acc": None if mean is None else 100.0 * mean, "tasks": tasks,
+            "speed": scored.get("speed"), "prune_seconds": pruned.get("prune_seconds"),
+            "eval_seconds": scored.get("seconds"), "info": pruned.get("info") or manifest.get("info") or {},
+            "paper_ppl": paper[0] if paper else None, "paper_acc": paper[1] if paper else None,
+            "lm_eval_version": scored.get("lm_eval_version")}

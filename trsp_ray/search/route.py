@@ -1,6 +1,6 @@
 """Where a search's trials and evaluation actors run: CPUs, a GPU fraction, whole GPUs, or Ray Train.
 
-A trial of a model that fits one GPU (the memory planner decides) holds a fraction of one, rounded
+A trial of a model that fits one GPU (the memory planner's route decides) holds a fraction of one, rounded
 up to a quarter, so several small-model trials share a GPU; a trial whose model needs several GPUs
 holds only a CPU itself and runs stage 2 on `workers` Ray Train workers (one GPU each) that it
 launches. Evaluation actors get the GPUs a pruned model's inference needs. On a CPU run (device=cpu,
@@ -45,23 +45,13 @@ def _fraction(gb: float, capacity_gb: float) -> float:
     return min(1.0, math.ceil(gb / capacity_gb / GPU_STEP - 1e-9) * GPU_STEP)
 
 
-def _plan_single(cfg, model_path: str):
-    """(plan of the run on one GPU, plan of its scoring) from config.json alone."""
-    from trsp_ray.config import replace
-    from trsp_ray.distributed import planner
-
-    shape = planner.read_shape(model_path)
-    one = replace(cfg, **{"distributed.workers": 1, "distributed.use_gpu": True})
-    setup = planner.setup_for_run(one)
-    return shape, setup, planner.plan_for_run(one, model_path)
-
-
 def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | None = None,
                 workers: int | None = None, eval_gpus: float | None = None) -> TrialRoute:
     """The route of every trial of a search (they share model and shapes; the ratio barely moves
-    the peak). `cluster` is `ray.cluster_resources()`; explicit values override the planner."""
-    from dataclasses import replace as dc_replace
-
+    the peak), from the memory planner's `route`: one GPU (a fraction of it) when the single-process
+    plan fits, else the fewest Ray Train workers the cluster's GPUs allow. `cluster` is
+    `ray.cluster_resources()`; explicit values override the planner."""
+    from trsp_ray.config import replace
     from trsp_ray.distributed import planner
 
     _check_counts(gpus_per_trial, workers, eval_gpus)
@@ -71,24 +61,25 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
     use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and have > 0) or bool(gpus_per_trial)
     if not use_gpu:  # CPU run: Ray Train workers (gloo) only when asked for
         return TrialRoute(use_gpu=False, gpus=0.0, workers=workers or 0, eval_gpus=0.0)
-    shape, setup, single = _plan_single(cfg, model_path)
-    capacity = setup.gpu_memory_gb
-    inference_gb = shape.params * 2 * 1.2 / 2**30  # bf16 weights + KV cache and activations
+    shape = planner.read_shape(model_path)
+    memory = cfg.distributed.gpu_memory_gb
+    limit = workers if workers is not None else (0 if gpus_per_trial is not None else max(1, int(have)))
+    chosen = planner.route(cfg, device="gpu", memory_gb=memory, shape=shape, max_workers=limit)
+    scoring = planner.single_plan(shape, planner.single_setup_for_run(cfg, device="gpu", memory_gb=memory),
+                                  ("evaluation",)).peak
     scoring = eval_gpus if eval_gpus is not None else (
-        _fraction(inference_gb, capacity) if inference_gb <= capacity else float(math.ceil(inference_gb / capacity)))
-    if workers is None and gpus_per_trial is None and not single.fits:
-        workers = planner.min_workers(shape, setup)
-        if workers is None:
-            raise TrspError(f"a trial does not fit any number of {capacity:g} GB GPUs ({single.reason()}); "
-                            "see `trsp-ray plan`")
-    if workers:
-        peak = planner.plan(shape, dc_replace(setup, workers=workers)).peak
-        stage1 = planner.plan(shape, setup).stages[0]
-        route = TrialRoute(use_gpu=True, gpus=0.0, workers=workers, eval_gpus=scoring, peak_gb=peak,
-                           stage1_on_one_device=stage1.total <= capacity)
+        _fraction(scoring, memory) if scoring <= memory else float(math.ceil(scoring / memory)))
+    if workers and not chosen.workers:  # asked for Ray Train though one GPU would do
+        chosen = planner.Route(workers, "gpu", planner.zero3_plan(
+            replace(cfg, **{"distributed.workers": workers, "distributed.use_gpu": True}), shape))
+    if chosen.workers:
+        stage1 = planner.single_plan_for_run(replace(cfg, method="trsp-no-stage2", **{"heal.steps": 0}),
+                                             device="gpu", memory_gb=memory, shape=shape)
+        route = TrialRoute(use_gpu=True, gpus=0.0, workers=chosen.workers, eval_gpus=scoring,
+                           peak_gb=chosen.plan.peak, stage1_on_one_device=stage1.fits)
     else:
-        gpus = gpus_per_trial if gpus_per_trial is not None else _fraction(single.peak, capacity)
-        route = TrialRoute(use_gpu=True, gpus=gpus, workers=0, eval_gpus=scoring, peak_gb=single.peak)
+        gpus = gpus_per_trial if gpus_per_trial is not None else _fraction(chosen.plan.peak, memory)
+        route = TrialRoute(use_gpu=True, gpus=gpus, workers=0, eval_gpus=scoring, peak_gb=chosen.plan.peak)
     if have and route.gpus_per_trial() > have:
         raise TrspError(f"a trial needs {route.gpus_per_trial():g} GPUs, the Ray cluster has {have:g}; "
                         "add GPU nodes or lower the trial's memory (distributed.activation_checkpointing, LoRA)")
