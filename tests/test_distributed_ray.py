@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = ["ratio=0.34", "stage1.first_round_steps=2", "stage1.steps_per_round=2", "stage2.steps=4",
              "data.seqlen=32", "threads=1", "tracking.enabled=false", "distributed.workers=2",

@@ -157,7 +157,6 @@ def test_cli_eval_writes_tables_and_exit_code(tmp_path, candidates, capsys, own_
     assert "limit=0" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_unknown_stock_task_is_named_in_the_error(candidates):
     from trsp_ray.evaluation.harness import run_tasks
 

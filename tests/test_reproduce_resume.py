@@ -87,7 +87,6 @@ def _check_resume(tmp_path: Path, use_ray: bool) -> None:
     assert third["computed"] == [] and len(third["skipped"]) == 4 and third["missing"] == []
 
 
-@pytest.mark.slow
 def test_interrupted_run_resumes_without_redoing_cells_in_process(tmp_path, monkeypatch):
     from trsp_ray import pipeline
     from trsp_ray.perplexity import encode
@@ -98,7 +97,6 @@ def test_interrupted_run_resumes_without_redoing_cells_in_process(tmp_path, monk
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_interrupted_run_resumes_without_redoing_cells_on_ray(tmp_path, monkeypatch, private_ray):
     monkeypatch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     private_ray(num_cpus=2)  # run_reproduce uses the running instance (and leaves it running)
