@@ -141,6 +141,23 @@ def _cached_wiki_split() -> tuple[str, str]:
     return calib_path.read_text(encoding="utf-8"), held_path.read_text(encoding="utf-8")
 
 
+_NEWS_FILE = "test/test_data/lee_background.cor"
+NEWS_SOURCE = "gensim Lee corpus (Australian news stories, 2001; a second domain, not Wikipedia)"
+
+
+def domain2_text(path: str | None = None) -> tuple[str, str]:
+    """(text, source) of the second-domain held-out text: the given file, else gensim's Lee corpus of
+    news stories (one story per line; joined with blank lines as documents are for perplexity)."""
+    if path:
+        return read_text_file(path, "domain-2 text"), path
+    news = _package_dir("gensim", "pip install gensim") / _NEWS_FILE
+    if not news.exists():
+        raise TrspError(f"gensim's Lee news corpus is missing at {news}; reinstall gensim==4.4.0 or pass "
+                        f"data.domain2_text=FILE")
+    stories = [line.strip() for line in news.read_text(encoding="utf-8", errors="replace").splitlines()]
+    return "\n\n".join(s for s in stories if s), NEWS_SOURCE
+
+
 def read_text_file(path: str, what: str) -> str:
     p = Path(path).expanduser()
     if not p.is_file():

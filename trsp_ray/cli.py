@@ -39,22 +39,17 @@ def _prune(args) -> int:
 
 
 def _benchmark(args) -> int:
-    from trsp_ray.bench import DEFAULT_ROWS, ROWS, run_benchmark
-    from trsp_ray.errors import TrspError
+    from trsp_ray.bench import DEFAULT_ROWS, check_request, run_benchmark
 
-    rows = tuple(args.rows.split(",")) if args.rows else None
-    if rows:
-        bad = [r for r in rows if r not in ROWS]
-        if bad:
-            raise TrspError(f"unknown benchmark row {bad[0]!r}; valid rows: {', '.join(ROWS)}")
+    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else DEFAULT_ROWS
     cfg = _cfg(args)
-    rows = rows or DEFAULT_ROWS
+    check_request(cfg, rows, args.seeds, args.zeroshot)  # bad rows / seeds fail before Ray starts
     if args.workers > 0:
         from trsp_ray.distributed.benchmark import run_benchmark_ray
 
-        run_benchmark_ray(cfg, rows, workers=args.workers)
+        run_benchmark_ray(cfg, rows, workers=args.workers, seeds=args.seeds, zeroshot_limit=args.zeroshot)
     else:
-        run_benchmark(cfg, rows)
+        run_benchmark(cfg, rows, seeds=args.seeds, zeroshot_limit=args.zeroshot)
     return 0
 
 
@@ -69,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_prune)
     b = sub.add_parser("benchmark", help="compare methods on one model and print a table")
     _common(b)
-    b.add_argument("--rows", default=None, help="comma-separated rows (default: all but random)")
+    b.add_argument("--rows", default=None, help="comma-separated rows (default: every row)")
+    b.add_argument("--seeds", type=int, default=1, help="seeds per row (mean and spread are printed)")
+    b.add_argument("--zeroshot", type=int, default=0, metavar="N",
+                   help="score every model on the paper's 5 zero-shot tasks, N items each (0 = off)")
     b.add_argument("--workers", type=int, default=2,
                    help="Ray workers on a local Ray instance (0 = run in this process without Ray)")
     b.set_defaults(func=_benchmark)

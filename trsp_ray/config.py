@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from trsp_ray.errors import TrspError
+from trsp_ray.registry import METHOD_NAMES
 
-METHODS = ("trsp", "trsp-no-stage2", "trsp-oneshot", "shortgpt", "sleb", "random")
+METHODS = METHOD_NAMES  # the registry names them; kept here for the CLI's choices
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -37,6 +38,8 @@ class DataConfig:
     batch_size: int = 4  # windows per optimizer step
     eval_seqlen: int = 256  # perplexity window (tokens)
     eval_max_windows: int | None = 32  # cap on held-out windows (None = whole text)
+    # a held-out text of another domain (any text file); default: gensim's Lee corpus of news stories
+    domain2_text: str | None = None
 
     def __post_init__(self):
         for name in ("seqlen", "batch_size", "eval_seqlen"):
@@ -124,12 +127,31 @@ class HealConfig:
 
 
 @dataclass(frozen=True)
-class BaselineConfig:
-    calib_windows: int = 8  # calibration windows for ShortGPT's Block Influence
-    sleb_windows: int = 2  # calibration windows SLEB scores every candidate removal on (its cost)
+class RecoveryConfig:
+    """The objective every weight update optimises, in stage 2 and in a heal alike (so that rows that
+    train compare at the same objective): next-token cross-entropy, or distillation from the dense
+    model (KL(dense || pruned) on next-token distributions at temperature kd_temperature)."""
+
+    objective: str = "ce"  # ce | kd
+    kd_temperature: float = 1.0
 
     def __post_init__(self):
-        _positive("baselines.calib_windows", self.calib_windows)
+        _choice("recovery.objective", self.objective, ("ce", "kd"))
+        _positive("recovery.kd_temperature", self.kd_temperature)
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    # calibration windows (of data.seqlen tokens) for ShortGPT's Block Influence; None = as many
+    # tokens as TRSP's stage 1 sees (SPEC section 5: it is cheap, so it gets the same data)
+    calib_windows: int | None = None
+    # windows SLEB scores every candidate removal on; its cost is about n_drop x candidates forward
+    # passes per token, so this is the knob that trades its time for a drop set that no longer changes
+    sleb_windows: int = 8
+
+    def __post_init__(self):
+        if self.calib_windows is not None:
+            _positive("baselines.calib_windows", self.calib_windows)
         _positive("baselines.sleb_windows", self.sleb_windows)
 
 
@@ -197,6 +219,7 @@ class RunConfig:
     stage1: Stage1Config = field(default_factory=Stage1Config)
     stage2: Stage2Config = field(default_factory=Stage2Config)
     heal: HealConfig = field(default_factory=HealConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

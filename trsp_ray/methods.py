@@ -1,11 +1,17 @@
-"""Every method of the comparison through one code path: select the drop set, (stage 2), remove,
-(heal). TRSP and its ablations, ShortGPT, SLEB and random differ only in `select`."""
+"""Every method through one code path: select the drop set, recover (TRSP's stage 2 and/or a heal),
+remove. TRSP and its ablations, ShortGPT, SLEB and random differ only in `select` (see registry.py).
+
+Selection cost is counted in dense-forward tokens: a forward pass of the whole model over one token
+is 1; a backward pass that needs only activation gradients (frozen weights) counts as 1 more, one
+that also needs weight gradients as 2; a pass through a fraction of the layers counts that fraction.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from trsp_ray import registry
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
 from trsp_ray.stage1 import Stage1Result, run_stage1
@@ -23,30 +29,44 @@ class Outcome:
     info: dict = field(default_factory=dict)  # tokens, steps, seconds, stage-2 relative updates
 
 
-def run_stage1_for(bench, *, model=None, report: Report = null_report, on_round=None, resume=None) -> Stage1Result:
-    """Stage 1 with the run's config on `model` (default: a fresh copy); gates are left attached."""
+def _log(msg: str) -> None:
     from trsp_ray.pipeline import log
 
+    log(msg)
+
+
+def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Report = null_report,
+                   on_round=None, resume=None) -> Stage1Result:
+    """Stage 1 with the run's config on `model` (default: a fresh copy) for `n_drop` layers
+    (default: the run's ratio); gates are left attached."""
     cfg = bench.cfg
     model = model if model is not None else bench.fresh_model()
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
     s1 = cfg.stage1
-    n_drop = bench.n_drop()
+    n_drop = bench.n_drop() if n_drop is None else n_drop
+    rounds = 1 if s1.selection == "oneshot" else n_drop
 
     def progress(metrics: dict, step: int) -> None:
         report(metrics, step)
         if "stage1/loss" in metrics:
-            log(f"  stage 1 step {step}: loss {metrics['stage1/loss']:.4f} (CE {metrics['stage1/ce']:.4f}, "
-                f"sum|s| {metrics['stage1/penalty']:.2f})")
+            _log(f"  stage 1 step {step}: loss {metrics['stage1/loss']:.4f} (CE {metrics['stage1/ce']:.4f}, "
+                 f"sum|s| {metrics['stage1/penalty']:.2f})")
         if "stage1/rounds_done" in metrics:
-            log(f"  stage 1 round {metrics['stage1/rounds_done']}/{1 if s1.selection == 'oneshot' else n_drop}: "
-                f"drop layer {metrics['stage1/dropped']}")
+            _log(f"  stage 1 round {metrics['stage1/rounds_done']}/{rounds}: drop layer {metrics['stage1/dropped']}")
 
     return run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
                       candidates=bench.candidates(), lambda1=s1.lambda1, lr=s1.lr,
                       first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
                       selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
                       report=progress, on_round=on_round, resume=resume)
+
+
+def stage1_tokens(bench) -> int:
+    """Calibration tokens stage 1 sees with the run's config (what ShortGPT is given by default)."""
+    s1, d = bench.cfg.stage1, bench.cfg.data
+    rounds = 1 if s1.selection == "oneshot" else bench.n_drop()
+    steps = s1.first_round_steps + (rounds - 1) * s1.steps_per_round
+    return steps * d.batch_size * d.seqlen
 
 
 def _windows(bench, count: int) -> list:
@@ -58,70 +78,120 @@ def _windows(bench, count: int) -> list:
     return list(stacked.split(size))
 
 
-def select(bench, method: str, *, model, gates, stage1: Stage1Result | None, report: Report) -> tuple[list[int], dict]:
-    """The drop list of `method`; TRSP variants reuse a given stage-1 result when there is one."""
-    from trsp_ray import baselines
-    from trsp_ray.pipeline import log
+def sleb_cost(*, num_layers: int, candidates: list[int], n_drop: int, tokens: int) -> float:
+    """Dense-forward tokens of SLEB with prefix replay (baselines.sleb_drop): per round one pass to
+    record every layer's input, then for each candidate j a replay of the active layers after j."""
+    drop: list[int] = []
+    cost = 0.0
+    for _ in range(n_drop):
+        active = [i for i in range(num_layers) if i not in drop]
+        cost += tokens * len(active) / num_layers
+        for j in (c for c in candidates if c not in drop):
+            cost += tokens * max(1, sum(1 for i in active if i > j)) / num_layers
+        # which layer goes does not change the count much; take the last candidate as a stand-in
+        drop.append([c for c in candidates if c not in drop][-1])
+    return cost
 
+
+def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> float:
+    """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model."""
+    per_token = 1.0 + (2.0 if train_base else 1.0)
+    cost, start = 0.0, 0
+    for r, end in enumerate(result.round_ends):
+        active = (num_layers - r) / num_layers  # after round r, r layers are bypassed
+        cost += (end - start) * result.tokens_per_step * per_token * active
+        start = end
+    return cost
+
+
+def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = None,
+           report: Report = null_report) -> tuple[list[int], dict]:
+    """The drop list of `method` and what choosing it cost (calibration tokens, dense-forward tokens).
+
+    TRSP methods reuse a given stage-1 result (one stage-1 run serves every TRSP method and ratio)."""
+    from trsp_ray import baselines
+
+    spec = registry.method(method)
     n_drop, candidates, cfg = bench.n_drop(), bench.candidates(), bench.cfg
-    if method in ("trsp", "trsp-no-stage2", "trsp-oneshot"):
+    seqlen = cfg.data.seqlen
+    if spec.uses_stage1:
         if stage1 is None:
             stage1 = run_stage1_for(bench, model=model, report=report)
+            gates.set_gated(False)
+            gates.set_bypass([])
         drop = stage1.drop_for(method, n_drop)
-        return drop, {"stage1_tokens": stage1.tokens, "stage1_steps": stage1.steps}
-    calib = _windows(bench, cfg.baselines.calib_windows)
-    if method == "shortgpt":
-        return baselines.shortgpt_drop(model, gates, calib, n_drop=n_drop, candidates=candidates), {}
-    if method == "sleb":
-        sleb_calib = _windows(bench, cfg.baselines.sleb_windows)
-        progress = lambda r, n, ppl: log(f"  SLEB round {r}/{n}: calibration PPL {ppl:.2f}")
-        return baselines.sleb_drop(model, gates, sleb_calib, n_drop=n_drop, candidates=candidates,
-                                   progress=progress), {}
-    return baselines.random_drop(n_drop=n_drop, candidates=candidates, seed=cfg.seed), {}
+        return drop, {"calib_tokens": stage1.tokens, "stage1_steps": stage1.steps,
+                      "select_cost": stage1_cost(stage1, num_layers=bench.num_layers,
+                                                 train_base=cfg.stage1.train_base)}
+    if spec.selector == "shortgpt":
+        windows = cfg.baselines.calib_windows or -(-stage1_tokens(bench) // seqlen)
+        drop = baselines.shortgpt_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates)
+        return drop, {"calib_tokens": windows * seqlen, "select_cost": float(windows * seqlen)}
+    if spec.selector == "sleb":
+        windows = cfg.baselines.sleb_windows
+        progress = lambda r, n, ppl: _log(f"  SLEB round {r}/{n}: calibration PPL {ppl:.2f}")
+        drop = baselines.sleb_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates,
+                                   progress=progress)
+        cost = sleb_cost(num_layers=bench.num_layers, candidates=candidates, n_drop=n_drop, tokens=windows * seqlen)
+        return drop, {"calib_tokens": windows * seqlen, "select_cost": cost}
+    return baselines.random_drop(n_drop=n_drop, candidates=candidates, seed=cfg.seed), {
+        "calib_tokens": 0, "select_cost": 0.0}
 
 
-def apply_method(bench, method: str, *, stage1: Stage1Result | None = None, stage2: bool | None = None,
-                 stage2_cfg=None, heal_cfg=None, report: Report = null_report) -> Outcome:
-    """Prune a fresh copy of the model with `method`; returns the pruned model and what it cost."""
-    from trsp_ray.pipeline import log
+def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
+    def progress(metrics: dict, step: int) -> None:
+        report(metrics, step)
+        if step % 5 == 0 or step == s2.steps:
+            _log(f"  stage 2 step {step}/{s2.steps}: CE {metrics['stage2/ce']:.4f}, "
+                 f"penalty {metrics['stage2/penalty']:.3f}, P-layer scale {metrics['stage2/residual_scale']:.2f}")
 
+    return run_stage2(model=model, gates=gates, batches=bench.batches(seed_offset=1), drop=drop,
+                      lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale,
+                      mode=s2.mode, norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank,
+                      schedule=s2.schedule, anneal_fraction=s2.anneal_fraction, report=progress)
+
+
+def _heal(bench, *, model, heal, report: Report):
+    def progress(metrics: dict, step: int) -> None:
+        report(metrics, step)
+        if step % 5 == 0 or step == heal.steps:
+            _log(f"  heal step {step}/{heal.steps}: CE {metrics['heal/ce']:.4f}")
+
+    return run_heal(model=model, batches=bench.batches(seed_offset=2), steps=heal.steps, lr=heal.lr,
+                    trainable=heal.trainable, lora_rank=heal.lora_rank, report=progress)
+
+
+def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,
+                 stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report) -> Outcome:
+    """Prune a fresh copy of the model with `method`; returns the pruned model and what it cost.
+
+    `drop` skips the selection (a drop set computed before, e.g. shared by several benchmark rows);
+    `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's."""
     cfg = bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or cfg.heal
     model = bench.fresh_model()
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
     t0 = time.time()
-    drop, info = select(bench, method, model=model, gates=gates, stage1=stage1, report=report)
+    if drop is None:
+        drop, info = select(bench, method, model=model, gates=gates, stage1=stage1, report=report)
+    else:
+        drop, info = list(drop), {}
     info["select_seconds"] = time.time() - t0
-    log(f"{method}: drop set {drop}")
-    use_stage2 = (method in ("trsp", "trsp-oneshot") and s2.enabled) if stage2 is None else stage2
+    _log(f"{method}: drop set {drop}")
+    use_stage2 = (registry.method(method).stage2 and s2.enabled) if stage2 is None else stage2
     if use_stage2 and s2.steps > 0:
         t1 = time.time()
-        log(f"{method}: stage 2 ({s2.steps} steps, schedule {s2.schedule}, lambda2 {s2.lambda2})")
-        def stage2_progress(metrics: dict, step: int) -> None:
-            report(metrics, step)
-            if step % 5 == 0 or step == s2.steps:
-                log(f"  stage 2 step {step}/{s2.steps}: CE {metrics['stage2/ce']:.4f}, "
-                    f"penalty {metrics['stage2/penalty']:.3f}, P-layer scale {metrics['stage2/residual_scale']:.2f}")
-
-        result = run_stage2(model=model, gates=gates, batches=bench.batches(seed_offset=1), drop=drop,
-                            lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale,
-                            mode=s2.mode, norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank,
-                            schedule=s2.schedule, anneal_fraction=s2.anneal_fraction, report=stage2_progress)
+        _log(f"{method}: stage 2 ({s2.steps} steps, schedule {s2.schedule}, lambda2 {s2.lambda2})")
+        result = _stage2(bench, model=model, gates=gates, drop=drop, s2=s2, report=report)
         model = result.model
         info.update(stage2_tokens=result.tokens, stage2_steps=result.steps, stage2_seconds=time.time() - t1,
                     relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
     kept = remove_layers(model, drop)
     if heal.steps > 0:
         t2 = time.time()
-        log(f"{method}: heal ({heal.steps} steps)")
-        def heal_progress(metrics: dict, step: int) -> None:
-            report(metrics, step)
-            if step % 5 == 0 or step == heal.steps:
-                log(f"  heal step {step}/{heal.steps}: CE {metrics['heal/ce']:.4f}")
-
-        healed = run_heal(model=model, batches=bench.batches(seed_offset=2), steps=heal.steps, lr=heal.lr,
-                          trainable=heal.trainable, lora_rank=heal.lora_rank, report=heal_progress)
+        _log(f"{method}: heal ({heal.steps} steps)")
+        healed = _heal(bench, model=model, heal=heal, report=report)
         model = healed.model
         info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_seconds=time.time() - t2)
     info["weight_tokens"] = info.get("stage2_tokens", 0) + info.get("heal_tokens", 0)

@@ -47,3 +47,27 @@ def relative_updates(history: dict[int, list[float]]):
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
+
+
+def benchmark_bars(summary: list[dict]):
+    """Held-out and domain-2 perplexity per benchmark row (mean over seeds, bars = min..max), one
+    panel per metric, rows grouped by budget (dense, selection only, trained)."""
+    plt = _pyplot()
+    rows = [s for s in summary if s["group"] != "dense"]
+    dense = next((s for s in summary if s["group"] == "dense"), None)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8), sharey=True)
+    colors = {"selection": "tab:orange", "trained": "tab:blue"}
+    for ax, col in zip(axes, ("held-out PPL", "domain-2 PPL")):
+        means = [s[col]["mean"] for s in rows]
+        err = [[s[col]["mean"] - s[col]["min"] for s in rows], [s[col]["max"] - s[col]["mean"] for s in rows]]
+        ax.barh(range(len(rows)), means, xerr=err, color=[colors[s["group"]] for s in rows], capsize=3)
+        if dense is not None:
+            ax.axvline(dense[col]["mean"], color="0.3", ls="--", lw=1, label="dense")
+            ax.legend(fontsize=8)
+        ax.set_xlabel(f"{col} (lower is better)")
+        ax.set_xscale("log")
+    axes[0].set_yticks(range(len(rows)), [f"{s['row']} ({s['group']})" for s in rows], fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle("trsp-ray benchmark: mean over seeds, bars span min..max")
+    fig.tight_layout()
+    return fig

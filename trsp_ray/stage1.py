@@ -26,11 +26,14 @@ class Stage1Result:
     rounds_computed: int = 0  # rounds run in this call (a resumed run skips finished ones)
     steps: int = 0
     tokens: int = 0
+    tokens_per_step: int = 0
 
     def drop_for(self, method: str, n_drop: int) -> list[int]:
         """The first `n_drop` layers of this run's order for a TRSP method: one-shot takes the
         round-1 ranking, the iterative methods the greedy drop order (a prefix serves any smaller ratio)."""
-        return (self.round1_ranking if method == "trsp-oneshot" else self.drop_order)[:n_drop]
+        from trsp_ray.registry import method as lookup
+
+        return (self.round1_ranking if lookup(method).ranking == "round1" else self.drop_order)[:n_drop]
 
 
 def candidate_layers(num_layers: int, *, protect_head: int, protect_tail: int) -> list[int]:
@@ -70,7 +73,7 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
     if train_base:
         groups.append({"params": base, "lr": base_lr})
     stepper = make_stepper(model, groups)
-    result = Stage1Result(drop_order=[], round1_ranking=[])
+    result = Stage1Result(drop_order=[], round1_ranking=[], tokens_per_step=batches.tokens_per_batch)
     if resume:
         _restore(resume, gates=gates, batches=batches, stepper=stepper, result=result)
     total_rounds = 1 if selection == "oneshot" else n_drop

@@ -1,116 +1,78 @@
 """The method comparison (`trsp-ray benchmark`) as a local or cluster Ray workload.
 
-Stage 1 and the rows that do not need it (dense, ShortGPT, SLEB, their heals) start at once on
-separate workers; the TRSP rows start as soon as stage 1 is done, reusing its drop order. Workers
-send back plain dicts (metrics per step included) and the driver alone writes to MLflow, so the
-sqlite store never sees two writers.
+`ray_runner(workers)` executes bench.plan's jobs as Ray tasks: every selection (TRSP's stage 1 first,
+it is on the critical path of the TRSP rows) starts at once, and each row starts as soon as the
+selection it uses is done (Ray resolves the selection's ObjectRef before the row task runs). Tasks
+return plain dicts; the driver alone writes to MLflow, so the sqlite store never sees two writers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
+import os
 
 
-def _buffered_report():
-    history: list[tuple[dict, int]] = []
-    return history, (lambda metrics, step: history.append((dict(metrics), step)))
-
-
-def _stage1_task(cfg_dict: dict, threads: int) -> dict:
+def _selection_task(cfg_dict: dict, selector: str, seed: int, threads: int) -> dict:
     import torch
 
-    from trsp_ray.config import from_dict
-    from trsp_ray.methods import run_stage1_for
-    from trsp_ray.pipeline import prepare
+    from trsp_ray.bench import selection_job
 
     torch.set_num_threads(threads)
-    bench = prepare(from_dict(cfg_dict))
-    history, report = _buffered_report()
-    t0 = time.time()
-    result = run_stage1_for(bench, report=report)
-    return {"stage1": dataclasses.asdict(result), "history": history, "seconds": time.time() - t0}
+    return selection_job(cfg_dict, selector, seed)
 
 
-def _row_task(cfg_dict: dict, row: str, stage1: dict | None, threads: int) -> dict:
+def _row_task(cfg_dict: dict, row: str, seed: int, selection: dict | None, export_dir: str | None,
+              threads: int) -> dict:
     import torch
 
-    from trsp_ray.bench import run_row
-    from trsp_ray.config import from_dict
-    from trsp_ray.pipeline import prepare
-    from trsp_ray.stage1 import Stage1Result
+    from trsp_ray.bench import row_job
 
     torch.set_num_threads(threads)
-    bench = prepare(from_dict(cfg_dict))
-    history, report = _buffered_report()
-    result = run_row(bench, row, stage1=Stage1Result(**stage1) if stage1 else None, report=report)
-    return {**result, "history": history}
+    return row_job(cfg_dict, row, seed, selection, export_dir)
 
 
-def run_benchmark_ray(cfg, rows: tuple[str, ...], *, workers: int = 2) -> list[dict]:
-    """Run the benchmark rows as Ray tasks (one CPU each); returns the printed rows."""
-    import ray
+def ray_runner(workers: int):
+    """A bench runner that spreads the jobs over `workers` one-CPU Ray tasks at a time. Joins the
+    cluster named by RAY_ADDRESS, else starts (and stops) a local Ray instance with `workers` CPUs."""
 
-    from trsp_ray import plots
-    from trsp_ray.bench import _log_tables, print_results, table_rows
-    from trsp_ray.pipeline import kept_parameters, log, prepare
-    from trsp_ray.stage1 import Stage1Result
-    from trsp_ray.tracking import make_tracker
+    def run(jobs, *, cfg_dict: dict, export_dir: str | None, on_done) -> None:
+        import ray
 
-    bench = prepare(cfg)  # validates everything and warms the caches before any worker starts
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=True)
-    threads = max(1, int(ray.cluster_resources().get("CPU", workers)) // max(1, workers))
-    stage1_remote = ray.remote(num_cpus=1)(_stage1_task)
-    row_remote = ray.remote(num_cpus=1)(_row_task)
-    cfg_dict = cfg.to_dict()
-    t = cfg.tracking
-    tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
-    raw, stage1, stage1_seconds = [], None, 0.0
-    try:
-        with tracker.run(f"benchmark-r{cfg.ratio}", tags={"kind": "benchmark", "model": cfg.model, "ray": "1"}):
-            tracker.log_params(cfg.to_dict())
-            tracker.log_params({"data.heldout_source": bench.texts.heldout_source, "rows": ",".join(rows),
-                                "ray.workers": workers})
-            trsp_rows = [r for r in rows if r.startswith("trsp")]
-            pending = {}
-            if trsp_rows:  # submitted first: stage 1 is on the critical path of four rows
-                pending[stage1_remote.remote(cfg_dict, threads)] = "stage 1"
-            pending.update({row_remote.remote(cfg_dict, r, None, threads): r for r in rows if r not in trsp_rows})
-            log(f"benchmark on Ray: {len(rows)} rows over {workers} workers ({threads} threads each)")
+        from trsp_ray import registry
+
+        started = not ray.is_initialized()
+        if started:
+            address = os.environ.get("RAY_ADDRESS") or "local"
+            kwargs = {"num_cpus": workers} if address == "local" else {}
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, **kwargs)
+        try:
+            cpus = int(ray.cluster_resources().get("CPU", workers))
+            threads = max(1, cpus // max(1, workers))
+            selection_remote = ray.remote(num_cpus=1)(_selection_task)
+            row_remote = ray.remote(num_cpus=1)(_row_task)
+            ordered = sorted(jobs, key=lambda j: (j.kind != "selection", j.name != "trsp"))
+            selections, pending = {}, {}
+            for job in ordered:
+                if job.kind == "selection":
+                    ref = selection_remote.remote(cfg_dict, job.name, job.seed, threads)
+                    selections[(job.name, job.seed)] = ref
+                else:
+                    row = registry.ROWS[job.name]
+                    dep = selections[(registry.METHODS[row.method].selector, job.seed)] if row.method else None
+                    ref = row_remote.remote(cfg_dict, job.name, job.seed, dep, export_dir, threads)
+                pending[ref] = job
             while pending:
                 [ref], _ = ray.wait(list(pending), num_returns=1)
-                name = pending.pop(ref)
-                out = ray.get(ref)
-                if name == "stage 1":
-                    stage1, stage1_seconds = Stage1Result(**out["stage1"]), out["seconds"]
-                    _log_stage1(tracker, plots, out, stage1)
-                    log(f"stage 1 done in {stage1_seconds:.0f}s: drop order {stage1.drop_order}")
-                    pending.update({row_remote.remote(cfg_dict, r, out["stage1"], threads): r for r in trsp_rows})
-                    continue
-                raw.append(out)
-                with tracker.run(name, nested=True, tags={"method": name}):
-                    for metrics, step in out.pop("history"):
-                        tracker.log_metrics(metrics, step)
-                    tracker.log_metrics({"heldout_ppl": out["held-out PPL"]})
-                    tracker.log_dict({"drop_order": out["drop order"], **out["info"]}, "result.json")
-                log(f"[{len(raw)}/{len(rows)}] {name}: held-out PPL {out['held-out PPL']:.2f} ({out['seconds']:.0f}s)")
-            raw.sort(key=lambda r: rows.index(r["method"]))
-            results = table_rows(raw, dense_params=kept_parameters(bench.model), stage1_seconds=stage1_seconds)
-            _log_tables(tracker, results)
-    finally:
-        if started:
-            ray.shutdown()
-    print_results(results, bench=bench, stage1=stage1)
-    return results
+                on_done(pending.pop(ref), ray.get(ref))
+        finally:
+            if started:
+                ray.shutdown()
+
+    return run
 
 
-def _log_stage1(tracker, plots, out: dict, stage1) -> None:
-    with tracker.run("stage 1", nested=True, tags={"stage": "1"}):
-        for metrics, step in out["history"]:
-            tracker.log_metrics(metrics, step)
-        tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
-                           "stage1_gates.png")
-        tracker.log_dict({"drop_order": stage1.drop_order, "round1_ranking": stage1.round1_ranking},
-                         "stage1_drop_order.json")
+def run_benchmark_ray(cfg, rows, *, workers: int = 2, seeds: int = 1, zeroshot_limit: int = 0) -> list[dict]:
+    """bench.run_benchmark with its jobs on Ray (the evaluation pool gets one actor per worker)."""
+    from trsp_ray.bench import run_benchmark
+
+    return run_benchmark(cfg, rows, seeds=seeds, zeroshot_limit=zeroshot_limit, runner=ray_runner(workers),
+                         zeroshot_actors=workers)

@@ -1,0 +1,153 @@
+"""The fair comparison: rows share selections, trained rows share one weight-update budget, seeds
+give means and spreads, and each row is compared with its own group's best baseline."""
+
+import re
+
+import pytest
+
+from trsp_ray import registry
+from trsp_ray.bench import check_request, plan, summarize, verdict
+from trsp_ray.config import load_config
+from trsp_ray.errors import TrspError
+
+SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=3",
+         "stage1.first_round_steps=3", "stage1.steps_per_round=2", "stage2.steps=3",
+         "baselines.sleb_windows=2", "threads=1", "tracking.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from trsp_ray.tiny import tiny_workspace
+
+    root = tiny_workspace(tmp_path_factory.mktemp("tiny"), layers=8, calib_chars=40000, eval_chars=12000)
+    (root / "news.txt").write_text(open(root / "eval.txt").read()[::-1][:8000])  # another "domain", cheap
+    return root
+
+
+def _cfg(root, *extra):
+    return load_config(None, [*SMALL, *extra], base={
+        "model": str(root / "model"), "ratio": 0.25,
+        "data": {"calib_text": str(root / "calib.txt"), "eval_text": str(root / "eval.txt"),
+                 "domain2_text": str(root / "news.txt")}})
+
+
+def test_bad_requests_fail_before_any_work(tiny_dir):
+    cfg = _cfg(tiny_dir)
+    with pytest.raises(TrspError, match="seeds=0 is not valid"):
+        check_request(cfg, ["dense"], 0, 0)
+    with pytest.raises(TrspError, match=re.escape("unknown benchmark row 'shortgpt+lora'; valid rows: dense")):
+        check_request(cfg, ["dense", "shortgpt+lora"], 1, 0)
+    with pytest.raises(TrspError, match="listed twice"):
+        check_request(cfg, ["sleb", "sleb"], 1, 0)
+    with pytest.raises(TrspError, match="stage2.steps=0 leaves the trained rows"):
+        check_request(_cfg(tiny_dir, "stage2.steps=0"), ["shortgpt+heal"], 1, 0)
+    with pytest.raises(TrspError, match="recovery.objective='mse' is not valid"):
+        _cfg(tiny_dir, "recovery.objective=mse")
+
+
+def test_plan_computes_each_selection_once_per_seed():
+    rows = registry.rows(["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal",
+                          "shortgpt", "shortgpt+heal", "sleb+heal"])
+    jobs = plan(rows, [3, 4])
+    selections = [(j.name, j.seed) for j in jobs if j.kind == "selection"]
+    assert sorted(selections) == sorted([(s, seed) for s in ("trsp", "shortgpt", "sleb") for seed in (3, 4)])
+    assert sum(j.kind == "row" for j in jobs) == 16
+    assert jobs.index(next(j for j in jobs if j.kind == "row")) == len(selections)  # selections come first
+
+
+def _stat(values):
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
+            "spread": max(values) - min(values), "n": len(values)}
+
+
+def test_verdict_calls_a_difference_inside_the_spread_a_tie():
+    best = {"ppl": _stat([30.0, 31.0, 32.0])}
+    assert verdict({"ppl": _stat([28.0, 28.5, 29.0])}, best, "ppl") == "better"  # 2.5 apart, spreads 2 / 1
+    assert verdict({"ppl": _stat([29.5, 30.0, 30.5])}, best, "ppl") == "tie"  # 1.0 apart, spread 2
+    assert verdict({"ppl": _stat([33.5, 34.0, 34.5])}, best, "ppl") == "worse"
+    acc = {"acc": {**_stat([0.50]), "se": 0.01}}
+    assert verdict({"acc": {**_stat([0.53]), "se": 0.01}}, acc, "acc", higher_is_better=True) == "better"
+    assert verdict({"acc": {**_stat([0.52]), "se": 0.01}}, acc, "acc", higher_is_better=True) == "tie"
+
+
+def _result(row, seed, ppl, drop=(1, 2), weight=0):
+    return {"row": row, "seed": seed, "drop": list(drop), "params": 75, "seconds": 1.0,
+            "info": {"weight_tokens": weight}, "held-out PPL": ppl, "domain-2 PPL": 2 * ppl}
+
+
+def test_summary_compares_each_row_with_its_own_groups_best_baseline():
+    rows = registry.rows(["dense", "trsp-no-stage2", "shortgpt", "sleb", "trsp", "shortgpt+heal", "sleb+heal"])
+    results = [_result("dense", s, 10.0) for s in (0, 1)]
+    results += [_result("trsp-no-stage2", 0, 40.0), _result("trsp-no-stage2", 1, 44.0, drop=(1, 3))]
+    results += [_result("shortgpt", s, p) for s, p in ((0, 50.0), (1, 52.0))]
+    results += [_result("sleb", s, p) for s, p in ((0, 60.0), (1, 58.0))]
+    results += [_result("trsp", s, p, weight=64) for s, p in ((0, 30.0), (1, 31.0))]
+    results += [_result("shortgpt+heal", s, p, weight=64) for s, p in ((0, 25.0), (1, 27.0))]
+    results += [_result("sleb+heal", s, p, weight=64) for s, p in ((0, 24.0), (1, 24.5))]
+    by = {s["row"]: s for s in summarize(results, rows, dense_params=100)}
+    # selection group: ShortGPT (51) is its best baseline, not the better-looking trained rows
+    assert by["trsp-no-stage2"]["best baseline"] == "shortgpt"
+    assert by["trsp-no-stage2"]["vs best"] == pytest.approx(42.0 / 51.0)
+    assert by["trsp-no-stage2"]["verdicts"]["held-out PPL"] == "better"  # 9 apart, spreads 4 and 2
+    assert not by["trsp-no-stage2"]["same drop over seeds"]
+    # trained group: sleb+heal (24.25) is the best baseline; trsp is worse by more than the spreads
+    assert by["trsp"]["best baseline"] == "sleb+heal"
+    assert by["trsp"]["verdicts"]["held-out PPL"] == "worse"
+    assert by["shortgpt+heal"]["held-out PPL"]["mean"] == pytest.approx(26.0)
+    assert by["shortgpt+heal"]["held-out PPL"]["spread"] == pytest.approx(2.0)
+    assert by["sleb+heal"]["verdicts"] == {}  # the best baseline is not compared with itself
+    assert by["dense"]["kept %"] == pytest.approx(75.0) and "vs best" not in by["dense"]
+
+
+def test_benchmark_rows_share_selections_and_budget(tiny_dir):
+    from trsp_ray.bench import run_benchmark
+
+    names = ["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal", "shortgpt",
+             "shortgpt+heal", "sleb", "sleb+heal", "random", "random+heal"]
+    summary = run_benchmark(_cfg(tiny_dir), names, seeds=2)
+    by = {s["row"]: s for s in summary}
+    budget = 3 * 2 * 32  # stage2.steps x batch x seqlen
+    for name in ("trsp", "trsp-oneshot", "trsp-selection+heal", "shortgpt+heal", "sleb+heal", "random+heal"):
+        assert by[name]["weight tokens"] == budget, name
+        assert by[name]["group"] == "trained"
+    for name in ("trsp-no-stage2", "shortgpt", "sleb", "random", "dense"):
+        assert by[name]["weight tokens"] == 0, name
+    assert by["trsp"]["drop"] == by["trsp-no-stage2"]["drop"] == by["trsp-selection+heal"]["drop"]
+    assert by["shortgpt"]["drop"] == by["shortgpt+heal"]["drop"] and by["sleb"]["drop"] == by["sleb+heal"]["drop"]
+    stage1_tokens = (3 + 1 * 2) * 2 * 32  # rounds x steps x batch x seqlen, 2 layers dropped
+    assert by["trsp"]["calib tokens"] == stage1_tokens
+    assert by["shortgpt"]["calib tokens"] == stage1_tokens  # ShortGPT sees what stage 1 sees
+    assert by["sleb"]["calib tokens"] == 2 * 32 and by["sleb"]["select cost"] > 2 * 32
+    for s in summary:
+        assert s["seeds"] == 2 and s["held-out PPL"]["n"] == 2
+        assert s["held-out PPL"]["min"] <= s["held-out PPL"]["mean"] <= s["held-out PPL"]["max"]
+        assert s["domain-2 PPL"]["mean"] > 1.0
+    # a random model: trained rows move, selection rows of different drop sets differ
+    assert by["dense"]["held-out PPL"]["spread"] == 0.0  # the dense model does not depend on the seed
+    assert by["shortgpt+heal"]["held-out PPL"]["mean"] != by["shortgpt"]["held-out PPL"]["mean"]
+
+
+@pytest.mark.ray
+def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from trsp_ray.bench import run_benchmark
+    from trsp_ray.distributed.benchmark import run_benchmark_ray
+
+    names = ("dense", "trsp", "shortgpt", "shortgpt+heal")
+    local = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir), names)}
+    uri = f"sqlite:///{tmp_path / 'ml.db'}"
+    summary = run_benchmark_ray(_cfg(tiny_dir, f"tracking.enabled=true", f"tracking.tracking_uri={uri}"), names,
+                                workers=2)
+    assert [s["row"] for s in summary] == list(names)
+    for s in summary:  # the same jobs on Ray give the same numbers as in this process
+        assert s["held-out PPL"]["mean"] == pytest.approx(local[s["row"]]["held-out PPL"]["mean"], rel=1e-5)
+        assert s["drop"] == local[s["row"]]["drop"]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("trsp_ray").experiment_id])
+    parent = [r for r in runs if r.data.tags.get("kind") == "benchmark"][0]
+    children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert children == {"dense seed 0", "trsp seed 0", "shortgpt seed 0", "shortgpt+heal seed 0",
+                        "selection trsp seed 0", "selection shortgpt seed 0"}
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"benchmark.txt", "benchmark.json", "benchmark_ppl.png"} <= artifacts

@@ -1,0 +1,99 @@
+"""The methods and the benchmark rows, by name: what each one selects with, and how it recovers.
+
+A *method* is what `trsp-ray prune --method` runs: a selector (how the drop set is chosen) plus
+whether TRSP's stage 2 follows by default. A *row* of the comparison is a method's drop set with one
+recovery (none, TRSP's stage 2, or a heal) in one budget group (SPEC section 5):
+
+- ``selection``: the drop set alone, no weight is trained;
+- ``trained``: every row trains the same number of weight-update tokens with the same recovery
+  objective (stage 2 for the TRSP rows, a heal after the baselines' selections).
+
+Every package reads names from here; nothing else spells out a list of methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trsp_ray.errors import TrspError
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    selector: str  # trsp | shortgpt | sleb | random: which computation chooses the drop set
+    ranking: str = "order"  # trsp only: "order" = the iterative drop order, "round1" = one-shot ranking
+    stage2: bool = False  # TRSP's stage 2 runs by default (stage2.enabled can still turn it off)
+
+    @property
+    def uses_stage1(self) -> bool:
+        return self.selector == "trsp"
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("trsp", "trsp", stage2=True),
+    Method("trsp-no-stage2", "trsp"),
+    Method("trsp-oneshot", "trsp", ranking="round1", stage2=True),
+    Method("shortgpt", "shortgpt"),
+    Method("sleb", "sleb"),
+    Method("random", "random"),
+)}
+METHOD_NAMES = tuple(METHODS)
+BASELINE_SELECTORS = ("shortgpt", "sleb", "random")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    method: str | None  # None = the dense model
+    recovery: str  # none | stage2 | heal
+    group: str  # dense | selection | trained
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.method is not None and METHODS[self.method].selector in BASELINE_SELECTORS
+
+
+ROWS: dict[str, Row] = {r.name: r for r in (
+    Row("dense", None, "none", "dense"),
+    Row("trsp-no-stage2", "trsp-no-stage2", "none", "selection"),
+    Row("shortgpt", "shortgpt", "none", "selection"),
+    Row("sleb", "sleb", "none", "selection"),
+    Row("random", "random", "none", "selection"),
+    Row("trsp", "trsp", "stage2", "trained"),
+    Row("trsp-oneshot", "trsp-oneshot", "stage2", "trained"),
+    Row("trsp-selection+heal", "trsp-no-stage2", "heal", "trained"),
+    Row("shortgpt+heal", "shortgpt", "heal", "trained"),
+    Row("sleb+heal", "sleb", "heal", "trained"),
+    Row("random+heal", "random", "heal", "trained"),
+)}
+ROW_NAMES = tuple(ROWS)
+GROUP_TITLES = {"dense": "dense model", "selection": "selection only (no weight is trained)",
+                "trained": "trained (equal weight-update tokens, same recovery objective)"}
+
+
+def method(name: str) -> Method:
+    if name not in METHODS:
+        raise TrspError(f"method={name!r} is not valid; choose one of {', '.join(METHOD_NAMES)}")
+    return METHODS[name]
+
+
+def rows(names: list[str] | tuple[str, ...]) -> list[Row]:
+    """The rows named, in the order given; an unknown or repeated name is a one-line error."""
+    out = []
+    for name in names:
+        if name not in ROWS:
+            raise TrspError(f"unknown benchmark row {name!r}; valid rows: {', '.join(ROW_NAMES)}")
+        if ROWS[name] in out:
+            raise TrspError(f"benchmark row {name!r} is listed twice; list each row once")
+        out.append(ROWS[name])
+    return out
+
+
+def selectors_for(selected: list[Row]) -> list[str]:
+    """The selections a set of rows needs, each computed once (TRSP's serves every TRSP row)."""
+    needed = []
+    for row in selected:
+        if row.method is not None and METHODS[row.method].selector not in needed:
+            needed.append(METHODS[row.method].selector)
+    return needed
