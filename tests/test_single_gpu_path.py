@@ -292,3 +292,25 @@ def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypa
     results = pipeline.run(cfg)
     assert seen["cfg"].distributed.workers == 2 and not seen["cfg"].distributed.use_gpu
     assert results["dropped_layers"] == [3, 5] and results["route"] == "2 workers"
+
+
+def test_prune_dry_run_prints_route_and_plan(capsys, monkeypatch):
+    from trsp_ray import pipeline
+    from trsp_ray.cli import main
+
+    monkeypatch.setattr(pipeline, "prepare", lambda *a, **k: pytest.fail("dry run did work"))
+    assert main(["prune", "--method", "sleb", "--dry-run", "--set", "dtype=bf16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("route: single process on one CPU") and "  sleb: " in out and "  evaluation: " in out
+
+
+def test_benchmark_checks_every_row_plan_before_any_work(monkeypatch, capsys):
+    from trsp_ray import bench, pipeline
+    from trsp_ray.cli import main
+
+    monkeypatch.setattr(pipeline, "device_kind", lambda cfg: ("cpu", 1.5))
+    monkeypatch.setattr(bench, "run_benchmark", lambda *a, **k: pytest.fail("benchmark started"))
+    # 1.5 GB of host memory holds SmolLM2's evaluation, not its stage 2 (the trsp row)
+    assert main(["benchmark", "--workers", "0", "--rows", "dense,trsp", "--no-mlflow"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stage 2 needs" in err and "host memory" in err

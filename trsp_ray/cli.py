@@ -32,10 +32,27 @@ def _cfg(args, **extra):
 
 
 def _prune(args) -> int:
-    from trsp_ray.pipeline import run
+    from trsp_ray.pipeline import route_for, run
 
-    run(_cfg(args, method=args.method, output=args.output), overwrite=args.overwrite)
+    cfg = _cfg(args, method=args.method, output=args.output)
+    if args.dry_run:
+        print(_describe(route_for(cfg)))
+        return 0
+    run(cfg, overwrite=args.overwrite)
     return 0
+
+
+def _describe(chosen) -> str:
+    """The route and, stage by stage, the plan it was chosen by."""
+    from trsp_ray.distributed import planner
+
+    if chosen.workers:
+        return f"route: {chosen.describe()}\n{planner.format_plan(chosen.plan)}"
+    lines = [f"route: {chosen.describe()}"]
+    for stage in chosen.plan.stages:
+        lines.append(f"  {stage.name}: {stage.total:.2f} GB")
+        lines += [f"      {k}: {v:.2f} GB" for k, v in stage.parts.items()]
+    return "\n".join(lines)
 
 
 def _benchmark(args) -> int:
@@ -44,6 +61,9 @@ def _benchmark(args) -> int:
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else DEFAULT_ROWS
     cfg = _cfg(args)
     check_request(cfg, rows, args.seeds, args.zeroshot)  # bad rows / seeds fail before Ray starts
+    from trsp_ray.pipeline import check_single_plan
+
+    check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
     if args.workers > 0:
         from trsp_ray.distributed.benchmark import run_benchmark_ray
 
@@ -61,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="trsp", choices=METHODS)
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--dry-run", action="store_true", help="print the route and memory plan, do nothing")
     p.set_defaults(func=_prune)
     b = sub.add_parser("benchmark", help="compare methods on one model and print a table")
     _common(b)
