@@ -102,14 +102,14 @@ class Workbench:
     def heldout_ppl(self, model=None) -> float:
         d = self.cfg.data
         progress = _progress_printer("held-out PPL")
-        return perplexity(self._scoring(model), self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
+        return perplexity(self.scoring_model(model), self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
                           max_windows=d.eval_max_windows, bos=self.bos, progress=progress)
 
     def validation_ppl(self, model=None) -> float:
-        return perplexity(self._scoring(model), self.val_ids, seqlen=self.cfg.data.eval_seqlen, batch_size=4,
+        return perplexity(self.scoring_model(model), self.val_ids, seqlen=self.cfg.data.eval_seqlen, batch_size=4,
                           bos=self.bos)
 
-    def _scoring(self, model):
+    def scoring_model(self, model=None):
         """`model`, else the original on the run's device (a transient copy when it lives elsewhere)."""
         if model is not None:
             return model
