@@ -35,9 +35,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The model dtype of `dtype` ('auto': bf16 on CUDA, fp32 on CPU)."""
+    """The model dtype of `dtype` ('auto': bf16 on CUDA, fp16 on a GPU without bf16, fp32 on CPU)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return DTYPES[dtype]
 
 
