@@ -36,7 +36,7 @@ from trsp_ray.errors import TrspError
 # so a candidate costs ~1 minute. GPU: a 7B decode step at batch 32 is weight-read bound (~5-10 ms),
 # 256 of them amortise generate()'s set-up and the 128-token prompts' prefill.
 DEFAULTS = {
-    "cpu": {"prompt_len": 512, "gen_batch": 4, "gen_prompt_len": 32, "new_tokens": 32, "warmup": 1, "rounds": 7},
+    "cpu": {"prompt_len": 512, "gen_batch": 4, "gen_prompt_len": 32, "new_tokens": 32, "warmup": 1, "rounds": 10},
     "cuda": {"prompt_len": 2048, "gen_batch": 32, "gen_prompt_len": 128, "new_tokens": 256, "warmup": 2,
              "rounds": 7},
 }
@@ -122,20 +122,22 @@ def generate_seconds(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, 
 
 
 def _time_models(models: dict, s: SpeedSettings) -> dict[str, dict[str, list]]:
-    """Per model: (wall, CPU) prefill and generation times of each timed round, interleaved across
-    models in ABBA order (so neither model is always the one measured right after the other)."""
+    """Per model: (wall, CPU) prefill and generation times of each timed round. Within a round the
+    models' prefills are timed back to back, then their generations, the order alternating between
+    rounds (ABBA), so the two halves of each paired ratio see the same moment's machine load."""
     inputs = {name: (_prompt(m, 1, s.prompt_len), _prompt(m, s.gen_batch, s.gen_prompt_len))
               for name, m in models.items()}
     times = {name: {"prefill": [], "generate": []} for name in models}
     order = list(models)
     for round_ in range(s.warmup + s.rounds):
-        for name in order if round_ % 2 == 0 else order[::-1]:
-            prefill_ids, gen_ids = inputs[name]
-            p = prefill_seconds(models[name], prefill_ids)
-            g = generate_seconds(models[name], gen_ids, s.new_tokens)
-            if round_ >= s.warmup:
-                times[name]["prefill"].append(p)
-                times[name]["generate"].append(g)
+        names = order if round_ % 2 == 0 else order[::-1]
+        for kind in ("prefill", "generate"):
+            for name in names if kind == "prefill" else names[::-1]:
+                prefill_ids, gen_ids = inputs[name]
+                t = (prefill_seconds(models[name], prefill_ids) if kind == "prefill"
+                     else generate_seconds(models[name], gen_ids, s.new_tokens))
+                if round_ >= s.warmup:
+                    times[name][kind].append(t)
     return times
 
 
