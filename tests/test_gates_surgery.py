@@ -106,3 +106,26 @@ def test_remove_rejects_bad_drop_sets():
         remove_layers(model, [5])
     with pytest.raises(TrspError, match="at least one must remain"):
         remove_layers(model, [0, 1, 2])
+
+
+def test_gate_gradient_ema_sees_each_backward_once():
+    """The tie-break EMA is a real EMA of dLoss/ds: one update per backward, no hooks left behind."""
+    import torch
+
+    from trsp_ray.gates import attach_gates
+    from trsp_ray.tiny import tiny_model
+
+    model = tiny_model("llama", layers=4)
+    gates = attach_gates(model)
+    gates.set_gated(True)
+    x = torch.randint(0, 200, (2, 16))
+    expected = 0.0
+    for _ in range(5):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        g = gates[2].gate.grad.item()
+        expected = 0.8 * expected + 0.2 * g
+        gates[2].gate.grad = None
+    assert gates[2].grad_ema == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    assert abs(expected) > 0  # a real gradient flowed
+    assert not gates[2].gate._backward_hooks  # nothing registered on the Parameter itself

@@ -147,3 +147,90 @@ def test_random_drop_is_seeded():
     assert random_drop(n_drop=3, candidates=list(range(1, 29)), seed=4) == random_drop(
         n_drop=3, candidates=list(range(1, 29)), seed=4)
     assert len(set(random_drop(n_drop=3, candidates=list(range(1, 29)), seed=4))) == 3
+
+
+def _useful_copy(trained):
+    """The trained tiny model with its zeroed layers restored to useful ones (no layer is free)."""
+    import copy
+
+    model, ids = trained
+    model = copy.deepcopy(model)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for i in IDENTITY:
+            layer = model.model.layers[i]
+            layer.self_attn.o_proj.weight.normal_(0, 0.05)
+            layer.mlp.down_proj.weight.normal_(0, 0.05)
+    return model, ids
+
+
+class _FixedCost:
+    """A scorer stub: removal cost = sum of fixed per-layer costs."""
+
+    def __init__(self, cost):
+        self.cost_of, self.tokens, self.cost, self.calls = cost, 64, 0, []
+
+    def __call__(self, drop):
+        self.calls.append(list(drop))
+        self.cost += 64
+        return sum(self.cost_of[i] for i in drop)
+
+
+def test_stage1_probes_decide_among_the_smallest_gates(trained):
+    model, ids = _useful_copy(trained)
+    kwargs = dict(n_drop=2, candidates=[1, 2, 3, 4], lambda1=0.01, lr=0.05, first_round_steps=6, steps_per_round=3)
+    plain = run_stage1(model=model, gates=attach_gates(model), batches=Batches(ids, seqlen=32, batch_size=8, seed=1),
+                       **kwargs)
+    ranking = plain.round1_ranking
+    # make the layer with the smallest gate the most expensive to remove, the 2nd smallest the cheapest
+    cost = {ranking[0]: 9.0, ranking[1]: 1.0, ranking[2]: 5.0, ranking[3]: 7.0}
+    stub = _FixedCost(cost)
+    probed = run_stage1(model=model, gates=attach_gates(model), batches=Batches(ids, seqlen=32, batch_size=8, seed=1),
+                        probe=3, scorer=stub, **kwargs)
+    assert probed.drop_order[0] == ranking[1]  # the measurement overrules the gate order
+    assert stub.calls[:3] == [[ranking[0]], [ranking[1]], [ranking[2]]]  # only the 3 smallest gates
+    assert probed.probes[0]["scores"] == {str(j): cost[j] for j in ranking[:3]}
+    assert probed.probe_cost == 64 * len(stub.calls) and probed.round1_ranking == ranking
+
+
+@pytest.mark.parametrize("criterion", ["ce", "kl"])
+def test_removal_scorer_measures_the_pruned_model(trained, criterion):
+    from trsp_ray.stage1 import RemovalScorer
+
+    model, ids = _useful_copy(trained)
+    gates = attach_gates(model)
+    windows = [ids[:256].view(8, 32), ids[256:512].view(8, 32)]
+    scorer = RemovalScorer(model=model, gates=gates, windows=windows, criterion=criterion)
+    gates.set_gated(True)
+    with torch.no_grad():
+        gates[3].gate.fill_(0.3)  # a stage-1 gate value must not leak into the measurement
+    score = scorer([2, 4])
+    # the same quantity computed on a model with layers 2 and 4 deleted
+    import copy
+
+    import torch.nn.functional as F
+
+    pruned = copy.deepcopy(model)
+    from trsp_ray.gates import detach_gates
+
+    detach_gates(pruned)
+    remove_layers(pruned, [2, 4])
+    ref = []
+    for w in windows:
+        with torch.no_grad():
+            lp = torch.log_softmax(pruned(input_ids=w).logits.float(), -1)
+            if criterion == "ce":
+                ref.append(F.cross_entropy(lp[:, :-1].reshape(-1, lp.shape[-1]), w[:, 1:].reshape(-1)).item())
+            else:
+                detach_gates(model)
+                lt = torch.log_softmax(model(input_ids=w).logits.float(), -1)
+                gates = attach_gates(model)
+                ref.append((lt.exp() * (lt - lp)).sum(-1).mean().item())
+    assert score == pytest.approx(sum(ref) / len(ref), rel=1e-3)
+    nothing_removed = scorer([])
+    if criterion == "kl":
+        assert nothing_removed == pytest.approx(0.0, abs=1e-6) and score > 1e-4
+    else:
+        assert score > nothing_removed  # removing two useful layers costs calibration CE
+    # every pass is one window batch; KL computes the dense teacher once, then reuses it
+    assert scorer.cost == (2 * 2 + (2 if criterion == "kl" else 0)) * 256

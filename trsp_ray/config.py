@@ -71,6 +71,12 @@ class Stage1Config:
     selection: str = "iterative"  # iterative | oneshot
     train_base: bool = False  # also train the base weights, as the reference code does
     base_lr: float = 2e-5
+    # Removal probes (iterative selection): each round measures the removal cost of the `probe`
+    # candidates with the smallest gates and drops the cheapest (0 or 1 = the smallest gate, as the
+    # paper); cost = KL(dense || pruned) ("kl") or CE ("ce") on probe_windows calibration windows.
+    probe: int = 0
+    probe_windows: int = 8
+    probe_criterion: str = "kl"
 
     def __post_init__(self):
         _positive("stage1.lambda1", self.lambda1, allow_zero=True)
@@ -79,6 +85,9 @@ class Stage1Config:
         _positive("stage1.steps_per_round", self.steps_per_round)
         _choice("stage1.selection", self.selection, ("iterative", "oneshot"))
         _positive("stage1.base_lr", self.base_lr)
+        _positive("stage1.probe", self.probe, allow_zero=True)
+        _positive("stage1.probe_windows", self.probe_windows)
+        _choice("stage1.probe_criterion", self.probe_criterion, ("kl", "ce"))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ class GatedLayer(nn.Module):
         if self.gated:
             s = self.gate.to(y.dtype)
             if s.requires_grad:
+                # The hook goes on a non-leaf alias that lives and dies with this step's graph: on the
+                # Parameter itself (what `.to` returns when the dtype already matches) hooks would
+                # pile up, one per forward, and every backward would update the EMA many times.
+                s = s.view_as(s)
                 s.register_hook(self._record_grad)
             y = y + (s - 1) * (y - x) if self.gate_mode == "delta" else s * y
             self.l1_term = self.gate.abs()
@@ -141,6 +145,20 @@ class GateStack:
         make the model impossible to deepcopy)."""
         for w in self.wrappers:
             w.l1_term = w.distance = None
+
+    @contextlib.contextmanager
+    def state(self, *, gated: bool, bypass):
+        """Temporarily set every wrapper's gating and the bypassed layers (e.g. to score a removal
+        from inside stage 1); restores both afterwards. Trainability of the gates is untouched."""
+        saved = [(w.gated, w.bypass) for w in self.wrappers]
+        wanted = set(bypass)
+        for w in self.wrappers:
+            w.gated, w.bypass = gated, w.index in wanted
+        try:
+            yield self
+        finally:
+            for w, (g, b) in zip(self.wrappers, saved):
+                w.gated, w.bypass = g, b
 
     def set_bypass(self, indices) -> None:
         wanted = set(indices)

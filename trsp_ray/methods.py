@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from trsp_ray import registry
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
-from trsp_ray.stage1 import Stage1Result, run_stage1
+from trsp_ray.stage1 import RemovalScorer, Stage1Result, run_stage1
 from trsp_ray.stage2 import run_stage2
 from trsp_ray.surgery import remove_layers
 from trsp_ray.training import Report, null_report
@@ -54,27 +54,33 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
         if "stage1/rounds_done" in metrics:
             _log(f"  stage 1 round {metrics['stage1/rounds_done']}/{rounds}: drop layer {metrics['stage1/dropped']}")
 
+    scorer = None
+    if s1.probe > 1 and s1.selection == "iterative":
+        scorer = RemovalScorer(model=model, gates=gates, windows=_windows(bench, s1.probe_windows, seed_offset=200),
+                               criterion=s1.probe_criterion)
     return run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
                       candidates=bench.candidates(), lambda1=s1.lambda1, lr=s1.lr,
                       first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
                       selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
-                      report=progress, on_round=on_round, resume=resume)
+                      probe=s1.probe, scorer=scorer, report=progress, on_round=on_round, resume=resume)
 
 
 def stage1_tokens(bench) -> int:
-    """Calibration tokens stage 1 sees with the run's config (what ShortGPT is given by default)."""
+    """Calibration tokens stage 1 sees with the run's config, probe windows included (what ShortGPT
+    is given by default)."""
     s1, d = bench.cfg.stage1, bench.cfg.data
     rounds = 1 if s1.selection == "oneshot" else bench.n_drop()
     steps = s1.first_round_steps + (rounds - 1) * s1.steps_per_round
-    return steps * d.batch_size * d.seqlen
+    probes = s1.probe_windows if (s1.probe > 1 and s1.selection == "iterative") else 0
+    return (steps * d.batch_size + probes) * d.seqlen
 
 
-def _windows(bench, count: int) -> list:
+def _windows(bench, count: int, seed_offset: int = 100) -> list:
     """Exactly `count` fixed calibration windows, as batches of at most data.batch_size."""
     import torch
 
     size = bench.cfg.data.batch_size
-    stacked = torch.cat(bench.fixed_batches(-(-count // size)))[:count]
+    stacked = torch.cat(bench.fixed_batches(-(-count // size), seed_offset=seed_offset))[:count]
     return list(stacked.split(size))
 
 
@@ -94,14 +100,15 @@ def sleb_cost(*, num_layers: int, candidates: list[int], n_drop: int, tokens: in
 
 
 def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> float:
-    """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model."""
+    """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model,
+    plus the removal probes."""
     per_token = 1.0 + (2.0 if train_base else 1.0)
     cost, start = 0.0, 0
     for r, end in enumerate(result.round_ends):
         active = (num_layers - r) / num_layers  # after round r, r layers are bypassed
         cost += (end - start) * result.tokens_per_step * per_token * active
         start = end
-    return cost
+    return cost + result.probe_cost
 
 
 def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = None,
@@ -120,7 +127,7 @@ def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = No
             gates.set_gated(False)
             gates.set_bypass([])
         drop = stage1.drop_for(method, n_drop)
-        return drop, {"calib_tokens": stage1.tokens, "stage1_steps": stage1.steps,
+        return drop, {"calib_tokens": stage1.tokens + stage1.probe_tokens, "stage1_steps": stage1.steps,
                       "select_cost": stage1_cost(stage1, num_layers=bench.num_layers,
                                                  train_base=cfg.stage1.train_base)}
     if spec.selector == "shortgpt":

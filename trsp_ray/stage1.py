@@ -27,6 +27,9 @@ class Stage1Result:
     steps: int = 0
     tokens: int = 0
     tokens_per_step: int = 0
+    probes: list[dict] = field(default_factory=list)  # per round: removal score of each probed layer
+    probe_tokens: int = 0  # calibration tokens of the probe windows (0 without probes)
+    probe_cost: int = 0  # dense-forward tokens the probes spent (teacher passes included)
 
     def drop_for(self, method: str, n_drop: int) -> list[int]:
         """The first `n_drop` layers of this run's order for a TRSP method: one-shot takes the
@@ -49,15 +52,83 @@ def check_drop_count(n_drop: int, candidates: list[int], ratio: float, num_layer
                         f"or protect fewer head/tail layers")
 
 
+class RemovalScorer:
+    """What removing a set of layers costs, measured: the mean over fixed calibration windows of the
+    next-token CE of the model with those layers bypassed and every gate at 1 ("ce"), or of
+    KL(dense || pruned) over the whole next-token distribution ("kl"), which averages over every
+    possible next token instead of the one observed and so needs far fewer windows for a stable
+    ranking. `reduce` averages a score over data-parallel ranks (identity in one process)."""
+
+    def __init__(self, *, model, gates, windows: list, criterion: str = "kl",
+                 reduce: Callable[[float], float] = lambda v: v):
+        self.model, self.gates, self.windows, self.criterion, self.reduce = model, gates, windows, criterion, reduce
+        self.cost = 0  # dense-forward tokens spent (each pass runs the model over one window batch)
+        self._teacher: list | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.numel() for w in self.windows)
+
+    def _logprobs(self, batch):
+        import torch
+
+        device = next(self.model.parameters()).device
+        logits = self.model(input_ids=batch.to(device), use_cache=False).logits
+        self.cost += batch.numel()
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _teacher_logprobs(self, k: int, batch):
+        # cached on the host (the dense model does not change in stage 1): fp32 up to 2 GiB in all,
+        # bf16 up to 4 GiB (its rounding shifts every candidate's score alike), else recomputed
+        import torch
+
+        if self._teacher is None:
+            self._teacher = [None] * len(self.windows)
+        cached = self._teacher[k]
+        if cached is not None:
+            return cached.float()
+        with self.gates.state(gated=False, bypass=[]):
+            lp = self._logprobs(batch)
+        total = lp.numel() * len(self.windows)
+        if total * 4 <= 2 ** 31:
+            self._teacher[k] = lp.to("cpu")
+        elif total * 2 <= 2 ** 32:
+            self._teacher[k] = lp.to("cpu", dtype=torch.bfloat16)
+        return lp
+
+    def __call__(self, drop: list[int]) -> float:
+        import torch
+        import torch.nn.functional as F
+
+        total = 0.0
+        with torch.no_grad():
+            for k, batch in enumerate(self.windows):
+                if self.criterion == "kl":
+                    teacher = self._teacher_logprobs(k, batch)
+                with self.gates.state(gated=False, bypass=drop):
+                    lp = self._logprobs(batch)
+                if self.criterion == "kl":
+                    teacher = teacher.to(lp.device)
+                    total += (teacher.exp() * (teacher - lp)).sum(-1).mean().item()
+                else:
+                    target = batch[:, 1:].to(lp.device)
+                    total += F.cross_entropy(lp[:, :-1].reshape(-1, lp.shape[-1]), target.reshape(-1)).item()
+        return self.reduce(total / len(self.windows))
+
+
 def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[int], lambda1: float,
                lr: float, first_round_steps: int, steps_per_round: int, selection: str = "iterative",
                train_base: bool = False, base_lr: float = 2e-5, make_stepper: MakeStepper = TorchStepper,
-               report: Report = null_report, resume: dict | None = None,
+               report: Report = null_report, resume: dict | None = None, probe: int = 0,
+               scorer: RemovalScorer | None = None,
                on_round: Callable[[dict], None] | None = None) -> Stage1Result:
     """Run stage 1 on a gated model (see `gates.attach_gates`); returns the ordered drop list.
 
-    `resume` is a state dict previously passed to `on_round` (after a round finished): finished
-    rounds are not recomputed and the batch stream continues where it stopped.
+    With `probe` = k > 1 and a `scorer`, each iterative round measures the removal cost of the k
+    remaining candidates with the smallest gates (with P already removed) and drops the cheapest: the
+    gates choose what to measure, the measurement decides. `resume` is a state dict previously
+    passed to `on_round` (after a round finished): finished rounds are not recomputed and the batch
+    stream continues where it stopped.
     """
     gates.set_gated(True)
     gates.reset_gates()  # s_i = 1: the gated model starts exactly at the original model
@@ -100,7 +171,16 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
         ranking = sorted(active, key=lambda i: (round(abs(values[i]), 6), -gates[i].grad_ema))
         if r == 0:
             result.round1_ranking = ranking
-        result.drop_order = ranking[:n_drop] if selection == "oneshot" else result.drop_order + [ranking[0]]
+        choice = ranking[0]
+        if selection == "iterative" and probe > 1 and scorer is not None:
+            shortlist, spent = ranking[:probe], scorer.cost
+            scores = {j: scorer(result.drop_order + [j]) for j in shortlist}
+            choice = min(shortlist, key=lambda j: scores[j])  # ties keep the gate order
+            result.probes.append({"round": r + 1, "scores": {str(j): v for j, v in scores.items()}})
+            result.probe_tokens = scorer.tokens
+            result.probe_cost += scorer.cost - spent
+            report({f"probe/{j:02d}": v for j, v in scores.items()}, result.steps)
+        result.drop_order = ranking[:n_drop] if selection == "oneshot" else result.drop_order + [choice]
         gates.set_bypass(result.drop_order)
         result.round_ends.append(result.steps)
         result.rounds_computed += 1
@@ -116,7 +196,8 @@ def _state(result: Stage1Result, *, gates, batches: Batches, stepper) -> dict:
     state = {"drop_order": list(result.drop_order), "round1_ranking": list(result.round1_ranking),
              "gate_history": [list(v) for v in result.gate_history], "round_ends": list(result.round_ends),
              "steps": result.steps, "tokens": result.tokens, "gates": gates.gate_values(),
-             "batches_position": batches.position}
+             "batches_position": batches.position, "probes": list(result.probes),
+             "probe_tokens": result.probe_tokens, "probe_cost": result.probe_cost}
     if hasattr(stepper, "state_dict"):
         import copy
 
@@ -139,4 +220,6 @@ def _restore(state: dict, *, gates, batches: Batches, stepper, result: Stage1Res
     result.gate_history = [list(v) for v in state["gate_history"]]
     result.round_ends = list(state["round_ends"])
     result.steps, result.tokens = state["steps"], state["tokens"]
+    result.probes = list(state.get("probes", []))
+    result.probe_tokens, result.probe_cost = state.get("probe_tokens", 0), state.get("probe_cost", 0)
     gates.set_bypass(result.drop_order)
