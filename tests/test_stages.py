@@ -234,3 +234,39 @@ def test_removal_scorer_measures_the_pruned_model(trained, criterion):
         assert score > nothing_removed  # removing two useful layers costs calibration CE
     # every pass is one window batch; KL computes the dense teacher once, then reuses it
     assert scorer.cost == (2 * 2 + (2 if criterion == "kl" else 0)) * 256
+
+
+def test_distillation_heal_moves_the_pruned_model_toward_the_dense_one(trained):
+    """recovery.objective=kd: the stepper's loss is KL(dense || pruned), and healing with it lowers
+    that KL on windows it never trained on (CE healing is not asked to)."""
+    import copy
+
+    from trsp_ray.heal import run_heal
+    from trsp_ray.training import TorchStepper, distill_loss
+
+    teacher, ids = _useful_copy(trained)
+    student = copy.deepcopy(teacher)
+    remove_layers(student, [1, 3])
+    objective = distill_loss(teacher)
+    held = ids[-256:].view(8, 32)
+    with torch.no_grad():
+        lt = torch.log_softmax(teacher(input_ids=held).logits.float(), -1)
+        ls = torch.log_softmax(student(input_ids=held).logits.float(), -1)
+    manual = (lt.exp() * (lt - ls)).sum(-1).mean().item()
+    with torch.no_grad():
+        assert objective(student, held).item() == pytest.approx(manual, rel=1e-5)
+    before = manual
+    make = lambda m, groups: TorchStepper(m, groups, objective=objective)
+    run_heal(model=student, batches=Batches(ids[:-256], seqlen=32, batch_size=8, seed=3), steps=30, lr=3e-3,
+             make_stepper=make)
+    with torch.no_grad():
+        after = objective(student, held).item()
+    assert after < 0.7 * before, (before, after)
+
+
+def test_distillation_is_refused_on_ray_train_workers():
+    from trsp_ray.config import load_config
+    from trsp_ray.errors import TrspError
+
+    with pytest.raises(TrspError, match="recovery.objective='kd' is not available with distributed.workers=2"):
+        load_config(None, ["recovery.objective=kd", "distributed.workers=2"])

@@ -145,27 +145,42 @@ def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = No
         "calib_tokens": 0, "select_cost": 0.0}
 
 
+def recovery_stepper(bench):
+    """The stepper factory stage 2 and heal train with: next-token CE, or distillation from the
+    dense original (recovery.objective = kd), the same for every row that trains."""
+    import functools
+
+    from trsp_ray.training import TorchStepper, distill_loss
+
+    rec = bench.cfg.recovery
+    if rec.objective == "kd":
+        return functools.partial(TorchStepper, objective=distill_loss(bench.model, temperature=rec.kd_temperature))
+    return TorchStepper
+
+
 def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
     def progress(metrics: dict, step: int) -> None:
         report(metrics, step)
         if step % 5 == 0 or step == s2.steps:
-            _log(f"  stage 2 step {step}/{s2.steps}: CE {metrics['stage2/ce']:.4f}, "
+            _log(f"  stage 2 step {step}/{s2.steps}: {bench.cfg.recovery.objective} {metrics['stage2/ce']:.4f}, "
                  f"penalty {metrics['stage2/penalty']:.3f}, P-layer scale {metrics['stage2/residual_scale']:.2f}")
 
     return run_stage2(model=model, gates=gates, batches=bench.batches(seed_offset=1), drop=drop,
                       lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale,
                       mode=s2.mode, norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank,
-                      schedule=s2.schedule, anneal_fraction=s2.anneal_fraction, report=progress)
+                      schedule=s2.schedule, anneal_fraction=s2.anneal_fraction,
+                      make_stepper=recovery_stepper(bench), report=progress)
 
 
 def _heal(bench, *, model, heal, report: Report):
     def progress(metrics: dict, step: int) -> None:
         report(metrics, step)
         if step % 5 == 0 or step == heal.steps:
-            _log(f"  heal step {step}/{heal.steps}: CE {metrics['heal/ce']:.4f}")
+            _log(f"  heal step {step}/{heal.steps}: {bench.cfg.recovery.objective} {metrics['heal/ce']:.4f}")
 
     return run_heal(model=model, batches=bench.batches(seed_offset=2), steps=heal.steps, lr=heal.lr,
-                    trainable=heal.trainable, lora_rank=heal.lora_rank, report=progress)
+                    trainable=heal.trainable, lora_rank=heal.lora_rank, make_stepper=recovery_stepper(bench),
+                    report=progress)
 
 
 def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,

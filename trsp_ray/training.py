@@ -62,6 +62,25 @@ def causal_lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return model(input_ids=batch, labels=batch, use_cache=False).loss
 
 
+def distill_loss(teacher, *, temperature: float = 1.0) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """A training objective: KL(teacher || model) between next-token distributions at `temperature`,
+    mean over tokens, times T^2 (so its gradient scale does not depend on T). The teacher (the dense
+    model) runs without gradients on its own device; its logits are moved to the student's."""
+
+    def loss(model, batch: torch.Tensor) -> torch.Tensor:
+        device = next(model.parameters()).device
+        t_device = next(teacher.parameters()).device
+        with torch.no_grad():
+            t_logits = teacher(input_ids=batch.to(t_device), use_cache=False).logits.float().to(device)
+        s_logits = model(input_ids=batch.to(device), use_cache=False).logits.float()
+        t_logp = torch.log_softmax(t_logits / temperature, dim=-1)
+        s_logp = torch.log_softmax(s_logits / temperature, dim=-1)
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+        return kl * temperature**2
+
+    return loss
+
+
 class TorchStepper:
     """AdamW over explicit param groups, with gradient-norm clipping.
 
@@ -73,8 +92,10 @@ class TorchStepper:
     skipped and the scale halved. Gates are fp32 parameters and never need a master.
     """
 
-    def __init__(self, model, param_groups: list[dict], *, clip: float = 1.0):
+    def __init__(self, model, param_groups: list[dict], *, clip: float = 1.0,
+                 objective: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None):
         self.model = model
+        self.objective = objective or causal_lm_loss  # what `forward` returns: next-token CE by default
         self.masters: list[tuple[nn.Parameter, nn.Parameter]] = []  # (low-precision param, fp32 master)
         groups = []
         for g in param_groups:
@@ -97,7 +118,7 @@ class TorchStepper:
         self.skipped_steps = 0
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(self.model, batch)
+        return self.objective(self.model, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
