@@ -101,19 +101,31 @@ def test_stage2_relative_update_falls(trained, schedule):
 
     model = copy.deepcopy(model)
     gates = attach_gates(model)
-    drop = [1, 3]  # useful layers, so the penalty has work to do
-    result = run_stage2(model=model, gates=gates, batches=Batches(ids, seqlen=32, batch_size=8, seed=2),
+    drop = [0, 3]  # removing layer 0 of this model costs a lot (held-out CE 0.20 -> 0.82): work to do
+    untrained = copy.deepcopy(model)
+    result = run_stage2(model=model, gates=gates, batches=Batches(ids[:-512], seqlen=32, batch_size=8, seed=2),
                         drop=drop, lambda2=1.0, steps=16, lr=3e-3, schedule=schedule, anneal_fraction=0.5)
-    for i in drop:
-        series = result.relative_update[i]
-        assert series[-1] < 0.7 * series[0], (i, series)
-    if schedule == "anneal":
-        with torch.no_grad():  # at the end the drop set is exactly identity: removal changes nothing
-            x = ids[:64].view(2, 32)
-            gates.set_bypass(drop)
-            bypassed = model(x).logits
-            remove_layers(model, drop)
-            assert torch.equal(model(x).logits, bypassed)
+    if schedule == "constant":
+        # the penalty alone (the layers stay fully in the network) shrinks what they add
+        for i in drop:
+            series = result.relative_update[i]
+            assert series[-1] < 0.7 * series[0], (i, series)
+    held = ids[-512:].view(16, 32)  # never trained on
+    with torch.no_grad():
+        gates.set_bypass(drop)
+        bypassed = model(held).logits
+        remove_layers(model, drop)
+        after = model(input_ids=held, labels=held).loss.item()
+        if schedule == "anneal":  # the drop set ends as exact identities: removal changes nothing
+            assert torch.equal(model(held).logits, bypassed)
+        from trsp_ray.gates import detach_gates
+
+        detach_gates(untrained)
+        remove_layers(untrained, drop)
+        cut = untrained(input_ids=held, labels=held).loss.item()
+    # what the removed layers did moved into the kept ones: removal after stage 2 costs less than
+    # removal of the same layers from the untrained model
+    assert after < cut - 0.1, (after, cut)
 
 
 def test_block_influence_ranks_identity_layers_lowest(trained):
