@@ -17,13 +17,11 @@ from trsp_ray.training import Batches, set_checkpointing
 
 
 VALIDATION_TOKENS = 4096
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def log(msg: str) -> None:
     print(f"[trsp_ray {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resolve_device(device: str) -> torch.device:
