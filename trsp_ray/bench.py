@@ -114,8 +114,8 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     bench = prepare(_seeded(cfg_dict, seed))
     t0 = time.time()
     history: list = []
-    if row.method is None:
-        model, drop, info = bench.model, [], {}
+    if row.method is None:  # the original on the run's device (it waits in host memory on a GPU run)
+        model, drop, info = bench.scoring_model(), [], {}
     else:
         s2, heal = _budget(row, bench.cfg)
         out = apply_method(bench, row.method, drop=selection["drops"][row.method], stage2=row.recovery == "stage2",
