@@ -2,11 +2,9 @@
 (kept on the host under offload, and a separate copy even without it), so a gate pushed to 0 stays
 there and the offloaded run equals the one without offload."""
 
-import os
-
 import pytest
 
-from test_distributed_ray import OVERRIDES, _logits, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
+from test_distributed_ray import OVERRIDES, _logits, start_own_ray, stop_own_ray, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
 
 pytestmark = [pytest.mark.ray]
 # A strong L1 pull and a large gate step: candidate gates hit 0 within round 1 and stay pinned.
@@ -15,19 +13,16 @@ STRONG = ["stage1.lambda1=2.0", "stage1.lr=0.3", "stage1.first_round_steps=6", "
 
 
 def _run(tiny_dir, tmp_path, extra):
-    import ray
-
     from trsp_ray.config import load_config
     from trsp_ray.distributed.train import run_distributed
 
     cfg = load_config(overrides=[f"model={tiny_dir}", f"distributed.storage_path={tmp_path / 'storage'}",
                                  f"output={tmp_path / 'out'}"] + OVERRIDES + STRONG + extra)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False)
+    start_own_ray()
     try:
         return run_distributed(cfg)
     finally:
-        ray.shutdown()
+        stop_own_ray()
 
 
 def test_offloaded_gates_pinned_at_zero_stay_there_and_match_no_offload(tiny_dir, tmp_path):  # noqa: F811

@@ -45,14 +45,38 @@ def single(tiny_dir):
     return run_stage1_for(prepare(load_config(overrides=[f"model={tiny_dir}"] + OVERRIDES)))
 
 
-@pytest.fixture
-def local_ray():
+def own_ray_tmpdir() -> str:
+    """A short private RAY_TMPDIR for the Ray this test starts, inherited by its raylets and workers:
+    Ray's own address lookups there (ray.init, Ray Train's placement-group cleaner, which removed a
+    run's workers after finding another engineer's cluster via /tmp/ray) find this cluster only."""
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    os.environ["RAY_TMPDIR"] = temp
+    os.environ.pop("RAY_ADDRESS", None)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    return temp
+
+
+def stop_own_ray(cluster=None) -> None:
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
     ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()  # only the nodes this test started
+    os.environ.pop("RAY_TMPDIR", None)
+
+
+def start_own_ray():
+    """A Ray instance of this test's own (address="local", own_ray_tmpdir)."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=own_ray_tmpdir())
+
+
+@pytest.fixture
+def local_ray():
+    start_own_ray()
+    yield
+    stop_own_ray()
 
 
 def _live_gates_close(single, history: list[list[float]], tol: float = 1e-4) -> float:
@@ -94,15 +118,12 @@ def _reloads(path) -> None:
 @pytest.fixture(scope="module")
 def clean_run(tiny_dir, tmp_path_factory):
     """The uninterrupted 2-worker ZeRO-3 run (its own Ray, stopped before the next test's)."""
-    import ray
-
     root = tmp_path_factory.mktemp("clean")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False)
+    start_own_ray()
     try:
         return _run(tiny_dir, root), root
     finally:
-        ray.shutdown()
+        stop_own_ray()
 
 
 def _logits(path) -> torch.Tensor:
@@ -244,7 +265,7 @@ def two_nodes():
     import ray
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    own_ray_tmpdir()  # every node's files (and its address file) under this test's RAY_TMPDIR
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                             "gcs_server_port": _free_port(), **_node_ports()})
     for _ in range(2):
@@ -252,8 +273,7 @@ def two_nodes():
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     yield cluster
-    ray.shutdown()
-    cluster.shutdown()  # only the nodes this fixture started
+    stop_own_ray(cluster)
 
 
 def _remove_nodes_on_signal(cluster, records, markers: list[str], removed: list[str], added: list[str],

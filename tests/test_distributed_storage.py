@@ -86,7 +86,7 @@ def hub_tiny(tmp_path_factory):
 
 
 @pytest.mark.ray
-def test_prune_job_on_s3_resumes_after_a_fault_and_exits_0(s3, hub_tiny, tmp_path):
+def test_prune_job_on_s3_resumes_after_a_fault_and_exits_0(s3, hub_tiny, tmp_path, own_ray_tmpdir):
     storage = f"s3://trsp/ray?{s3['query']}"
     env = {**os.environ, **AWS, "HF_HOME": str(hub_tiny), "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
