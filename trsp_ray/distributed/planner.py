@@ -200,9 +200,14 @@ class Plan:
         if st.disk_budget_gb is None or h.storage_gb <= st.disk_budget_gb:
             return None
         one = h.checkpoint_gb * 2  # keep_checkpoints=1: the kept one + the one being written
-        return (f"checkpoints need {h.storage_gb:.1f} GB of storage (keep_checkpoints={st.keep_checkpoints} + 1 being "
-                f"written, {h.checkpoint_gb:.1f} GB per save) but distributed.disk_budget_gb={st.disk_budget_gb:g}; "
-                f"use keep_checkpoints=1 ({one:.1f} GB) or a disk budget >= {h.storage_gb:.1f} GB")
+
+        def gb(x: float) -> str:  # small models: enough digits that the comparison shows
+            return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+        fix = f"keep_checkpoints=1 ({gb(one)} GB) or " if st.keep_checkpoints > 1 and one <= st.disk_budget_gb else ""
+        return (f"checkpoints need {gb(h.storage_gb)} GB of storage (keep_checkpoints={st.keep_checkpoints} + 1 being "
+                f"written, {gb(h.checkpoint_gb)} GB per save) but distributed.disk_budget_gb={st.disk_budget_gb:g}; "
+                f"use {fix}a disk budget >= {gb(h.storage_gb)} GB")
 
 
 def plan(s: Shape, st: Setup) -> Plan:

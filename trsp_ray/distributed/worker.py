@@ -69,7 +69,7 @@ def peak_memory_gb() -> float | None:
 
 
 def _storage():
-    """(pyarrow filesystem, is it local) of this run's Ray Train storage."""
+    """(Ray Train's storage context of this run, whether its filesystem is local/shared POSIX)."""
     import pyarrow.fs
     import ray.train
 
