@@ -84,6 +84,7 @@ def test_stage1_resume_skips_finished_rounds(trained):
     first = run_stage1(model=model, gates=attach_gates(model), batches=Batches(ids, seqlen=32, batch_size=8, seed=1),
                        n_drop=2, candidates=[1, 2, 3, 4], lambda1=0.01, lr=0.05, first_round_steps=8,
                        steps_per_round=4, on_round=states.append)
+    first_ema = [w.grad_ema for w in attach_gates(model).wrappers]
     model2 = tiny_model("llama", layers=6)
     model2.load_state_dict(model.state_dict(), strict=False)
     resumed = run_stage1(model=model, gates=attach_gates(model), batches=Batches(ids, seqlen=32, batch_size=8, seed=1),
@@ -91,6 +92,9 @@ def test_stage1_resume_skips_finished_rounds(trained):
                          steps_per_round=4, resume=states[0])
     assert resumed.rounds_computed == 1
     assert resumed.drop_order == first.drop_order
+    # the tie-break EMA is part of the state: a resumed run ends where the uninterrupted one did
+    assert any(v != 0.0 for v in states[0]["grad_ema"])
+    assert [w.grad_ema for w in attach_gates(model).wrappers] == pytest.approx(first_ema, rel=1e-5, abs=1e-9)
     assert resumed.gate_history[-1] == pytest.approx(first.gate_history[-1], abs=1e-6)
 
 

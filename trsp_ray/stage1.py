@@ -197,6 +197,7 @@ def _state(result: Stage1Result, *, gates, batches: Batches, stepper) -> dict:
              "gate_history": [list(v) for v in result.gate_history], "round_ends": list(result.round_ends),
              "steps": result.steps, "tokens": result.tokens, "gates": gates.gate_values(),
              "batches_position": batches.position, "probes": list(result.probes),
+             "grad_ema": [w.grad_ema for w in gates.wrappers],
              "probe_tokens": result.probe_tokens, "probe_cost": result.probe_cost}
     if hasattr(stepper, "state_dict"):
         import copy
@@ -213,6 +214,8 @@ def _restore(state: dict, *, gates, batches: Batches, stepper, result: Stage1Res
         for p, v in zip(params, state["gates"]):
             p.fill_(v)
     batches.position = state["batches_position"]
+    for w, ema in zip(gates.wrappers, state.get("grad_ema", [])):  # the tie-break at s = 0 resumes too
+        w.grad_ema = ema
     if "optimizer" in state and hasattr(stepper, "load_state_dict"):
         stepper.load_state_dict(state["optimizer"])
     result.drop_order = list(state["drop_order"])
