@@ -10,7 +10,7 @@ from trsp_ray.evaluation.speed import DEFAULTS, SpeedSettings
 def test_defaults_are_per_device_and_flags_win():
     cpu = SpeedSettings().resolve("cpu")
     gpu = SpeedSettings(rounds=3).resolve("cuda")
-    assert (cpu.prompt_len, cpu.new_tokens, cpu.rounds) == (512, 32, 10)
+    assert (cpu.prompt_len, cpu.new_tokens, cpu.rounds) == (512, 32, 16)
     assert gpu.rounds == 3 and gpu.gen_batch * gpu.new_tokens >= 32 * 256  # not 4 x 16 launch-bound tokens
     assert all(getattr(SpeedSettings().resolve(d), k) == v for d in DEFAULTS for k, v in DEFAULTS[d].items())
     for bad, msg in (({"rounds": 0}, "speed.rounds=0"), ({"clock": "tsc"}, "speed.clock='tsc'")):

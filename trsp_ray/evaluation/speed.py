@@ -32,11 +32,13 @@ import torch
 from trsp_ray.errors import TrspError
 
 # Per-device defaults (what `benchmarks/speed.py` and the evaluation pool's speed column both use).
-# CPU: SmolLM2-135M at 1 thread, a 512-token prefill is ~1.5 s and a 4 x 32-token generation ~2.5 s,
-# so a candidate costs ~1 minute. GPU: a 7B decode step at batch 32 is weight-read bound (~5-10 ms),
-# 256 of them amortise generate()'s set-up and the 128-token prompts' prefill.
+# CPU: SmolLM2-135M at 1 thread, a 512-token prefill is ~1.7 s and a 4 x 32-token generation ~3 s,
+# so a candidate costs ~2.5 minutes of CPU. This VM's per-measurement noise is +-10% even when it is
+# idle, and 16 paired rounds bring two consecutive runs within ~1% (10 rounds: up to 3-4%).
+# GPU: a 7B decode step at batch 32 is weight-read bound (~5-10 ms), 256 of them amortise
+# generate()'s set-up and the 128-token prompts' prefill.
 DEFAULTS = {
-    "cpu": {"prompt_len": 512, "gen_batch": 4, "gen_prompt_len": 32, "new_tokens": 32, "warmup": 1, "rounds": 10},
+    "cpu": {"prompt_len": 512, "gen_batch": 4, "gen_prompt_len": 32, "new_tokens": 32, "warmup": 1, "rounds": 16},
     "cuda": {"prompt_len": 2048, "gen_batch": 32, "gen_prompt_len": 128, "new_tokens": 256, "warmup": 2,
              "rounds": 7},
 }
