@@ -8,6 +8,10 @@ the device, see trsp_ray/evaluation/speed.py); a flag overrides one of them. Goa
 >= 0.9 x 30/22, and two consecutive runs within 3% of each other. Which layers are dropped does not
 change the cost, so the middle ones are taken. Run it on a quiet machine: the load average at the
 start and the end is printed beside the figures.
+
+Measured here, two consecutive runs at load average 0.93-1.00 (the benchmark alone): prefill
+1.346x / 1.368x, generation 1.332x / 1.327x (ideal 1.364x). Per-round ratios still span about
+1.24-1.44: this VM's timing noise is large even when idle, hence 16 paired rounds and medians.
 """
 
 from __future__ import annotations
