@@ -169,22 +169,31 @@ def estimate(s: Shape, st: Setup) -> tuple[StagePlan, StagePlan]:
     return stage1, stage2
 
 
-@dataclass
-class Plan:
-    shape: Shape
-    setup: Setup
+class _Peaks:
+    """What a plan of any route reads off its stages: the largest one and its size."""
+
     stages: tuple[StagePlan, ...]
 
     @property
     def peak(self) -> float:
-        return max(st.total for st in self.stages)
+        return self.worst().total
+
+    def worst(self) -> StagePlan:
+        return max(self.stages, key=lambda st: st.total)
+
+
+@dataclass
+class Plan(_Peaks):
+    shape: Shape
+    setup: Setup
+    stages: tuple[StagePlan, ...]
 
     @property
     def fits(self) -> bool:
         return self.peak <= self.setup.gpu_memory_gb
 
     def reason(self) -> str:
-        worst = max(self.stages, key=lambda st: st.total)
+        worst = self.worst()
         return (f"{worst.name} needs {worst.total:.1f} GB per worker, more than the "
                 f"{self.setup.gpu_memory_gb:g} GB available")
 
@@ -396,7 +405,7 @@ SINGLE_OVERHEAD_GB = {"gpu": 1.5, "cpu": 0.8}  # CUDA context + allocator slack;
 
 
 @dataclass
-class SinglePlan:
+class SinglePlan(_Peaks):
     """The single-process stages of a run on one device; same reading as `Plan`."""
 
     shape: Shape
@@ -404,15 +413,8 @@ class SinglePlan:
     stages: tuple[StagePlan, ...]
 
     @property
-    def peak(self) -> float:
-        return max(st.total for st in self.stages)
-
-    @property
     def fits(self) -> bool:
         return self.peak <= self.setup.memory_gb
-
-    def worst(self) -> StagePlan:
-        return max(self.stages, key=lambda st: st.total)
 
     def reason(self) -> str:
         w = self.worst()
