@@ -286,3 +286,31 @@ def test_distillation_is_refused_on_ray_train_workers():
 
     with pytest.raises(TrspError, match="recovery.objective='kd' is not available with distributed.workers=2"):
         load_config(None, ["recovery.objective=kd", "distributed.workers=2"])
+
+
+def test_stage2_skip_schedule_is_a_heal_of_the_pruned_model(trained):
+    """stage2.schedule=skip (how Ray Train workers heal) trains the kept layers exactly as a heal of
+    the pruned model does: same batches and lr give the same weights, and they moved."""
+    import copy
+
+    from trsp_ray.heal import run_heal
+
+    model, ids = trained
+    drop = [0, 3]
+    skip = copy.deepcopy(model)
+    gates = attach_gates(skip)
+    run_stage2(model=skip, gates=gates, batches=Batches(ids[:-512], seqlen=32, batch_size=8, seed=4), drop=drop,
+               lambda2=1.0, steps=6, lr=3e-3, schedule="skip")
+    from trsp_ray.gates import detach_gates
+
+    detach_gates(skip)
+    remove_layers(skip, drop)
+    healed = copy.deepcopy(model)
+    remove_layers(healed, drop)
+    before = copy.deepcopy(healed)
+    run_heal(model=healed, batches=Batches(ids[:-512], seqlen=32, batch_size=8, seed=4), steps=6, lr=3e-3)
+    held = ids[-512:].view(16, 32)
+    with torch.no_grad():
+        a, b, c = skip(held).logits, healed(held).logits, before(held).logits
+    assert (b - c).abs().max().item() > 1e-2  # the heal changed the model
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max().item()

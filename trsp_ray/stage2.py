@@ -12,6 +12,10 @@ small budgets):
 - anneal:   the P layers' residual contribution is scaled by a factor going 1 -> 0 over
             `anneal_fraction` of each segment; from then on they are exact identities, so the rest
             of the segment trains the network exactly as it will be after removal.
+- skip:     the P layers are skipped from the first step (residual scale 0, no penalty): the rest of
+            the network trains exactly as it will be after removal, i.e. a heal of the pruned model
+            (the P layers get zero gradients). The Ray Train path heals this way, without
+            restructuring a partitioned model; in one process `heal.run_heal` does the same cheaper.
 Modes: joint (one segment with all of P) or sequential (one segment per layer of P, in drop order).
 """
 
@@ -47,6 +51,8 @@ def _schedule(t: int, start: int, end: int, *, schedule: str, lambda2: float, an
         return lambda2 * progress, 1.0
     if schedule == "anneal":
         return lambda2, max(0.0, 1.0 - progress / anneal_fraction)
+    if schedule == "skip":
+        return 0.0, 0.0
     return lambda2, 1.0
 
 
@@ -81,7 +87,7 @@ def run_stage2(*, model, gates, batches: Batches, drop: list[int], lambda2: floa
             for w in gates.wrappers:
                 if w.index in active:
                     w.residual_scale = scale
-                elif w.index in finished and schedule == "anneal":
+                elif w.index in finished and schedule in ("anneal", "skip"):
                     w.residual_scale = 0.0
             ce = stepper.forward(batches.next())
             terms = [gates[i].distance for i in active if gates[i].distance is not None]
