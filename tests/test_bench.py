@@ -114,7 +114,8 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir):
         assert by[name]["weight tokens"] == 0, name
     assert by["trsp"]["drop"] == by["trsp-no-stage2"]["drop"] == by["trsp-selection+heal"]["drop"]
     assert by["shortgpt"]["drop"] == by["shortgpt+heal"]["drop"] and by["sleb"]["drop"] == by["sleb+heal"]["drop"]
-    stage1_tokens = (3 + 1 * 2) * 2 * 32  # rounds x steps x batch x seqlen, 2 layers dropped
+    # rounds x steps x batch x seqlen (2 layers dropped), plus the removal probes' 8 windows
+    stage1_tokens = (3 + 1 * 2) * 2 * 32 + 8 * 32
     assert by["trsp"]["calib tokens"] == stage1_tokens
     assert by["shortgpt"]["calib tokens"] == stage1_tokens  # ShortGPT sees what stage 1 sees
     assert by["sleb"]["calib tokens"] == 2 * 32 and by["sleb"]["select cost"] > 2 * 32

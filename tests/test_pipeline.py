@@ -81,3 +81,26 @@ def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeyp
     again = run(cfg)
     assert again["stage1_rounds_computed"] == 0
     assert again["dropped_layers"] == resumed["dropped_layers"] and len(again["dropped_layers"]) == 3
+
+
+def test_default_prune_is_trsp_selection_then_a_heal_with_stage2s_budget(tiny_dir, tmp_path):
+    """The default method (trsp+heal, what won at equal budget) runs stage 1, skips stage 2 and heals
+    the pruned model for stage2.steps batches at stage2.lr."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert load_config(None, []).method == "trsp+heal"
+    out = tmp_path / "pruned"
+    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow",
+                                 "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
+    assert code == 0
+    manifest = json.loads((out / "trsp_ray.json").read_text())
+    metrics = manifest["metrics"]
+    assert manifest["method"] == "trsp+heal" and metrics["heal_steps"] == 4 and metrics["weight_tokens"] == 4 * 2 * 32
+    assert "stage2_steps" not in metrics and metrics["stage1_rounds_computed"] == 2
+    # the kept layers were trained: the first kept layer's weights differ from the original's
+    first_kept = metrics["kept_layers"][0]
+    original = load_file(str(tiny_dir / "model" / "model.safetensors"))
+    pruned = load_file(str(out / "model.safetensors"))
+    key = "model.layers.{}.mlp.down_proj.weight"
+    assert not torch.equal(pruned[key.format(0)], original[key.format(first_kept)])

@@ -11,7 +11,7 @@ from trsp_ray.errors import TrspError
 from trsp_ray.search.route import trial_device, trial_route
 from trsp_ray.search.space import parse_space
 
-SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
+SMALL = ["method=trsp", "data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
          "stage1.first_round_steps=2", "stage1.steps_per_round=1", "stage2.steps=2", "threads=1",
          "tracking.enabled=false"]
 

@@ -9,7 +9,7 @@ from trsp_ray.config import load_config
 from trsp_ray.search.space import parse_space
 
 GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3], "stage2.lambda2": [1e-3]}}
-SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
+SMALL = ["method=trsp", "data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
          "stage1.first_round_steps=2", "stage1.steps_per_round=1", "stage2.steps=4", "threads=1"]
 
 

@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prune", help="prune one model with one method and export it")
     _common(p)
-    p.add_argument("--method", default="trsp", choices=METHODS)
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="default trsp+heal: TRSP's stage-1 selection, then a heal with stage 2's budget "
+                        "(what won at equal budget, README); trsp = the paper's stage 2")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--dry-run", action="store_true", help="print the route and memory plan, do nothing")

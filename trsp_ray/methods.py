@@ -183,6 +183,15 @@ def _heal(bench, *, model, heal, report: Report):
                     report=progress)
 
 
+def method_heal(cfg):
+    """The heal a heal method (e.g. trsp+heal) runs: stage 2's weight-update budget (stage2.steps
+    batches at stage2.lr, stage2.trainable) on the pruned model, then any heal.steps on top."""
+    from dataclasses import replace
+
+    return replace(cfg.heal, steps=cfg.stage2.steps + cfg.heal.steps, lr=cfg.stage2.lr,
+                   trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank)
+
+
 def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,
                  stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report) -> Outcome:
     """Prune a fresh copy of the model with `method`; returns the pruned model and what it cost.
@@ -191,7 +200,7 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's."""
     cfg = bench.cfg
     s2 = stage2_cfg or cfg.stage2
-    heal = heal_cfg or cfg.heal
+    heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
     model = bench.fresh_model()
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
     t0 = time.time()

@@ -346,6 +346,15 @@ def setup_for_run(cfg, ds_config: dict | None = None) -> Setup:
                  remote_storage="://" in (d.storage_path or "") and not (d.storage_path or "").startswith("file://"))
 
 
+def _trains_on_workers(cfg) -> bool:
+    """Whether the Ray Train path trains weights after stage 1: TRSP's stage 2, or a heal (run there
+    as stage 2 with schedule skip, so it needs stage 2's memory)."""
+    from trsp_ray import registry
+
+    spec = registry.method(cfg.method)
+    return spec.stage2 or spec.heal
+
+
 def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
     """The plan of a run config; stage 2 counts only when the method trains weights."""
     return zero3_plan(cfg, read_shape(model_path), ds_config)
@@ -354,7 +363,7 @@ def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
 def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
     p = plan(s, setup_for_run(cfg, ds_config))
-    if not (cfg.method in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0):
+    if not (_trains_on_workers(cfg) and cfg.stage2.enabled and cfg.stage2.steps > 0):
         p.stages = p.stages[:1]
     return p
 
@@ -492,7 +501,7 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, 
     for m in methods or (cfg.method,):
         base = m.removesuffix("+heal")
         wanted = ["stage 1"] if base.startswith("trsp") else []
-        if base in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0:
+        if m in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0:
             wanted.append("stage 2")
         if base in ("sleb", "shortgpt"):
             wanted.append(base)
@@ -569,7 +578,7 @@ def single_hint(cfg, p: SinglePlan) -> str:
     return "use a smaller data.batch_size or data.seqlen, or a larger device"
 
 
-WORKER_METHODS = ("trsp", "trsp-oneshot", "trsp-no-stage2")  # what the Ray Train path runs: stage 1, 2, export
+WORKER_METHODS = ("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2")  # what the Ray Train path runs: stage 1, 2, export
 
 
 @dataclass

@@ -308,9 +308,13 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards."""
     from trsp_ray.stage2 import run_stage2
 
+    from trsp_ray import registry
+
     s2 = cfg.stage2
-    if not (cfg.method in ("trsp", "trsp-oneshot") and s2.enabled and s2.steps > 0):
+    spec = registry.method(cfg.method)
+    if not ((spec.stage2 or spec.heal) and s2.enabled and s2.steps > 0):
         return bench.model
+    schedule = "skip" if spec.heal else s2.schedule  # a heal: P skipped from step 1 (stage2.py)
     done = meta.get("stage2_step", 0) if meta and meta["stage"] == 2 else 0
     every = cfg.distributed.checkpoint_every
 
@@ -332,7 +336,7 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     reset_peak_memory()
     result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 1), drop=drop,
                         lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale, mode=s2.mode,
-                        norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank, schedule=s2.schedule,
+                        norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank, schedule=schedule,
                         anneal_fraction=s2.anneal_fraction, make_stepper=bench.factory, report=report)
     updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
     events.write("stage2_done", steps_computed=result.steps - done, peak_gb=peak_memory_gb(), relative_update=updates)

@@ -116,6 +116,6 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("search", help="Ray Tune search over lambda1, lambda2 and the ratio")
     _common(p)
-    p.add_argument("--method", default="trsp", choices=("trsp", "trsp-oneshot", "trsp-no-stage2"))
+    p.add_argument("--method", default="trsp", choices=("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2"))
     add_arguments(p)
     p.set_defaults(func=_search)

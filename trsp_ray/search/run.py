@@ -21,7 +21,7 @@ from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_p
 from trsp_ray.search.trial import TRIALS, trial_record_path
 from trsp_ray.stage1_store import data_fingerprint, stage1_key
 
-TRSP_METHODS = ("trsp", "trsp-oneshot", "trsp-no-stage2")
+TRSP_METHODS = ("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ def plan(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, d
 
     if base.method not in TRSP_METHODS:
         raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; use one of {', '.join(TRSP_METHODS)}")
+    if any(d.key == "stage2.lambda2" for d in space.dims) and base.method != "trsp" and base.method != "trsp-oneshot":
+        raise TrspError(f"stage2.lambda2 acts only in stage 2, which method={base.method!r} does not run; "
+                        f"search it with method=trsp or trsp-oneshot, or drop it from the space")
     if space.algorithm == "optuna":
         _optuna_search_class()  # a missing optuna fails here, before Ray starts
     points = grid_points(space) if space.algorithm == "grid" else (
