@@ -265,10 +265,33 @@ def _batches(cfg, bench, seed_offset: int):
     return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset)
 
 
+def _probe_windows(cfg, bench) -> list:
+    """The removal probes' fixed windows: the same ones the single-process path scores
+    (methods._windows: the first batches of the stream seeded seed + 200)."""
+    import torch
+
+    d, count = cfg.data, cfg.stage1.probe_windows
+    stream = _batches(cfg, bench, 200)
+    stacked = torch.cat([stream.next() for _ in range(-(-count // d.batch_size))])[:count]
+    return list(stacked.split(d.batch_size))
+
+
+def _mean_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
     from trsp_ray.distributed import engine as eng
-    from trsp_ray.stage1 import candidate_layers, check_drop_count, run_stage1
+    from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, run_stage1
 
     s1, g = cfg.stage1, cfg.gates
     candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
@@ -292,11 +315,18 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
         _save({"label": f"stage1-round{rounds}", "stage": 1, "rounds_done": rounds,
                "drop_order": state["drop_order"]}, state, rank=rank)
 
+    scorer = None
+    if s1.probe > 1 and s1.selection == "iterative":
+        # every rank scores the same windows (each forward is a ZeRO-3 collective); the mean over
+        # ranks makes the scores bit-identical, so every rank drops the same layer
+        scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=_probe_windows(cfg, bench),
+                               criterion=s1.probe_criterion, reduce=_mean_over_ranks)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, lambda1=s1.lambda1, lr=s1.lr,
                         first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
                         selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
-                        make_stepper=bench.factory, report=report, resume=last["state"], on_round=on_round)
+                        make_stepper=bench.factory, report=report, resume=last["state"], on_round=on_round,
+                        probe=s1.probe, scorer=scorer)
     drop = result.drop_for(cfg.method, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history)
@@ -334,7 +364,9 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
 
     bench.factory.on_build = on_build
     reset_peak_memory()
-    result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 1), drop=drop,
+    # a heal reads the batch stream the single-process heal reads (seed + 2), stage 2 its own (seed + 1)
+    result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 2 if spec.heal else 1),
+                        drop=drop,
                         lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale, mode=s2.mode,
                         norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank, schedule=schedule,
                         anneal_fraction=s2.anneal_fraction, make_stepper=bench.factory, report=report)
