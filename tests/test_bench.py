@@ -152,3 +152,17 @@ def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
                         "selection trsp seed 0", "selection shortgpt seed 0"}
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"benchmark.txt", "benchmark.json", "benchmark_ppl.png"} <= artifacts
+
+
+def test_report_says_when_sleb_was_cut_and_full_baselines_lifts_it(monkeypatch):
+    from trsp_ray import cli
+    from trsp_ray.bench import _sleb_note
+    from trsp_ray.config import FULL_SLEB_WINDOWS
+
+    assert "CUT" in _sleb_note(load_config(None, [])) and "--full-baselines" in _sleb_note(load_config(None, []))
+    seen = {}
+    monkeypatch.setattr("trsp_ray.bench.run_benchmark", lambda cfg, rows, **kw: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr("trsp_ray.pipeline.check_single_plan", lambda cfg, methods: None)
+    assert cli.main(["benchmark", "--full-baselines", "--workers", "0", "--rows", "sleb", "--no-mlflow"]) == 0
+    assert seen["cfg"].baselines.sleb_windows == FULL_SLEB_WINDOWS
+    assert "CUT" not in _sleb_note(seen["cfg"])

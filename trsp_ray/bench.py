@@ -105,6 +105,17 @@ def _budget(row: registry.Row, cfg: RunConfig):
     return replace(cfg.stage2, enabled=False), no_heal
 
 
+def _sleb_note(cfg: RunConfig) -> str:
+    from trsp_ray.config import FULL_SLEB_WINDOWS
+
+    n, seqlen = cfg.baselines.sleb_windows, cfg.data.seqlen
+    if n >= FULL_SLEB_WINDOWS:
+        return (f"SLEB scored its removals on {n} calibration windows of {seqlen} tokens (in full: on SmolLM2 its "
+                f"drop set did not change from {FULL_SLEB_WINDOWS // 2} to {FULL_SLEB_WINDOWS} windows).")
+    return (f"SLEB scored its removals on {n} calibration windows of {seqlen} tokens: CUT to fit 15 minutes on 2 CPU "
+            f"cores; --full-baselines runs it on {FULL_SLEB_WINDOWS}, where its drop set stops changing.")
+
+
 def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None) -> dict:
     """Prune (or not, for dense), recover as the row says and score one row for one seed."""
     from trsp_ray.methods import apply_method
@@ -273,9 +284,7 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         f"{d.eval_max_windows or 'all'} windows of {d.eval_seqlen} tokens.\n"
         f"trained rows: {cfg.stage2.steps} batches of {d.batch_size}x{d.seqlen} tokens of weight updates each, "
         f"objective {cfg.recovery.objective}; select cost = dense-forward tokens (millions) spent choosing the drop set.\n"
-        f"SLEB scored its removals on {cfg.baselines.sleb_windows} calibration windows of {d.seqlen} tokens (the default, "
-        f"2, is cut to fit 15 minutes on 2 CPU cores; a faithful SLEB needs baselines.sleb_windows at which doubling "
-        f"no longer changes its drop set).")
+        + _sleb_note(cfg))
     if zeroshot_limit:
         parts.append(f"zero-shot: mean acc over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, {zeroshot_limit} items "
                      f"per task, ± standard error.")

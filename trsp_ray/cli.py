@@ -60,6 +60,10 @@ def _benchmark(args) -> int:
 
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else DEFAULT_ROWS
     cfg = _cfg(args)
+    if args.full_baselines:
+        from trsp_ray.config import FULL_SLEB_WINDOWS, replace
+
+        cfg = replace(cfg, **{"baselines.sleb_windows": max(cfg.baselines.sleb_windows, FULL_SLEB_WINDOWS)})
     check_request(cfg, rows, args.seeds, args.zeroshot)  # bad rows / seeds fail before Ray starts
     from trsp_ray.pipeline import check_single_plan
 
@@ -91,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seeds", type=int, default=1, help="seeds per row (mean and spread are printed)")
     b.add_argument("--zeroshot", type=int, default=0, metavar="N",
                    help="score every model on the paper's 5 zero-shot tasks, N items each (0 = off)")
+    b.add_argument("--full-baselines", action="store_true",
+                   help="run SLEB on as many calibration windows as make its drop set stable (slow on CPU); "
+                        "the default cuts it to fit 15 minutes on 2 cores, and the report says so")
     b.add_argument("--workers", type=int, default=2,
                    help="Ray workers on a local Ray instance (0 = run in this process without Ray)")
     b.set_defaults(func=_benchmark)

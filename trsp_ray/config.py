@@ -150,6 +150,11 @@ class RecoveryConfig:
         _positive("recovery.kd_temperature", self.kd_temperature)
 
 
+# SLEB's calibration windows for `trsp-ray benchmark --full-baselines`: on SmolLM2 (8 of 30 layers,
+# 128-token windows) its drop set no longer changed when the count doubled from 8 to 16.
+FULL_SLEB_WINDOWS = 16
+
+
 @dataclass(frozen=True)
 class BaselineConfig:
     # calibration windows (of data.seqlen tokens) for ShortGPT's Block Influence; None = as many
