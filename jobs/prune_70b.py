@@ -40,7 +40,7 @@ def job_config(args: argparse.Namespace):
 
     gpu = args.device == "cuda"
     base = {
-        "model": args.model, "method": "trsp", "ratio": args.ratio, "output": args.output, "device": args.device,
+        "model": args.model, "method": args.method, "ratio": args.ratio, "output": args.output, "device": args.device,
         "data": {"seqlen": 2048 if gpu else 128, "batch_size": max(args.workers, 2 if not gpu else args.workers)},
         "stage1": {"lambda1": args.lambda1, "first_round_steps": 32, "steps_per_round": 8},
         "stage2": {"lambda2": args.lambda2, "steps": 200, "trainable": "all"},
@@ -58,6 +58,9 @@ def job_config(args: argparse.Namespace):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="meta-llama/Llama-2-70b-hf", help="model directory, hub id or smollm2-135m")
+    p.add_argument("--method", default="trsp+heal", choices=("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2"),
+                   help="trsp+heal (default): stage-1 selection, then the stage-2 budget spent healing the pruned "
+                        "model (what won at equal budget, README); trsp: the paper's stage 2")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0)
