@@ -314,3 +314,24 @@ def test_stage2_skip_schedule_is_a_heal_of_the_pruned_model(trained):
         a, b, c = skip(held).logits, healed(held).logits, before(held).logits
     assert (b - c).abs().max().item() > 1e-2  # the heal changed the model
     assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max().item()
+
+
+def test_refinement_undoes_a_myopic_greedy_choice():
+    """Greedy took layer 1 (cheapest alone) but {2, 3} costs less than {1, 3}: the swap pass finds
+    it among the probed layers, and keeps the drop order's positions."""
+    from trsp_ray.stage1 import Stage1Result, _refine
+
+    costs = {frozenset({1, 3}): 1.0, frozenset({2, 3}): 0.5, frozenset({1, 2}): 0.8, frozenset({3, 4}): 0.9,
+             frozenset({1, 4}): 1.2, frozenset({2, 4}): 0.7}
+    calls = []
+
+    def scorer(drop):
+        calls.append(list(drop))
+        return costs[frozenset(drop)]
+
+    result = Stage1Result(drop_order=[1, 3], round1_ranking=[])
+    result.probes = [{"round": 1, "scores": {"1": 0.1, "2": 0.2, "4": 0.3}}, {"round": 2, "scores": {"3": 1.0, "4": 1.2}}]
+    _refine(result, scorer=scorer, passes=2, current=1.0)
+    assert result.drop_order == [2, 3]
+    assert result.swaps == [{"out": 1, "in": 2, "score": 0.5}]
+    assert [4, 3] in calls and [2, 1] in calls  # the second pass tried the rest and found nothing better

@@ -78,6 +78,9 @@ class Stage1Config:
     probe: int = 4
     probe_windows: int = 8
     probe_criterion: str = "kl"
+    # passes of swap refinement after the last round (0 = off): greedy removal is myopic; on SmolLM2
+    # two swaps turned a greedy set with val PPL 52.9 into one with 47.1 (README "What wins")
+    refine: int = 2
 
     def __post_init__(self):
         _positive("stage1.lambda1", self.lambda1, allow_zero=True)
@@ -89,6 +92,7 @@ class Stage1Config:
         _positive("stage1.probe", self.probe, allow_zero=True)
         _positive("stage1.probe_windows", self.probe_windows)
         _choice("stage1.probe_criterion", self.probe_criterion, ("kl", "ce"))
+        _positive("stage1.refine", self.refine, allow_zero=True)
 
 
 @dataclass(frozen=True)

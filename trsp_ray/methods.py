@@ -51,6 +51,8 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
         if "stage1/loss" in metrics:
             _log(f"  stage 1 step {step}: loss {metrics['stage1/loss']:.4f} (CE {metrics['stage1/ce']:.4f}, "
                  f"sum|s| {metrics['stage1/penalty']:.2f})")
+        if "stage1/swaps" in metrics:
+            _log(f"  stage 1 refinement: {metrics['stage1/swaps']} swap(s) lowered the measured removal cost")
         if "stage1/rounds_done" in metrics:
             _log(f"  stage 1 round {metrics['stage1/rounds_done']}/{rounds}: drop layer {metrics['stage1/dropped']}")
 
@@ -62,7 +64,8 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
                       candidates=bench.candidates(), lambda1=s1.lambda1, lr=s1.lr,
                       first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
                       selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
-                      probe=s1.probe, scorer=scorer, report=progress, on_round=on_round, resume=resume)
+                      probe=s1.probe, scorer=scorer, refine=s1.refine, report=progress, on_round=on_round,
+                      resume=resume)
 
 
 def stage1_tokens(bench) -> int:

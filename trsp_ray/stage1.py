@@ -30,6 +30,7 @@ class Stage1Result:
     probes: list[dict] = field(default_factory=list)  # per round: removal score of each probed layer
     probe_tokens: int = 0  # calibration tokens of the probe windows (0 without probes)
     probe_cost: int = 0  # dense-forward tokens the probes spent (teacher passes included)
+    swaps: list[dict] = field(default_factory=list)  # refinement: {"out", "in", "score"} per accepted swap
 
     def drop_for(self, method: str, n_drop: int) -> list[int]:
         """The first `n_drop` layers of this run's order for a TRSP method: one-shot takes the
@@ -120,7 +121,7 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
                lr: float, first_round_steps: int, steps_per_round: int, selection: str = "iterative",
                train_base: bool = False, base_lr: float = 2e-5, make_stepper: MakeStepper = TorchStepper,
                report: Report = null_report, resume: dict | None = None, probe: int = 0,
-               scorer: RemovalScorer | None = None,
+               scorer: RemovalScorer | None = None, refine: int = 0,
                on_round: Callable[[dict], None] | None = None) -> Stage1Result:
     """Run stage 1 on a gated model (see `gates.attach_gates`); returns the ordered drop list.
 
@@ -129,6 +130,11 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
     gates choose what to measure, the measurement decides. `resume` is a state dict previously
     passed to `on_round` (after a round finished): finished rounds are not recomputed and the batch
     stream continues where it stopped.
+
+    Greedy removal is myopic (a layer that is cheapest now can make later removals dear), so with
+    probes and `refine` = n > 0 the last round ends with up to n passes of swaps: each dropped layer
+    is exchanged with each probed-but-kept layer, and a swap that lowers the measured cost of the
+    whole set is kept (first improvement). It runs before the last round's checkpoint.
     """
     gates.set_gated(True)
     gates.reset_gates()  # s_i = 1: the gated model starts exactly at the original model
@@ -181,6 +187,11 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
             result.probe_cost += scorer.cost - spent
             report({f"probe/{j:02d}": v for j, v in scores.items()}, result.steps)
         result.drop_order = ranking[:n_drop] if selection == "oneshot" else result.drop_order + [choice]
+        if selection == "iterative" and probe > 1 and scorer is not None and refine > 0 and r == total_rounds - 1:
+            spent = scorer.cost
+            _refine(result, scorer=scorer, passes=refine, current=scores[choice])
+            result.probe_cost += scorer.cost - spent
+            report({"stage1/swaps": len(result.swaps)}, result.steps)
         gates.set_bypass(result.drop_order)
         result.round_ends.append(result.steps)
         result.rounds_computed += 1
@@ -192,13 +203,38 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
     return result
 
 
+def _refine(result: Stage1Result, *, scorer: RemovalScorer, passes: int, current: float) -> None:
+    """Swap refinement of the final drop set (see run_stage1); the pool is every layer a probe
+    measured that is not dropped, plus any layer swapped out."""
+    pool: list[int] = []
+    for p in result.probes:
+        pool += [int(j) for j in p["scores"] if int(j) not in result.drop_order and int(j) not in pool]
+    for _ in range(passes):
+        improved = False
+        for pos in range(len(result.drop_order)):
+            for layer in pool:
+                if layer in result.drop_order:
+                    continue
+                trial = list(result.drop_order)
+                trial[pos] = layer
+                score = scorer(trial)
+                if score < current - 1e-4:
+                    out = result.drop_order[pos]
+                    result.swaps.append({"out": out, "in": layer, "score": score})
+                    result.drop_order, current, improved = trial, score, True
+                    pool.append(out)
+                    break
+        if not improved:
+            break
+
+
 def _state(result: Stage1Result, *, gates, batches: Batches, stepper) -> dict:
     state = {"drop_order": list(result.drop_order), "round1_ranking": list(result.round1_ranking),
              "gate_history": [list(v) for v in result.gate_history], "round_ends": list(result.round_ends),
              "steps": result.steps, "tokens": result.tokens, "gates": gates.gate_values(),
              "batches_position": batches.position, "probes": list(result.probes),
              "grad_ema": [w.grad_ema for w in gates.wrappers],
-             "probe_tokens": result.probe_tokens, "probe_cost": result.probe_cost}
+             "probe_tokens": result.probe_tokens, "probe_cost": result.probe_cost, "swaps": list(result.swaps)}
     if hasattr(stepper, "state_dict"):
         import copy
 
@@ -225,4 +261,5 @@ def _restore(state: dict, *, gates, batches: Batches, stepper, result: Stage1Res
     result.steps, result.tokens = state["steps"], state["tokens"]
     result.probes = list(state.get("probes", []))
     result.probe_tokens, result.probe_cost = state.get("probe_tokens", 0), state.get("probe_cost", 0)
+    result.swaps = list(state.get("swaps", []))
     gates.set_bypass(result.drop_order)

@@ -326,7 +326,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                         first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
                         selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
                         make_stepper=bench.factory, report=report, resume=last["state"], on_round=on_round,
-                        probe=s1.probe, scorer=scorer)
+                        probe=s1.probe, scorer=scorer, refine=s1.refine)
     drop = result.drop_for(cfg.method, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history)
