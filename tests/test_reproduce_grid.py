@@ -41,7 +41,7 @@ def test_cli_subcommand_raises_the_one_line_error_for_a_bad_preset():
 
 def test_grid_has_one_dense_cell_per_model_and_shares_nothing_else():
     cells = build_grid(PAPER)
-    assert len(cells) == 3 * (1 + 5)
+    assert len(cells) == 3 * (1 + 8)
     assert Cell("llama2-7b", "dense", 0.0) in cells
     two = build_grid(LOCAL, methods=["dense", "sleb"], ratios=[0.1, 0.25])
     assert [c.id for c in two] == ["smollm2-135m__dense__r0.000", "smollm2-135m__sleb__r0.100",
@@ -98,7 +98,7 @@ def test_paper_dry_run_prints_every_cell_with_route_and_plan_within_8x80gb(tmp_p
         assert ("single process on one GPU" in line or "Ray Train worker(s), ZeRO-3 on GPU" in line) and " GB" in line
         peak = float(line.split("peak ")[1].split(" of")[0])
         assert 0 < peak <= 80, line
-    assert "shared stage 1 for 3 cell(s)" in out and out.count("shared stage 1 for") == 3
+    assert "shared stage 1 for 4 cell(s)" in out and out.count("shared stage 1 for") == 3
     assert "every cell fits one node of 8 x 80 GB: yes" in out
 
 
@@ -141,3 +141,19 @@ def test_a_gpu_preset_on_a_machine_without_cuda_fails_on_one_line_before_any_wor
         run_reproduce(gpu, out=str(out), methods=["dense", "trsp"], use_ray=False)
     assert "\n" not in str(err.value)
     assert not (out / "run_log.jsonl").exists() and not list((out / "stage1").glob("*.json"))
+
+
+def test_healed_rows_get_stage2s_budget_and_carry_the_papers_healed_baselines():
+    """The paper's ShortGPT/SLEB figures are of healed models: they sit on the +heal rows, which
+    train as many tokens as stage 2 (LoRA on the paper preset, as the paper healed)."""
+    from trsp_ray.reproduce.work import cell_config, uses_stage1
+
+    assert paper_numbers("llama2-7b", "shortgpt+heal", 0.25) == (8.89, 57.10)
+    assert paper_numbers("llama2-7b", "shortgpt", 0.25) is None
+    local = cell_config(LOCAL, LOCAL.models[0], method="sleb+heal", ratio=0.25)
+    assert (local.method, local.heal.steps, local.heal.lr, local.heal.trainable) == ("sleb", 8, local.stage2.lr, "all")
+    assert cell_config(LOCAL, LOCAL.models[0], method="sleb", ratio=0.25).heal.steps == 0
+    paper = cell_config(PAPER, PAPER.model("llama2-7b"), method="shortgpt+heal", ratio=0.25)
+    assert (paper.heal.steps, paper.heal.trainable) == (16, "lora")
+    trsp_heal = cell_config(LOCAL, LOCAL.models[0], method="trsp+heal", ratio=0.25)
+    assert trsp_heal.method == "trsp+heal" and uses_stage1(trsp_heal, "trsp+heal")

@@ -22,7 +22,7 @@ from trsp_ray.errors import TrspError
 from trsp_ray.reproduce.presets import grid_method
 from trsp_ray.stage1_store import content_key, model_fingerprint, text_fingerprint
 
-TRSP_METHODS = ("trsp", "trsp-no-stage2", "trsp-oneshot")  # RunConfig methods that prune from stage 1
+TRSP_METHODS = ("trsp", "trsp+heal", "trsp-no-stage2", "trsp-oneshot")  # RunConfig methods that prune from stage 1
 # Config sections that do not change what a cell exports or scores.
 NOT_RESULTS = ("tracking", "output", "threads", "checkpoint_dir", "distributed")
 
@@ -33,7 +33,12 @@ def cell_config(preset, spec, *, overrides: list[str] | None = None, method: str
     `key=value` overrides, then the row's own overrides (they define the row)."""
     row = grid_method(method)
     base = {**preset.run, "model": spec.model, "method": row.method or "trsp", "ratio": ratio}
-    return load_config(None, list(overrides or []) + list(row.overrides), base=base)
+    cfg = load_config(None, list(overrides or []) + list(row.overrides), base=base)
+    if row.heal:  # the same weight-update tokens as stage 2; what trains is the preset's heal.trainable
+        from trsp_ray.methods import method_heal
+
+        cfg = replace(cfg, heal=replace(method_heal(cfg), trainable=cfg.heal.trainable, lora_rank=cfg.heal.lora_rank))
+    return cfg
 
 
 def uses_stage1(cfg: RunConfig, method: str) -> bool:
