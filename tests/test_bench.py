@@ -166,3 +166,16 @@ def test_report_says_when_sleb_was_cut_and_full_baselines_lifts_it(monkeypatch):
     assert cli.main(["benchmark", "--full-baselines", "--workers", "0", "--rows", "sleb", "--no-mlflow"]) == 0
     assert seen["cfg"].baselines.sleb_windows == FULL_SLEB_WINDOWS
     assert "CUT" not in _sleb_note(seen["cfg"])
+
+
+def test_bar_plot_takes_a_mean_an_ulp_outside_its_range():
+    """Three equal PPLs can average to a float just above their max; the plot must still draw."""
+    from trsp_ray.plots import benchmark_bars
+
+    v = 29.267000000000003
+    cell = {"mean": v + 3.6e-15, "min": v, "max": v}
+    summary = [{"row": "trsp", "group": "trained", "held-out PPL": cell, "domain-2 PPL": cell},
+               {"row": "shortgpt", "group": "selection", "held-out PPL": {"mean": 50.0, "min": 49.0, "max": 51.0},
+                "domain-2 PPL": {"mean": 90.0, "min": 80.0, "max": 95.0}}]
+    fig = benchmark_bars(summary)
+    assert len(fig.axes) == 2

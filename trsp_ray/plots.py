@@ -59,7 +59,9 @@ def benchmark_bars(summary: list[dict]):
     colors = {"selection": "tab:orange", "trained": "tab:blue"}
     for ax, col in zip(axes, ("held-out PPL", "domain-2 PPL")):
         means = [s[col]["mean"] for s in rows]
-        err = [[s[col]["mean"] - s[col]["min"] for s in rows], [s[col]["max"] - s[col]["mean"] for s in rows]]
+        # max(0, .): a mean of equal values can land an ulp outside [min, max], and matplotlib refuses
+        err = [[max(0.0, s[col]["mean"] - s[col]["min"]) for s in rows],
+               [max(0.0, s[col]["max"] - s[col]["mean"]) for s in rows]]
         ax.barh(range(len(rows)), means, xerr=err, color=[colors[s["group"]] for s in rows], capsize=3)
         if dense is not None:
             ax.axvline(dense[col]["mean"], color="0.3", ls="--", lw=1, label="dense")
