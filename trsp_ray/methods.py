@@ -80,10 +80,16 @@ def stage1_tokens(bench) -> int:
 
 def _windows(bench, count: int, seed_offset: int = 100) -> list:
     """Exactly `count` fixed calibration windows, as batches of at most data.batch_size."""
+    return fixed_windows(bench.batches(seed_offset), count)
+
+
+def fixed_windows(stream, count: int) -> list:
+    """The first `count` windows of a batch stream, as batches of at most its batch size (the
+    removal probes' windows; Ray Train workers take them from the same stream)."""
     import torch
 
-    size = bench.cfg.data.batch_size
-    stacked = torch.cat(bench.fixed_batches(-(-count // size), seed_offset=seed_offset))[:count]
+    size = stream.batch_size
+    stacked = torch.cat([stream.next() for _ in range(-(-count // size))])[:count]
     return list(stacked.split(size))
 
 

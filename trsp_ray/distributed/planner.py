@@ -346,7 +346,7 @@ def setup_for_run(cfg, ds_config: dict | None = None) -> Setup:
                  remote_storage="://" in (d.storage_path or "") and not (d.storage_path or "").startswith("file://"))
 
 
-def _trains_on_workers(cfg) -> bool:
+def trains_on_workers(cfg) -> bool:
     """Whether the Ray Train path trains weights after stage 1: TRSP's stage 2, or a heal (run there
     as stage 2 with schedule skip, so it needs stage 2's memory)."""
     from trsp_ray import registry
@@ -363,7 +363,7 @@ def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
 def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
     p = plan(s, setup_for_run(cfg, ds_config))
-    if not (_trains_on_workers(cfg) and cfg.stage2.enabled and cfg.stage2.steps > 0):
+    if not (trains_on_workers(cfg) and cfg.stage2.enabled and cfg.stage2.steps > 0):
         p.stages = p.stages[:1]
     return p
 

@@ -101,7 +101,9 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
                         ("distributed.checkpoint_every", dist.checkpoint_every)):
         if steps % dist.grad_accum:  # a round or checkpoint must end on an optimizer step
             raise TrspError(f"{name}={steps} is not a multiple of distributed.grad_accum={dist.grad_accum}")
-    if cfg.stage2.trainable == "lora" and dist.strategy == "zero3" and cfg.method in ("trsp+heal", "trsp", "trsp-oneshot"):
+    from trsp_ray.distributed import planner
+
+    if cfg.stage2.trainable == "lora" and dist.strategy == "zero3" and planner.trains_on_workers(cfg):
         raise TrspError("stage2.trainable=lora is not supported under distributed.strategy=zero3 yet "
                         "(peft merges into partitioned weights); use trainable=all with offload_optimizer=true")
     storage = check_storage(dist.storage_path or str(Path.cwd() / "runs" / "ray"))

@@ -265,17 +265,6 @@ def _batches(cfg, bench, seed_offset: int):
     return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset)
 
 
-def _probe_windows(cfg, bench) -> list:
-    """The removal probes' fixed windows: the same ones the single-process path scores
-    (methods._windows: the first batches of the stream seeded seed + 200)."""
-    import torch
-
-    d, count = cfg.data, cfg.stage1.probe_windows
-    stream = _batches(cfg, bench, 200)
-    stacked = torch.cat([stream.next() for _ in range(-(-count // d.batch_size))])[:count]
-    return list(stacked.split(d.batch_size))
-
-
 def _mean_over_ranks(value: float) -> float:
     import torch
     import torch.distributed as dist
@@ -291,6 +280,7 @@ def _mean_over_ranks(value: float) -> float:
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
     from trsp_ray.distributed import engine as eng
+    from trsp_ray.methods import fixed_windows
     from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, run_stage1
 
     s1, g = cfg.stage1, cfg.gates
@@ -319,7 +309,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
     if s1.probe > 1 and s1.selection == "iterative":
         # every rank scores the same windows (each forward is a ZeRO-3 collective); the mean over
         # ranks makes the scores bit-identical, so every rank drops the same layer
-        scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=_probe_windows(cfg, bench),
+        scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=fixed_windows(_batches(cfg, bench, 200), s1.probe_windows),
                                criterion=s1.probe_criterion, reduce=_mean_over_ranks)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, lambda1=s1.lambda1, lr=s1.lr,
@@ -336,9 +326,8 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
 def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
             engine_dir: str | None, rank: int, fault: FaultInjector):
     """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards."""
-    from trsp_ray.stage2 import run_stage2
-
     from trsp_ray import registry
+    from trsp_ray.stage2 import run_stage2
 
     s2 = cfg.stage2
     spec = registry.method(cfg.method)
