@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-dir copy of trsp_ray
 
+from trsp_ray import registry  # noqa: E402 (after the path insert)
+
 
 def job_config(args: argparse.Namespace):
     """The run config: 70B cluster defaults, then --config, then the flags, then --set overrides."""
@@ -58,7 +60,7 @@ def job_config(args: argparse.Namespace):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="meta-llama/Llama-2-70b-hf", help="model directory, hub id or smollm2-135m")
-    p.add_argument("--method", default="trsp+heal", choices=("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2"),
+    p.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.TRSP_METHODS,
                    help="trsp+heal (default): stage-1 selection, then the stage-2 budget spent healing the pruned "
                         "model (what won at equal budget, README); trsp: the paper's stage 2")
     p.add_argument("--workers", type=int, default=16)

@@ -40,11 +40,11 @@ def job_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     from trsp_ray.cli import _common
     from trsp_ray.errors import TrspError
-    from trsp_ray.search.cli import add_arguments
+    from trsp_ray.search.cli import add_arguments, add_method_argument
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _common(parser)
-    parser.add_argument("--method", default="trsp", choices=("trsp", "trsp-oneshot", "trsp-no-stage2"))
+    add_method_argument(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -26,7 +26,7 @@ from trsp_ray.errors import TrspError
 
 # every baseline in both budget groups (the comparison is only fair with all of them); the one-shot
 # ablation is left to --rows to keep the README's run within 15 minutes on 2 CPU cores
-DEFAULT_ROWS = tuple(name for name in registry.ROW_NAMES if name != "trsp-oneshot")
+DEFAULT_ROWS = registry.DEFAULT_ROWS
 PPL_COLUMNS = ("held-out PPL", "domain-2 PPL")
 
 
@@ -78,7 +78,7 @@ def selection_job(cfg_dict: dict, selector: str, seed: int) -> dict:
     model = bench.fresh_model()
     gates = attach_gates(model, gate_mode=bench.cfg.gates.gate)
     stage1 = None
-    if selector == "trsp":
+    if selector == registry.TRSP_SELECTOR:
         from trsp_ray.methods import run_stage1_for
 
         stage1 = run_stage1_for(bench, model=model, report=lambda m, s: history.append((dict(m), s)))
@@ -289,7 +289,7 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         parts.append(f"zero-shot: mean acc over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, {zeroshot_limit} items "
                      f"per task, ± standard error.")
     for s in summary:
-        if s["row"].startswith("trsp") and s.get("verdicts"):
+        if registry.ROWS[s["row"]].uses_stage1 and s.get("verdicts"):
             v = ", ".join(f"{k} {val}" for k, val in s["verdicts"].items() if val)
             parts.append(f"{s['row']} vs {s['best baseline']} (best {s['group']} baseline): {v}")
     return "\n".join(parts)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trsp_ray.errors import TrspError
-from trsp_ray.registry import METHOD_NAMES
+from trsp_ray.registry import DEFAULT_METHOD, METHOD_NAMES
 
 METHODS = METHOD_NAMES  # the registry names them; kept here for the CLI's choices
 
@@ -225,7 +225,7 @@ class DistributedConfig:
 @dataclass(frozen=True)
 class RunConfig:
     model: str = "smollm2-135m"
-    method: str = "trsp+heal"  # TRSP selection + heal: what won at equal budget (README)
+    method: str = DEFAULT_METHOD  # TRSP selection + heal: what won at equal budget (README)
     ratio: float = 0.25  # fraction of decoder layers to drop; n_drop = round(ratio * L)
     output: str | None = None  # export directory; None = do not export
     seed: int = 0

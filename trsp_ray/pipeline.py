@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trsp_ray import assets, families
+from trsp_ray import assets, families, registry
 from trsp_ray.config import RunConfig
 from trsp_ray.errors import TrspError
 from trsp_ray.perplexity import bos_token, encode, perplexity
@@ -328,7 +328,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         log(f"dense held-out PPL {dense_ppl:.2f}")
         report = lambda metrics, step: tracker.log_metrics(metrics, step)
         stage1 = None
-        if cfg.method.startswith("trsp"):
+        if registry.method(cfg.method).uses_stage1:
             resume, on_round = stage1_checkpoints(cfg, bench.n_drop())
             stage1 = run_stage1_for(bench, report=report, resume=resume, on_round=on_round)
             tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),

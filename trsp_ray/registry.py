@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from trsp_ray.errors import TrspError
 
 
+TRSP_SELECTOR = "trsp"  # the selector that is TRSP's stage 1
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
@@ -30,7 +33,7 @@ class Method:
 
     @property
     def uses_stage1(self) -> bool:
-        return self.selector == "trsp"
+        return self.selector == TRSP_SELECTOR
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -43,7 +46,15 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("random", "random"),
 )}
 METHOD_NAMES = tuple(METHODS)
+DEFAULT_METHOD = "trsp+heal"  # what won at equal budget; config.py's default and jobs' --method default
+STAGE1_ONLY = "trsp-no-stage2"  # the TRSP method that runs stage 1 alone (shared stage-1 cells and plans)
+TRSP_METHODS = tuple(m.name for m in METHODS.values() if m.uses_stage1)  # also what Ray Train workers run
+STAGE2_METHODS = tuple(m.name for m in METHODS.values() if m.stage2)  # the methods stage2.* settings act in
 BASELINE_SELECTORS = ("shortgpt", "sleb", "random")
+# Baselines that score layers with forward passes (memory plans size them); SLEB also keeps every
+# layer's input of a batch. Random selection costs nothing.
+FORWARD_SELECTORS = ("shortgpt", "sleb")
+LAYER_INPUT_SELECTORS = ("sleb",)
 
 
 @dataclass(frozen=True)
@@ -52,10 +63,15 @@ class Row:
     method: str | None  # None = the dense model
     recovery: str  # none | stage2 | heal
     group: str  # dense | selection | trained
+    default: bool = True  # `trsp-ray benchmark` runs it unless --rows says otherwise
 
     @property
     def is_baseline(self) -> bool:
         return self.method is not None and METHODS[self.method].selector in BASELINE_SELECTORS
+
+    @property
+    def uses_stage1(self) -> bool:
+        return self.method is not None and METHODS[self.method].uses_stage1
 
 
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -65,21 +81,41 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("sleb", "sleb", "none", "selection"),
     Row("random", "random", "none", "selection"),
     Row("trsp", "trsp", "stage2", "trained"),
-    Row("trsp-oneshot", "trsp-oneshot", "stage2", "trained"),
+    Row("trsp-oneshot", "trsp-oneshot", "stage2", "trained", default=False),  # the paper's ablation
     Row("trsp-selection+heal", "trsp+heal", "heal", "trained"),  # = the default `prune` pipeline
     Row("shortgpt+heal", "shortgpt", "heal", "trained"),
     Row("sleb+heal", "sleb", "heal", "trained"),
     Row("random+heal", "random", "heal", "trained"),
 )}
 ROW_NAMES = tuple(ROWS)
+DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
 GROUP_TITLES = {"dense": "dense model", "selection": "selection only (no weight is trained)",
                 "trained": "trained (equal weight-update tokens, same recovery objective)"}
+
+
+# The reproduction grid's rows (reproduce/presets.py), in table order: (row, method or None for the
+# dense model, heal with stage 2's budget). A healed baseline is the paper's LoRA-healed comparison.
+GRID_ROWS = (("dense", None, False), ("trsp", "trsp", False), ("trsp+heal", "trsp+heal", False),
+             ("trsp-no-stage2", "trsp-no-stage2", False), ("trsp-oneshot", "trsp-oneshot", False),
+             ("shortgpt", "shortgpt", False), ("sleb", "sleb", False),
+             ("shortgpt+heal", "shortgpt", True), ("sleb+heal", "sleb", True))
 
 
 def method(name: str) -> Method:
     if name not in METHODS:
         raise TrspError(f"method={name!r} is not valid; choose one of {', '.join(METHOD_NAMES)}")
     return METHODS[name]
+
+
+def recipe(name: str) -> tuple[str | None, str]:
+    """(selector, recovery) of a method or a row name: what a plan must size (None = the dense model)."""
+    if name in METHODS:
+        m = METHODS[name]
+        return m.selector, "stage2" if m.stage2 else "heal" if m.heal else "none"
+    if name in ROWS:
+        r = ROWS[name]
+        return (METHODS[r.method].selector if r.method else None), r.recovery
+    raise TrspError(f"{name!r} is neither a method ({', '.join(METHOD_NAMES)}) nor a row ({', '.join(ROW_NAMES)})")
 
 
 def rows(names: list[str] | tuple[str, ...]) -> list[Row]:

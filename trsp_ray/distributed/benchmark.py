@@ -49,7 +49,7 @@ def ray_runner(workers: int):
             threads = max(1, cpus // max(1, workers))
             selection_remote = ray.remote(num_cpus=1)(_selection_task)
             row_remote = ray.remote(num_cpus=1)(_row_task)
-            ordered = sorted(jobs, key=lambda j: (j.kind != "selection", j.name != "trsp"))
+            ordered = sorted(jobs, key=lambda j: (j.kind != "selection", j.name != registry.TRSP_SELECTOR))
             selections, pending = {}, {}
             for job in ordered:
                 if job.kind == "selection":

@@ -346,6 +346,13 @@ def setup_for_run(cfg, ds_config: dict | None = None) -> Setup:
                  remote_storage="://" in (d.storage_path or "") and not (d.storage_path or "").startswith("file://"))
 
 
+def _on_workers(method: str) -> bool:
+    """Whether the Ray Train path can run `method` (stage 1, stage 2 or a heal, export)."""
+    from trsp_ray import registry
+
+    return registry.method(method).uses_stage1
+
+
 def trains_on_workers(cfg) -> bool:
     """Whether the Ray Train path trains weights after stage 1: TRSP's stage 2, or a heal (run there
     as stage 2 with schedule skip, so it needs stage 2's memory)."""
@@ -484,28 +491,32 @@ def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int
 
 def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: int, evaluation: bool) -> StagePlan:
     """A no-grad pass: ShortGPT, SLEB (with its per-batch layer inputs) or perplexity."""
+    from trsp_ray import registry
+
     e, tokens = st.dtype_bytes, batch * seqlen
     plan = StagePlan(name)
     _single_weights(plan, s, st, s.params)
     logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
     layer = e * (3 * s.hidden + 3 * s.intermediate)  # one layer's intermediates at a time
     plan.parts["logits + one layer"] = tokens * (logits + layer) / GB
-    if name == "sleb":
+    if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
     return plan
 
 
 def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark rows)."""
+    from trsp_ray import registry
+
     out: list[str] = []
     for m in methods or (cfg.method,):
-        base = m.removesuffix("+heal")
-        wanted = ["stage 1"] if base.startswith("trsp") else []
-        if m in ("trsp", "trsp-oneshot") and cfg.stage2.enabled and cfg.stage2.steps > 0:
+        selector, recovery = registry.recipe(m)
+        wanted = ["stage 1"] if selector == registry.TRSP_SELECTOR else []
+        if recovery == "stage2" and cfg.stage2.enabled and cfg.stage2.steps > 0:
             wanted.append("stage 2")
-        if base in ("sleb", "shortgpt"):
-            wanted.append(base)
-        if (cfg.heal.steps > 0 and m != "dense") or m.endswith("+heal"):
+        if selector in registry.FORWARD_SELECTORS:
+            wanted.append(selector)
+        if (cfg.heal.steps > 0 and selector is not None) or recovery == "heal":
             wanted.append("heal")
         out += [w for w in wanted + ["evaluation"] if w not in out]
     return tuple(out)
@@ -524,6 +535,8 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
                 heal_lora_rank: int = 8) -> SinglePlan:
     """The plan of the single-process `stages` (names as `single_stages` gives them)."""
+    from trsp_ray import registry
+
     built = []
     for name in stages:
         if name == "stage 1":
@@ -538,7 +551,7 @@ def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: i
             trained = (kept * s.lora_params(heal_lora_rank) // s.layers if lora
                        else s.params - n_drop * s.layer_params)
             built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora, layers=kept))
-        elif name in ("sleb", "shortgpt"):
+        elif name in registry.FORWARD_SELECTORS:
             built.append(single_forward(name, s, st, batch=st.baseline_batch, seqlen=st.baseline_seqlen,
                                         evaluation=False))
         else:
@@ -573,12 +586,11 @@ def single_hint(cfg, p: SinglePlan) -> str:
         if now != value and single_plan_for_run(replace(cfg, **{key: value}), device=st.device,
                                                 memory_gb=st.memory_gb, shape=p.shape).fits:
             return f"set {key}={str(value).lower()}"
-    if cfg.method in WORKER_METHODS and cfg.heal.steps == 0:
+    if _on_workers(cfg.method) and cfg.heal.steps == 0:
         return "or allow Ray Train workers (distributed.workers=N) so it runs under ZeRO-3"
     return "use a smaller data.batch_size or data.seqlen, or a larger device"
 
 
-WORKER_METHODS = ("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2")  # what the Ray Train path runs: stage 1, 2, export
 
 
 @dataclass
@@ -622,7 +634,7 @@ def route(cfg, *, device: str | None = None, memory_gb: float | None = None, sha
     if single.fits:
         return Route(0, device, single)
     limit = cfg.distributed.workers if max_workers is None else max_workers
-    if limit >= 1 and cfg.method in WORKER_METHODS and cfg.heal.steps == 0:
+    if limit >= 1 and _on_workers(cfg.method) and cfg.heal.steps == 0:
         for w in range(1, limit + 1):
             if cfg.data.batch_size % w:  # every worker takes an equal slice of each batch
                 continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trsp_ray import registry
 from trsp_ray.errors import TrspError
 
 PAPER_RATIO = 0.25
@@ -33,10 +34,7 @@ class GridMethod:
 
 # The paper compares TRSP with baselines healed after pruning; the +heal rows give the baselines
 # (and TRSP's selection, trsp+heal: the default `prune`) the same weight-update budget as stage 2.
-GRID = (GridMethod("dense", None), GridMethod("trsp", "trsp"), GridMethod("trsp+heal", "trsp+heal"),
-        GridMethod("trsp-no-stage2", "trsp-no-stage2"), GridMethod("trsp-oneshot", "trsp-oneshot"),
-        GridMethod("shortgpt", "shortgpt"), GridMethod("sleb", "sleb"),
-        GridMethod("shortgpt+heal", "shortgpt", heal=True), GridMethod("sleb+heal", "sleb", heal=True))
+GRID = tuple(GridMethod(name, method, heal=heal) for name, method, heal in registry.GRID_ROWS)
 GRID_METHODS = tuple(m.name for m in GRID)  # also the tables' row order
 
 

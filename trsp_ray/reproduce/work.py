@@ -17,22 +17,23 @@ import dataclasses
 import time
 from pathlib import Path
 
+from trsp_ray import registry
 from trsp_ray.config import RunConfig, load_config, replace
 from trsp_ray.errors import TrspError
 from trsp_ray.reproduce.presets import grid_method
 from trsp_ray.stage1_store import content_key, model_fingerprint, text_fingerprint
 
-TRSP_METHODS = ("trsp", "trsp+heal", "trsp-no-stage2", "trsp-oneshot")  # RunConfig methods that prune from stage 1
 # Config sections that do not change what a cell exports or scores.
 NOT_RESULTS = ("tracking", "output", "threads", "checkpoint_dir", "distributed")
 
 
-def cell_config(preset, spec, *, overrides: list[str] | None = None, method: str = "trsp",
+def cell_config(preset, spec, *, method: str, overrides: list[str] | None = None,
                 ratio: float = 0.25) -> RunConfig:
     """The RunConfig of one cell (`method` is a grid row): preset values, the model, user
     `key=value` overrides, then the row's own overrides (they define the row)."""
     row = grid_method(method)
-    base = {**preset.run, "model": spec.model, "method": row.method or "trsp", "ratio": ratio}
+    # The dense cell prunes nothing; its method is a placeholder the config accepts.
+    base = {**preset.run, "model": spec.model, "method": row.method or registry.STAGE1_ONLY, "ratio": ratio}
     cfg = load_config(None, list(overrides or []) + list(row.overrides), base=base)
     if row.heal:  # the same weight-update tokens as stage 2; what trains is the preset's heal.trainable
         from trsp_ray.methods import method_heal
@@ -42,7 +43,7 @@ def cell_config(preset, spec, *, overrides: list[str] | None = None, method: str
 
 
 def uses_stage1(cfg: RunConfig, method: str) -> bool:
-    return grid_method(method).method is not None and cfg.method in TRSP_METHODS
+    return grid_method(method).method is not None and registry.method(cfg.method).uses_stage1
 
 
 def prune_key(cfg: RunConfig, method: str, *, calib_fp: str) -> str:
@@ -103,7 +104,7 @@ def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
     device = _device(cfg)
     memory = preset.gpu_memory_gb if device == "gpu" else None
     try:
-        return planner.route(replace(cfg, method="trsp-no-stage2", **{"heal.steps": 0}), device=device,
+        return planner.route(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}), device=device,
                              memory_gb=memory, shape=shape, max_workers=0)
     except TrspError as exc:
         raise TrspError(f"the shared stage 1 of {spec.key} must run on one device: {exc}") from None

@@ -110,12 +110,20 @@ def _search(args) -> int:
     return 0
 
 
+def add_method_argument(p) -> None:
+    """--method for a search: the TRSP methods (stage 1 has the lambda1 to search); the default is
+    the paper's `trsp`, whose stage 2 has the lambda2 a search is usually about."""
+    from trsp_ray import registry
+
+    p.add_argument("--method", default="trsp", choices=registry.TRSP_METHODS)
+
+
 def register(subparsers) -> None:
     """Add `search` to the `trsp-ray` subcommands (same run-config flags as `prune`)."""
     from trsp_ray.cli import _common
 
     p = subparsers.add_parser("search", help="Ray Tune search over lambda1, lambda2 and the ratio")
     _common(p)
-    p.add_argument("--method", default="trsp", choices=("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2"))
+    add_method_argument(p)
     add_arguments(p)
     p.set_defaults(func=_search)

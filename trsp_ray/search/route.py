@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from trsp_ray import registry
 from trsp_ray.errors import TrspError
 
 GPU_STEP = 0.25  # trial GPU fractions are multiples of this (Ray packs them onto whole GPUs)
@@ -73,7 +74,7 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
         chosen = planner.Route(workers, "gpu", planner.zero3_plan(
             replace(cfg, **{"distributed.workers": workers, "distributed.use_gpu": True}), shape))
     if chosen.workers:
-        stage1 = planner.single_plan_for_run(replace(cfg, method="trsp-no-stage2", **{"heal.steps": 0}),
+        stage1 = planner.single_plan_for_run(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}),
                                              device="gpu", memory_gb=memory, shape=shape)
         route = TrialRoute(use_gpu=True, gpus=0.0, workers=chosen.workers, eval_gpus=scoring,
                            peak_gb=chosen.plan.peak, stage1_on_one_device=stage1.fits)

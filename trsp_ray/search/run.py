@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trsp_ray import registry
 from trsp_ray.config import RunConfig, from_dict
 from trsp_ray.errors import TrspError
 from trsp_ray.search.cache import RunLog
@@ -21,7 +22,6 @@ from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_p
 from trsp_ray.search.trial import TRIALS, trial_record_path
 from trsp_ray.stage1_store import data_fingerprint, stage1_key
 
-TRSP_METHODS = ("trsp+heal", "trsp", "trsp-oneshot", "trsp-no-stage2")
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,12 @@ def plan(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, d
     {stage-1 key: largest n_drop among the trials that share it}. Raises before any trial."""
     from trsp_ray.pipeline import check_plan
 
-    if base.method not in TRSP_METHODS:
-        raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; use one of {', '.join(TRSP_METHODS)}")
-    if any(d.key == "stage2.lambda2" for d in space.dims) and base.method != "trsp" and base.method != "trsp-oneshot":
+    if base.method not in registry.TRSP_METHODS:
+        raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; "
+                        f"use one of {', '.join(registry.TRSP_METHODS)}")
+    if any(d.key == "stage2.lambda2" for d in space.dims) and base.method not in registry.STAGE2_METHODS:
         raise TrspError(f"stage2.lambda2 acts only in stage 2, which method={base.method!r} does not run; "
-                        f"search it with method=trsp or trsp-oneshot, or drop it from the space")
+                        f"search it with method={' or '.join(registry.STAGE2_METHODS)}, or drop it from the space")
     if space.algorithm == "optuna":
         _optuna_search_class()  # a missing optuna fails here, before Ray starts
     points = grid_points(space) if space.algorithm == "grid" else (
