@@ -10,11 +10,10 @@ import bz2
 import importlib.util
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from trsp_ray import atomic
 from trsp_ray.errors import TrspError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -56,17 +55,13 @@ def smollm2_dir() -> Path:
     config = AutoConfig.for_model(model_type, **config_dict)
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(gguf.state_dict(), strict=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
     try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
+        with atomic.directory(target, replace=False) as tmp:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     except OSError:
         if not (target / "config.json").exists():  # lost a race only if someone else finished
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -134,10 +129,7 @@ def _cached_wiki_split() -> tuple[str, str]:
         held = "\n\n".join(a for i, a in enumerate(articles) if i % _HELDOUT_EVERY == _HELDOUT_EVERY - 1)
         root.mkdir(parents=True, exist_ok=True)
         for path, text in ((calib_path, calib), (held_path, held)):
-            fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-")
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, path)
+            atomic.write_text(path, text)
     return calib_path.read_text(encoding="utf-8"), held_path.read_text(encoding="utf-8")
 
 

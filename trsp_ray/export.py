@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from trsp_ray import atomic
+from trsp_ray.atomic import publish, staging_dir  # noqa: F401  (distributed/export.py's two-phase export)
 from trsp_ray.errors import TrspError
 from trsp_ray.tracking import write_json_atomic
 
@@ -55,23 +55,6 @@ def pruned_manifest(*, method: str, drop: list[int], kept: list[int], num_layers
 
 def write_manifest(manifest: dict, directory: Path) -> None:
     write_json_atomic({**manifest, "versions": versions()}, Path(directory) / MANIFEST)
-
-
-def staging_dir(target: Path) -> Path:
-    """A fresh temp dir beside `target` (same filesystem, so `publish` is a rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-
-
-def publish(tmp: Path, target: Path) -> None:
-    """Rename the finished `tmp` into place; an old `target` is moved aside first and removed after."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
 
 
 @torch.no_grad()
@@ -135,8 +118,7 @@ def export_model(model, tokenizer, output: str, *, manifest: dict, overwrite: bo
     probe batch, else nothing is renamed into place; the manifest records the check.
     """
     target = check_output_dir(output, overwrite=overwrite)
-    tmp = staging_dir(target)
-    try:
+    with atomic.directory(target) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -147,7 +129,4 @@ def export_model(model, tokenizer, output: str, *, manifest: dict, overwrite: bo
                 raise RuntimeError(f"exported model differs from the in-memory model (max |dlogit| "
                                    f"{check['max_abs_logit_diff']:.3g} > {check['atol']:.3g} on {check['device']})")
         write_manifest(manifest, tmp)
-        publish(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trsp_ray import assets, families, registry
+from trsp_ray import assets, atomic, families, registry
 from trsp_ray.config import RunConfig
 from trsp_ray.errors import TrspError
 from trsp_ray.perplexity import bos_token, encode, perplexity
@@ -162,8 +162,6 @@ def encode_cached(tokenizer, text: str) -> torch.Tensor:
     """`encode`, cached on disk by tokenizer and text hash (a 700k-token text takes seconds to
     tokenize, and every Ray worker of a benchmark would redo it)."""
     import hashlib
-    import os
-    import tempfile
 
     vocab = tokenizer.get_vocab()
     key = hashlib.sha256(text.encode("utf-8", "replace"))
@@ -173,11 +171,7 @@ def encode_cached(tokenizer, text: str) -> torch.Tensor:
     if path.exists():
         return torch.load(path)
     ids = encode(tokenizer, text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-", suffix=".pt")
-    with os.fdopen(fd, "wb") as fh:
-        torch.save(ids, fh)
-    os.replace(tmp, path)
+    atomic.save_torch(path, ids)
     return ids
 
 
@@ -272,8 +266,6 @@ def stage1_checkpoints(cfg: RunConfig, n_drop: int):
     interrupted run (Ctrl-C, a lost machine) restarts after its last finished round."""
     import hashlib
     import json
-    import os
-    import tempfile
     from pathlib import Path
 
     key_src = {"model": assets.resolve_model(cfg.model), "stage1": cfg.to_dict()["stage1"],
@@ -287,11 +279,7 @@ def stage1_checkpoints(cfg: RunConfig, n_drop: int):
         log(f"stage 1: resuming after round {len(resume['round_ends'])} from {path}")
 
     def on_round(state: dict) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=root, prefix="tmp-", suffix=".pt")
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-        os.replace(tmp, path)
+        atomic.save_torch(path, state)
 
     return resume, on_round
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+from trsp_ray import atomic
 
 
 def default_tracking_uri() -> str:
@@ -107,9 +108,5 @@ def make_tracker(*, enabled: bool = True, tracking_uri: str | None = None, exper
 
 
 def write_json_atomic(obj: Any, path: Path) -> None:
-    """Write JSON to `path` through a temp file + rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, default=str)
-    os.replace(tmp, path)
+    """atomic.write_json with this module's older argument order, kept for its many callers."""
+    atomic.write_json(path, obj)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from trsp_ray import atomic
 from trsp_ray.errors import TrspError
 
 STOCK_PREFIX = "lm_eval:"
@@ -138,12 +137,10 @@ def _oe_rows(folder: Path, task: str) -> list[dict]:
 
 
 def _write_jsonl_atomic(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+    # Concurrent actors on one node write identical files; the last rename wins.
+    with atomic.open_file(path, "w") as fh:
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)  # concurrent actors on one node write identical files; last rename wins
 
 
 def data_file(name: str, root: Path) -> Path:
@@ -199,8 +196,6 @@ def write_task_dir(names: list[str] | tuple[str, ...], root: Path | None = None)
         if name.startswith(STOCK_PREFIX):
             continue
         text = yaml.safe_dump(task_config(name, data_file(name, root)), sort_keys=False, allow_unicode=True)
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-", suffix=".part")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with atomic.open_file(out / f"{lm_eval_name(name)}.yaml", "w", suffix=".part") as fh:  # not *.yaml until whole
             fh.write(text)
-        os.replace(tmp, out / f"{lm_eval_name(name)}.yaml")
     return out

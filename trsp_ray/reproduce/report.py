@@ -122,21 +122,17 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 
 def write_reports(results: list[dict], out: Path, *, preset) -> dict[str, Path]:
     """results.md / .csv / .txt and ppl.png under `out` (each through a temp file + rename)."""
-    import os
-    import tempfile
+    from trsp_ray import atomic
 
     rows, foot = table_rows(results), footer(preset)
     out = Path(out)
     paths = {}
     for name, text in (("results.md", to_markdown(rows, foot)), ("results.csv", to_csv(rows)),
                        ("results.txt", to_text(rows, foot))):
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, out / name)
+        atomic.write_text(out / name, text)
         paths[name.split(".")[1]] = out / name
-    png = plot(rows, out / ".ppl.tmp.png")
-    if png is not None:
-        os.replace(png, out / "ppl.png")
+    if any(r["PPL"] is not None for r in rows):  # plot() draws nothing without a PPL
+        with atomic.temp_path(out / "ppl.png", suffix=".png") as tmp:
+            plot(rows, tmp)
         paths["png"] = out / "ppl.png"
     return paths
