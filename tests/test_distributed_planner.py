@@ -145,3 +145,98 @@ def test_disk_budget_refuses_on_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
     with pytest.raises(TrspError, match=r"^checkpoints need .* but distributed.disk_budget_gb=0.001; use"):
         prepare_run(cfg)
+
+
+# --- Parameter counts from the model's own structure (meta device), one tiny config per family.
+_SIZES = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}
+TINY = {name: {"model_type": name, **_SIZES} for name in
+        ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")}
+TINY["phi3"].update(pad_token_id=0, eos_token_id=0)  # its defaults (32000) lie outside a 96-token vocabulary
+TINY["gpt_neox"] = {"model_type": "gpt_neox", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 128,
+                    "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 64}
+# OPT with a word-embedding projection narrower than hidden (as OPT-350m): project_in / project_out exist.
+TINY["opt"] = {"model_type": "opt", "vocab_size": 96, "hidden_size": 32, "ffn_dim": 48, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "word_embed_proj_dim": 16, "max_position_embeddings": 64}
+
+
+def test_every_family_has_a_tiny_config():
+    from trsp_ray.families import FAMILIES
+
+    assert sorted(TINY) == sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_counts_equal_the_real_model(family):
+    """The planner's counts (total, each decoder layer, LoRA adapters) equal those of the model
+    instantiated on CPU from the same config, for every family families.py supports."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trsp_ray import families, training
+
+    fields = dict(TINY[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    s = planner.shape_from_config(TINY[family], source=family)
+    assert s.params == sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    layers = families.decoder_layers(model)
+    assert len(layers) == s.layers == 3
+    for layer in layers:
+        assert s.layer_params == sum(p.numel() for p in layer.parameters())
+    assert s.tied == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    assert s.counts.largest_tensor == max(p.numel() for p in model.parameters())
+    lora = training.add_lora(model, rank=4)
+    assert s.lora_params(4) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+
+
+def test_opt_and_gpt_neox_are_planned_with_their_own_sizes(tmp_path):
+    """OPT (no intermediate_size) is planned, not refused; activation sizes come from the family's own
+    fields (ffn_dim; GPT-NeoX's heads without key/value heads)."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY["opt"]))
+    opt = planner.read_shape(str(tmp_path))
+    assert (opt.intermediate, opt.hidden, opt.kv_heads, opt.head_dim, opt.vocab) == (48, 32, 4, 8, 96)
+    p = planner.plan(opt, planner.Setup(workers=2, dtype_bytes=4, device="cpu", seqlen=16))
+    assert p.fits and p.stages[0].parts["weights (partition)"] == pytest.approx(opt.params * 4 / 2 / planner.GB)
+    neox = planner.shape_from_config(TINY["gpt_neox"])
+    assert (neox.intermediate, neox.kv_heads, neox.head_dim) == (128, 4, 8)
+    # A GPT-NeoX layer: fused qkv + dense + two MLP Linears with biases, two LayerNorms; no gate projection.
+    h, i = 32, 128
+    assert neox.layer_params == (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+
+
+def test_llama3_70b_counts_without_allocating():
+    import resource  # noqa: F401  (Linux only: /proc below)
+
+    c = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+         "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False}
+    h, i, v, kv = 8192, 28672, 128256, 8 * 128
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms
+    assert planner.shape_from_config(c).layer_params == layer == 855_654_400
+    assert planner.shape_from_config(c).params == 80 * layer + 2 * v * h + h == 70_553_706_496
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    before = rss()
+    model = planner.meta_model(c)
+    assert all(p.is_meta for p in model.parameters())
+    assert rss() - before < 256 * 2**20  # bf16 weights would be 141 GB
+
+
+def test_hand_built_shape_formula_equals_a_meta_llama():
+    """A Shape built from fields alone is counted by the Llama formula; it agrees with a meta Llama."""
+    fields = planner.Shape(vocab=96, hidden=32, intermediate=48, layers=3, heads=4, kv_heads=2, head_dim=8, tied=False)
+    meta = planner.shape_from_config(TINY["llama"])
+    assert fields.counts == meta.counts
+    assert fields.params == 3 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 48 + 64) + 2 * 96 * 32 + 32
+
+
+def test_bad_configs_refused_on_one_line():
+    with pytest.raises(TrspError, match=r"model_type 'bert'.*supported: .*gpt_neox.*opt"):
+        planner.shape_from_config({"model_type": "bert", **_SIZES})
+    with pytest.raises(TrspError, match="lacks 'intermediate_size'"):  # no model_type: read as a Llama
+        planner.shape_from_config({k: v for k, v in _SIZES.items() if k != "intermediate_size"})
+    with pytest.raises(TrspError, match="^model config 'x' does not build a llama model: ") as err:
+        planner.shape_from_config({**TINY["llama"], "head_dim": 5}, source="x")  # odd RoPE dimension
+    assert "\n" not in str(err.value)

@@ -1,4 +1,5 @@
-"""Memory planner: per-worker memory of stage 1 and stage 2 under ZeRO-3, from config.json alone.
+"""Memory planner: per-worker memory of stage 1 and stage 2 under ZeRO-3, from config.json alone
+(parameter counts are read off the model built on the meta device: no weights, no download).
 
 Model state (bytes per parameter, b = 2 for bf16, 4 for fp32), partitioned over W workers:
     frozen weights          b / W                 (stage 1 base, LoRA base)
@@ -17,7 +18,9 @@ overhead (CUDA context + allocator slack on GPU; Python, torch and DeepSpeed the
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -34,34 +37,97 @@ HOST_BASE_GB = {"gpu": 6.0, "cpu": 1.0}
 
 
 @dataclass(frozen=True)
+class Counts:
+    """Parameter counts read off a model built on the meta device (see `meta_model`)."""
+
+    total: int  # unique parameters: a tied LM head counts once
+    layer: int  # the largest decoder layer
+    lora_width: int  # in + out features summed over the decoder layers' nn.Linear (LoRA parameters per rank)
+    largest_tensor: int  # elements of the largest parameter (the export holds it whole)
+    tied: bool  # the LM head shares the input embedding
+
+
+@dataclass(frozen=True)
 class Shape:
-    """What the planner needs from config.json."""
+    """What the planner needs of a model: the sizes that set activation memory (config fields) and
+    its parameter counts, read off the model's own structure on the meta device (`counts`).
+
+    `read_shape` / `shape_from_config` keep the model's config (`config`). A Shape built by hand from
+    the fields alone is a Llama of those sizes, counted by formula (transformers refuses some sizes
+    a hand figure uses, e.g. an odd head_dim; the tests check the formula against a meta Llama).
+    """
 
     vocab: int
     hidden: int
-    intermediate: int
+    intermediate: int  # the MLP's inner width (OPT's ffn_dim)
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     tied: bool
+    config: str = field(default="", repr=False)  # the text config's fields as sorted JSON, with model_type
+
+    @property
+    def counts(self) -> Counts:
+        return _counts(self.config) if self.config else _llama_counts(self)
 
     @property
     def layer_params(self) -> int:
-        q_o = 2 * self.hidden * self.heads * self.head_dim
-        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
-        return q_o + k_v + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.counts.layer
 
     @property
     def params(self) -> int:
-        embed = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * self.layer_params + embed + self.hidden
+        return self.counts.total
 
     def lora_params(self, rank: int) -> int:
-        """Adapters on every Linear of every decoder layer: rank x (in + out) each."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        per_layer = (h + q) * 2 + (h + kv) * 2 + (h + i) * 3
-        return self.layers * rank * per_layer
+        """Adapters on every Linear of every decoder layer (training.lora_targets): rank x (in + out) each."""
+        return rank * self.counts.lora_width
+
+
+def _llama_counts(s: Shape) -> Counts:
+    """A Llama decoder layer: q, k, v, o projections, SwiGLU's gate, up and down, two RMSNorms."""
+    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
+    return Counts(total=s.layers * layer + s.vocab * h * (1 if s.tied else 2) + h, layer=layer,
+                  lora_width=s.layers * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3),
+                  largest_tensor=max(s.vocab * h, h * i, h * q), tied=s.tied)
+
+
+def _hf_config(config: dict):
+    """The transformers config of a text config's fields (`model_type` included): the family's
+    defaults fill what the fields leave out, as `from_pretrained` would."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+
+
+def meta_model(config: dict):
+    """The *ForCausalLM of a text config's fields (`model_type` included) on the meta device: every
+    parameter has its shape and no storage, so a 70B model costs ~1 s and a few MB."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(_hf_config(config))
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(config_json: str) -> Counts:
+    """Counts of one config (sorted JSON); cached, as plans ask for them in loops (`min_workers`)."""
+    from torch import nn
+
+    from trsp_ray import families
+
+    model = meta_model(json.loads(config_json))
+    layers = families.decoder_layers(model)
+    params = list(model.parameters())  # a tied weight is yielded once
+    head = model.get_output_embeddings()
+    return Counts(total=sum(p.numel() for p in params),
+                  layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+                  lora_width=sum(m.in_features + m.out_features for layer in layers for m in layer.modules()
+                                 if isinstance(m, nn.Linear)),
+                  largest_tensor=max(p.numel() for p in params),
+                  tied=head is not None and head.weight is model.get_input_embeddings().weight)
 
 
 def read_shape(path: str) -> Shape:
@@ -72,17 +138,40 @@ def read_shape(path: str) -> Shape:
     return shape_from_config(hub.read_config(path), source=path)
 
 
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
 def shape_from_config(c: dict, *, source: str = "config") -> Shape:
-    """Shape from the fields of a config.json (a multimodal config's text_config is used)."""
+    """Shape from the fields of a config.json (a multimodal config's text_config is used). Fields
+    without `model_type` (a hand-written config, a preset's sizes) are read as a Llama, and then
+    must give intermediate_size too (LlamaConfig's default would pass unnoticed)."""
+    from trsp_ray.families import FAMILIES
+
     c = c.get("text_config", c)
+    required = _REQUIRED if "model_type" in c else (*_REQUIRED, "intermediate_size")
+    c = {"model_type": "llama", **c}
+    kind = c["model_type"]
+    if kind not in FAMILIES:
+        raise TrspError(f"model config {source!r} has model_type {kind!r}, which the planner cannot build; "
+                        f"supported: {', '.join(sorted(FAMILIES))}")
+    missing = [k for k in required if k not in c]
+    if missing:
+        raise TrspError(f"model config {source!r} lacks {missing[0]!r}; the planner needs a decoder LLM config")
+    # Private keys (_comment, _name_or_path) and quantization say nothing about the parameters' shapes.
+    fields = {k: v for k, v in c.items() if not k.startswith("_") and k != "quantization_config"}
+    key = json.dumps(fields, sort_keys=True)
     try:
-        heads = c["num_attention_heads"]
-        return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], intermediate=c["intermediate_size"],
-                     layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
-                     head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                     tied=bool(c.get("tie_word_embeddings", False)))
-    except KeyError as exc:
-        raise TrspError(f"model config {source!r} lacks {exc.args[0]!r}; the planner needs a decoder LLM config") from None
+        hf, counts = _hf_config(fields), _counts(key)
+    except Exception as exc:  # noqa: BLE001 - transformers' config validators raise several types
+        why = " ".join(str(exc).split()) or type(exc).__name__  # one line
+        raise TrspError(f"model config {source!r} does not build a {kind} model: {why}") from None
+    # Activation sizes as the model has them: OPT calls the MLP width ffn_dim; GPT-NeoX and OPT
+    # have no key/value heads or head_dim of their own.
+    hidden, heads = hf.hidden_size, hf.num_attention_heads
+    return Shape(vocab=hf.vocab_size, hidden=hidden,
+                 intermediate=getattr(hf, "intermediate_size", None) or getattr(hf, "ffn_dim", None) or 4 * hidden,
+                 layers=hf.num_hidden_layers, heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+                 head_dim=getattr(hf, "head_dim", None) or hidden // heads, tied=counts.tied, config=key)
 
 
 @dataclass(frozen=True)
@@ -260,7 +349,7 @@ def host_and_disk(p: Plan) -> HostPlan:
     offload = st.offload_optimizer or st.offload_params
     threads = max(1, st.cpus_per_node // max(1, per_node)) if offload else 1
     host_worker = max(stage.host for stage in p.stages) + HOST_BASE_GB[st.device]
-    largest_tensor = max(s.vocab * s.hidden, s.hidden * s.intermediate) * st.dtype_bytes / GB
+    largest_tensor = s.counts.largest_tensor * st.dtype_bytes / GB
     export = 2 * max(min(st.export_shard_gb, s.params * st.dtype_bytes / GB), largest_tensor)
     return HostPlan(checkpoint_gb=ckpt, storage_gb=ckpt * (st.keep_checkpoints + 1),
                     disk_per_node_gb=ckpt * per_node / st.workers if st.remote_storage else 0.0,
