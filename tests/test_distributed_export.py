@@ -78,7 +78,7 @@ def test_manifest_has_the_single_process_keys(tmp_path):
     export_streaming(_gated("llama"), tokenizer=None, drop=DROP, output=str(tmp_path / "s"),
                      manifest={"method": "trsp", "config": {"ratio": 0.34}, "workers": 2})
     manifest = json.loads((tmp_path / "s" / MANIFEST).read_text())
-    single = pruned_manifest(method="trsp", drop=DROP, kept=[0, 2, 3, 5], num_layers_original=6, config={}, metrics={})
+    single = pruned_manifest(method="trsp", drop=DROP, num_layers_original=6, config={}, metrics={})
     assert set(single) <= set(manifest)
     assert (manifest["dropped_layers"], manifest["drop_order"], manifest["kept_layers"]) == (DROP, DROP, [0, 2, 3, 5])
     assert (manifest["num_layers_original"], manifest["num_layers_kept"], manifest["workers"]) == (6, 4, 2)

@@ -206,8 +206,6 @@ def test_opt_and_gpt_neox_are_planned_with_their_own_sizes(tmp_path):
 
 
 def test_llama3_70b_counts_without_allocating():
-    import resource  # noqa: F401  (Linux only: /proc below)
-
     c = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
          "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False}
     h, i, v, kv = 8192, 28672, 128256, 8 * 128

@@ -92,6 +92,15 @@ def selection_job(cfg_dict: dict, selector: str, seed: int) -> dict:
     return out
 
 
+def export_row(model, bench, *, row_name: str, drop: list[int], target: str, metrics: dict) -> str:
+    """A row's model for the zero-shot scorers (a scratch directory of this benchmark)."""
+    from trsp_ray.export import export_model, pruned_manifest
+
+    manifest = pruned_manifest(method=row_name, drop=drop, num_layers_original=bench.num_layers,
+                               config=bench.cfg.to_dict(), metrics=metrics)
+    return str(export_model(model, bench.tokenizer, target, manifest=manifest, overwrite=True))
+
+
 def _budget(row: registry.Row, cfg: RunConfig):
     """(stage-2 config, heal config) that give a row its share: trained rows all get stage2.steps
     batches of weight updates with the same objective; the others none."""
@@ -136,10 +145,9 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
               "held-out PPL": bench.heldout_ppl(model), "domain-2 PPL": domain2_ppl(bench, model),
               "history": history}
     if export_dir is not None:
-        from trsp_ray.export import export_model
-
-        result["export"] = str(export_model(model, bench.tokenizer, f"{export_dir}/{row_name}-s{seed}",
-                                            manifest={"method": row_name, "dropped_layers": drop}, overwrite=True))
+        metrics = {k: result[k] for k in ("held-out PPL", "domain-2 PPL", "params")}
+        result["export"] = export_row(model, bench, row_name=row_name, drop=drop, metrics=metrics,
+                                      target=f"{export_dir}/{row_name}-s{seed}")
     result["seconds"] = time.time() - t0 + (selection["seconds"] if selection else 0.0)
     log(f"row {row_name} (seed {seed}): held-out PPL {result['held-out PPL']:.2f}, "
         f"domain-2 PPL {result['domain-2 PPL']:.2f} ({result['seconds']:.0f}s)")

@@ -44,13 +44,28 @@ def check_output_dir(output: str, *, overwrite: bool) -> Path:
     return target
 
 
-def pruned_manifest(*, method: str, drop: list[int], kept: list[int], num_layers_original: int, config: dict,
-                    metrics: dict, **extra) -> dict:
-    """The `trsp_ray.json` fields every export carries (readers such as the reproduction table and
-    the evaluator rely on them), whichever path wrote the weights; `extra` adds path-specific keys."""
-    return {"method": method, "dropped_layers": list(drop), "drop_order": list(drop),
-            "num_layers_original": num_layers_original, "num_layers_kept": len(kept), "kept_layers": list(kept),
-            "config": config, "metrics": metrics, **extra}
+# What every `trsp_ray.json` holds, whichever path wrote the weights (single process, Ray Train,
+# search trial, reproduction cell, benchmark row): the reproduction table and the evaluator read them.
+MANIFEST_KEYS = ("method", "dropped_layers", "drop_order", "num_layers_original", "num_layers_kept", "kept_layers",
+                 "config", "metrics")
+
+
+def pruned_manifest(*, method: str | None, drop: list[int], num_layers_original: int, config: dict | None = None,
+                    metrics: dict | None = None, **extra) -> dict:
+    """The one builder of export manifests: the layer fields follow from `drop` (in drop order) and
+    the original layer count, so no path can write a kept count that disagrees with its drop set;
+    `extra` adds path-specific keys (export checks, the search trial, ...)."""
+    dropped = [int(i) for i in drop]
+    bad = [i for i in dropped if not 0 <= i < num_layers_original]
+    if bad or len(set(dropped)) != len(dropped):
+        raise TrspError(f"drop set {dropped} is not distinct layers of a {num_layers_original}-layer model")
+    kept = [i for i in range(num_layers_original) if i not in set(dropped)]
+    clash = set(extra) & set(MANIFEST_KEYS)
+    if clash:
+        raise TrspError(f"manifest extras {sorted(clash)} would overwrite the builder's own fields")
+    return {"method": method, "dropped_layers": dropped, "drop_order": dropped,
+            "num_layers_original": num_layers_original, "num_layers_kept": len(kept), "kept_layers": kept,
+            "config": config or {}, "metrics": metrics or {}, **extra}
 
 
 def write_manifest(manifest: dict, directory: Path) -> None:

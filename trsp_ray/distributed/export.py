@@ -332,10 +332,10 @@ class _Rank0Export:
             if reference is not None:
                 check.update(self._reload_check(reference, device=device, dtype=dtype, vocab=vocab))
             run = dict(manifest)
-            fields = pruned_manifest(method=run.pop("method", None), drop=drop, kept=kept, num_layers_original=total,
-                                     config=run.pop("config", {}), metrics=run.pop("metrics", {}))
-            write_manifest({**fields, **run, "drop": drop, "kept": kept, "export_check": check,
-                            "exported_from": "deepspeed zero3, streamed unit by unit"}, self.tmp)
+            fields = pruned_manifest(method=run.pop("method", None), drop=drop, num_layers_original=total,
+                                     config=run.pop("config", {}), metrics=run.pop("metrics", {}), **run,
+                                     export_check=check, exported_from="deepspeed zero3, streamed unit by unit")
+            write_manifest(fields, self.tmp)
             publish(self.tmp, self.target)
             self.result = {"path": str(self.target), "export_check": check}
         except Exception as exc:

@@ -134,15 +134,15 @@ def shared_stage1(load, *, root: str, key: str, n_drop: int, content: dict) -> d
 def _dense_dir(bench, out_dir: Path) -> str:
     """Scoring needs a model directory: the local model itself, else a one-time export (hub ids)."""
     from trsp_ray import assets
-    from trsp_ray.export import export_model
+    from trsp_ray.export import export_model, pruned_manifest
 
     path = Path(assets.resolve_model(bench.cfg.model))
     if path.is_dir():
         return str(path)
     if not (out_dir / "config.json").is_file():
         export_model(bench.model, bench.tokenizer, str(out_dir), overwrite=True, verify=False,
-                     manifest={"method": "dense", "num_layers_original": bench.num_layers,
-                               "num_layers_kept": bench.num_layers, "dropped_layers": []})
+                     manifest=pruned_manifest(method="dense", drop=[], num_layers_original=bench.num_layers,
+                                              config=bench.cfg.to_dict()))
     return str(out_dir)
 
 
@@ -173,7 +173,6 @@ def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], sta
 
 def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
     from trsp_ray.config import from_dict
-    from trsp_ray.export import export_model
     from trsp_ray.methods import apply_method
     from trsp_ray.pipeline import log
     from trsp_ray.stage1_store import result_from
@@ -187,12 +186,18 @@ def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
     log(f"cell {c['id']}: pruning {cell_bench.n_drop()} of {bench.num_layers} layers")
     out = apply_method(cell_bench, cfg.method, stage1=None if stage1 is None else result_from(stage1))
     info = {k: v for k, v in out.info.items() if k != "relative_update"}
-    manifest = {"method": c["method"], "dropped_layers": out.drop, "drop_order": out.drop,
-                "kept_layers": out.kept, "num_layers_original": bench.num_layers,
-                "num_layers_kept": len(out.kept), "config": cfg.to_dict(), "info": info}
-    export_model(out.model, bench.tokenizer, target, manifest=manifest, overwrite=True)
+    export_cell(out, bench, method=c["method"], config=cfg.to_dict(), info=info, target=target)
     return {"cell_id": c["id"], "model_dir": target, "drop": out.drop, "info": info,
             "prune_seconds": time.time() - t0, "stage1_shared": True if stage1 is not None else None}
+
+
+def export_cell(outcome, bench, *, method: str, config: dict, info: dict, target: str) -> str:
+    """A single-device cell's export (`method` is the grid row), replacing a half-finished one."""
+    from trsp_ray.export import export_model, pruned_manifest
+
+    manifest = pruned_manifest(method=method, drop=outcome.drop, num_layers_original=bench.num_layers,
+                               config=config, info=info)
+    return str(export_model(outcome.model, bench.tokenizer, target, manifest=manifest, overwrite=True))
 
 
 def prune_distributed(cfg: RunConfig, *, cell_id: str, target: str, workers: int, stage1: dict, n_drop: int) -> dict:
@@ -226,13 +231,13 @@ def cell_record(cell, pruned: dict, scored: dict, paper: tuple[float, float] | N
     """The stored result of a finished cell: what was dropped, what it scored, the paper's numbers.
 
     Layers come from the scored model itself; the original count from the manifest, else as kept +
-    dropped (a Ray Train export's manifest names the drop set under "drop")."""
+    dropped."""
     from trsp_ray.evaluation.report import paper_mean
 
     tasks = scored.get("tasks") or {}
     mean = paper_mean(tasks, "acc")
     manifest = scored.get("manifest") or {}
-    dropped = sorted(pruned.get("drop") or manifest.get("dropped_layers") or manifest.get("drop") or [])
+    dropped = sorted(pruned.get("drop") or manifest.get("dropped_layers") or [])
     layers = scored.get("layers")
     original = manifest.get("num_layers_original") or (None if layers is None else layers + len(dropped))
     return {"model": cell.model, "method": cell.method, "ratio": cell.ratio, "status": scored.get("status", "ok"),

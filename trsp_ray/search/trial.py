@@ -169,12 +169,11 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
 
 
 def _export(outcome, bench, search_dir: Path, key: str, record: dict) -> str:
-    from trsp_ray.export import export_model
+    from trsp_ray.export import export_model, pruned_manifest
 
-    manifest = {"method": bench.cfg.method, "dropped_layers": outcome.drop, "drop_order": outcome.drop,
-                "num_layers_original": bench.num_layers, "num_layers_kept": len(outcome.kept),
-                "kept_layers": outcome.kept, "config": record["config"], "search_trial": key,
-                "metrics": {k: record[k] for k in ("val_ppl", "kept_parameters", "kept_fraction")}}
+    manifest = pruned_manifest(method=bench.cfg.method, drop=outcome.drop, num_layers_original=bench.num_layers,
+                               config=record["config"], search_trial=key,
+                               metrics={k: record[k] for k in ("val_ppl", "kept_parameters", "kept_fraction")})
     # overwrite: a trial retried after a crash replaces its own half-finished export
     path = export_model(outcome.model, bench.tokenizer, str(search_dir / MODELS / key), manifest=manifest,
                         overwrite=True)
