@@ -333,8 +333,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         if stage1 is not None:
             results["stage1_drop_order"] = stage1.drop_order
             results["stage1_rounds_computed"] = stage1.rounds_computed
-        manifest = pruned_manifest(method=cfg.method, drop=outcome.drop, kept=outcome.kept,
-                                   num_layers_original=bench.num_layers, config=cfg.to_dict(), metrics=results)
+        manifest = pruned_manifest(method=cfg.method, drop=outcome.drop, num_layers_original=bench.num_layers,
+                                   config=cfg.to_dict(), metrics=results)
         if cfg.output:
             path = export_model(outcome.model, bench.tokenizer, cfg.output, manifest=manifest, overwrite=overwrite)
             log(f"exported to {path}")
