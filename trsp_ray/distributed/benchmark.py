@@ -8,7 +8,7 @@ return plain dicts; the driver alone writes to MLflow, so the sqlite store never
 
 from __future__ import annotations
 
-import os
+from trsp_ray.distributed import ray_session
 
 
 def _selection_task(cfg_dict: dict, selector: str, seed: int, threads: int) -> dict:
@@ -39,11 +39,7 @@ def ray_runner(workers: int):
 
         from trsp_ray import registry
 
-        started = not ray.is_initialized()
-        if started:
-            address = os.environ.get("RAY_ADDRESS") or "local"
-            kwargs = {"num_cpus": workers} if address == "local" else {}
-            ray.init(address=address, include_dashboard=False, log_to_driver=True, **kwargs)
+        started = ray_session.connect(local_cpus=workers)
         try:
             cpus = int(ray.cluster_resources().get("CPU", workers))
             threads = max(1, cpus // max(1, workers))

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trsp_ray.distributed import ray_session
 from trsp_ray.distributed.storage import RunRecords, check_storage, is_remote, location
 from trsp_ray.errors import TrspError
 
@@ -128,8 +129,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
 
     # Everything but the cluster's resources is checked before Ray is even started or joined.
     ds_config, storage, model_path = prepare_run(cfg, ds_options=ds_options, overwrite=overwrite)
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    ray_session.connect(include_dashboard=None)  # Ray's default: a long training run is worth watching
     cpus = worker_cpus(cfg.distributed, ray.nodes())
     check_resources(cfg.distributed, ray.cluster_resources(), cpus)
     name = name or f"trsp-{time.strftime('%Y%m%d-%H%M%S')}"

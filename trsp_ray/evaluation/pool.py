@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trsp_ray.distributed import ray_session
 from trsp_ray.errors import TrspError
 from trsp_ray.evaluation.evaluator import EvalSettings, Evaluator, check_candidate
 
@@ -129,8 +130,6 @@ def evaluate_pool(models: list[str], *, settings: EvalSettings, actors: int = 1,
     Starts a local Ray instance (and shuts it down) unless Ray is already initialised or `address`
     names a cluster.
     """
-    import ray
-
     if not isinstance(actors, int) or actors < 1:
         raise TrspError(f"actors={actors!r} is invalid; pass a positive integer")
     if not models:
@@ -148,16 +147,10 @@ def evaluate_pool(models: list[str], *, settings: EvalSettings, actors: int = 1,
     if not good:
         return [bad[i] for i in range(len(models))]
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
-    try:
+    with ray_session.session(address):
         with actor_pool(settings=settings, actors=min(actors, len(good)), resources=resources, retries=retries,
                         log=log) as run:
             scored = iter(run(good, report=report))
-    finally:
-        if started_ray:
-            ray.shutdown()
     return [bad[i] if i in bad else next(scored) for i in range(len(models))]
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trsp_ray.distributed import ray_session
 from trsp_ray.errors import TrspError
 from trsp_ray.reproduce.grid import Cell, CellStore, build_grid
 from trsp_ray.reproduce.presets import Preset, get_preset, paper_numbers
@@ -160,7 +161,7 @@ def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, 
     store = CellStore(out)
     done = [c for c in cells if store.is_done(c, plans[c.id].key)]
     todo = [c for c in cells if c not in done]
-    started_ray = bool(use_ray and todo) and _init_ray(address)
+    started_ray = bool(use_ray and todo) and ray_session.connect(address)
     computed: list[str] = []
     try:
         _check_devices(p, [plans[c.id] for c in todo], use_ray)  # before the run log's first line
@@ -208,17 +209,6 @@ def _check_devices(p: Preset, plans: list[CellPlan], use_ray: bool) -> None:
     if not torch.cuda.is_available() or need > torch.cuda.device_count():
         raise TrspError(f"preset {p.name!r} needs {need} CUDA device(s) in this process (--no-ray), this machine "
                         f"has {torch.cuda.device_count()}; use Ray on a GPU cluster or --preset local")
-
-
-def _init_ray(address: str | None) -> bool:
-    import os
-
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
-    return True
 
 
 def _start_model(store, p: Preset, plans, todo: list[Cell], use_ray: bool):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trsp_ray import registry
 from trsp_ray.config import RunConfig, from_dict
+from trsp_ray.distributed import ray_session
 from trsp_ray.errors import TrspError
 from trsp_ray.search.cache import RunLog
 from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
@@ -267,9 +268,7 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
                     "threads": max(1, int(opts.cpus_per_trial)), "invocation": invocation}
     point_space, search_alg, num_samples = _searcher(space, done, remaining)
     trials = len(remaining) if remaining is not None else num_samples
-    started = not ray.is_initialized()
-    if started and trials:
-        ray.init(address=opts.address, include_dashboard=False)
+    started = bool(trials) and ray_session.connect(opts.address)
     try:
         new = []
         if trials:
