@@ -13,6 +13,7 @@ import io
 from pathlib import Path
 
 from trsp_ray.evaluation.tasks import PAPER_TASKS
+from trsp_ray.table import markdown, render
 
 METRICS = ("acc", "acc_norm")
 
@@ -79,17 +80,16 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+def _fmt(row_: dict, column: str) -> str:
+    return _cell(row_[column])
+
+
 def format_table(results: list[dict]) -> str:
     """Fixed-width table for the terminal."""
     table = rows(results)
     if not table:
         return "(no candidates)"
-    columns = list(table[0])
-    cells = [[_cell(r[c]) for c in columns] for r in table]
-    widths = [max(len(c), *(len(row_[k]) for row_ in cells)) for k, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row_, widths)) for row_ in cells]
-    return "\n".join(line.rstrip() for line in lines)
+    return render(table, list(table[0]), fmt=_fmt, numbers_right=False, rule=False, trim=True)
 
 
 def to_csv(results: list[dict]) -> str:
@@ -106,11 +106,7 @@ def to_markdown(results: list[dict], *, footer: str = "") -> str:
     table = rows(results)
     if not table:
         return "(no candidates)\n"
-    columns = list(table[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in table:
-        lines.append("| " + " | ".join(_cell(r[c]).replace("|", "\\|") for c in columns) + " |")
-    return "\n".join(lines) + ("\n\n" + footer if footer else "") + "\n"
+    return markdown(table, list(table[0]), fmt=_fmt) + ("\n\n" + footer if footer else "") + "\n"
 
 
 def write_reports(results: list[dict], out_dir: str | Path, *, footer: str = "") -> dict[str, Path]:

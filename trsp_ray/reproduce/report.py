@@ -12,6 +12,7 @@ import io
 from pathlib import Path
 
 from trsp_ray.reproduce.presets import GRID_METHODS
+from trsp_ray.table import markdown, render
 
 COLUMNS = ["model", "method", "ratio", "layers", "dropped", "PPL", "paper PPL", "d PPL",
            "mean5 acc %", "paper acc %", "d acc", "prefill x", "route", "prune s"]
@@ -71,17 +72,11 @@ def footer(preset) -> str:
 
 
 def to_markdown(rows: list[dict], foot: str) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(r, c) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines) + "\n\n" + foot + "\n"
+    return markdown(rows, COLUMNS, fmt=_fmt) + "\n\n" + foot + "\n"
 
 
 def to_text(rows: list[dict], foot: str) -> str:
-    cells = [[_fmt(r, c) for c in COLUMNS] for r in rows]
-    widths = [max(len(c), *(len(x[k]) for x in cells)) if cells else len(c) for k, c in enumerate(COLUMNS)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
-    out += ["  ".join(v.ljust(w) for v, w in zip(x, widths)).rstrip() for x in cells]
-    return "\n".join(out) + "\n\n" + foot + "\n"
+    return render(rows, COLUMNS, fmt=_fmt, numbers_right=False, rule=False, trim=True) + "\n\n" + foot + "\n"
 
 
 def to_csv(rows: list[dict]) -> str:
