@@ -28,22 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-di
 
 def job_config(args: argparse.Namespace):
     """(run config, search space, options): job defaults, then --config, flags and --set overrides."""
-    from trsp_ray.cli import _cfg
+    from trsp_ray.run_args import run_config
     from trsp_ray.search.cli import options, parse_space_args
     from trsp_ray.search.space import parse_space
 
     space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
                                          seed=args.seed, objectives=args.objectives, space_file=args.space_file))
-    return _cfg(args, method=args.method), space, options(args)
+    return run_config(args, method=args.method), space, options(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trsp_ray.cli import _common
+    from trsp_ray.run_args import add_run_arguments
     from trsp_ray.errors import TrspError
     from trsp_ray.search.cli import add_arguments, add_method_argument
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _common(parser)
+    add_run_arguments(parser)
     add_method_argument(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)

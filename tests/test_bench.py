@@ -162,7 +162,7 @@ def test_report_says_when_sleb_was_cut_and_full_baselines_lifts_it(monkeypatch):
     assert "CUT" in _sleb_note(load_config(None, [])) and "--full-baselines" in _sleb_note(load_config(None, []))
     seen = {}
     monkeypatch.setattr("trsp_ray.bench.run_benchmark", lambda cfg, rows, **kw: seen.setdefault("cfg", cfg))
-    monkeypatch.setattr("trsp_ray.pipeline.check_single_plan", lambda cfg, methods: None)
+    monkeypatch.setattr("trsp_ray.workbench.check_single_plan", lambda cfg, methods: None)
     assert cli.main(["benchmark", "--full-baselines", "--workers", "0", "--rows", "sleb", "--no-mlflow"]) == 0
     assert seen["cfg"].baselines.sleb_windows == FULL_SLEB_WINDOWS
     assert "CUT" not in _sleb_note(seen["cfg"])

@@ -40,7 +40,7 @@ def single(tiny_dir):
     """The single-process stage 1 on the same model, data and seed."""
     from trsp_ray.config import load_config
     from trsp_ray.methods import run_stage1_for
-    from trsp_ray.pipeline import prepare
+    from trsp_ray.workbench import prepare
 
     return run_stage1_for(prepare(load_config(overrides=[f"model={tiny_dir}"] + OVERRIDES)))
 
@@ -154,7 +154,7 @@ def test_zero3_two_workers_match_single_process(tiny_dir, tmp_path, single, clea
     _reloads(root / "out")
     # Stage 2 too: the single-process pipeline's export gives the same logits as the ZeRO-3 export.
     from trsp_ray.config import load_config
-    from trsp_ray.pipeline import run
+    from trsp_ray.driver import run
 
     run(load_config(overrides=[f"model={tiny_dir}", f"output={tmp_path / 'single'}"] + OVERRIDES
                     + ["distributed.workers=0", "data.eval_max_windows=2"]))

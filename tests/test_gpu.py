@@ -29,7 +29,7 @@ def device():
 
 def _bench(model, device, **overrides):
     from trsp_ray.config import load_config
-    from trsp_ray.pipeline import Workbench
+    from trsp_ray.workbench import Workbench
 
     cfg = load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
     return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10), heldout_ids=torch.arange(10),
@@ -117,7 +117,7 @@ def test_sleb_and_perplexity_agree_with_cpu(device):
 
 def test_prune_bf16_single_process_end_to_end(device, tmp_path):
     from trsp_ray.config import load_config
-    from trsp_ray.pipeline import run
+    from trsp_ray.driver import run
     from trsp_ray.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path, layers=6, calib_chars=30000, eval_chars=10000)

@@ -90,7 +90,7 @@ def test_prune_reports_bos_convention_dense_ppl(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from trsp_ray.config import load_config
-    from trsp_ray.pipeline import run
+    from trsp_ray.driver import run
 
     root = _bos_workspace(tmp_path)
     cfg = load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
@@ -109,7 +109,7 @@ def test_prune_reports_bos_convention_dense_ppl(tmp_path):
 def test_smollm2_tokenizer_windows_unchanged(tmp_path):
     """SmolLM2's tokenizer adds no BOS, so the Workbench scores exactly the windows it always did."""
     from trsp_ray.config import load_config
-    from trsp_ray.pipeline import prepare
+    from trsp_ray.workbench import prepare
     from trsp_ray.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path, layers=4, calib_chars=20000, eval_chars=8000)

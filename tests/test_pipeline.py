@@ -59,7 +59,7 @@ def test_prune_exports_and_logs_to_mlflow(tiny_dir, tmp_path, monkeypatch):
 def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeypatch):
     """A run killed in round 2 restarts from round 2's start; a finished run recomputes nothing."""
     from trsp_ray import stage1 as stage1_module
-    from trsp_ray.pipeline import run
+    from trsp_ray.driver import run
 
     cfg = load_config(None, [*SMALL, "tracking.enabled=false", f"checkpoint_dir={tmp_path / 'ck'}"], base={
         "model": str(tiny_dir / "model"), "ratio": 0.375, "method": "trsp-no-stage2",

@@ -9,7 +9,7 @@ import pytest
 from trsp_ray.config import load_config
 from trsp_ray.gates import attach_gates
 from trsp_ray.methods import run_stage1_for
-from trsp_ray.pipeline import prepare
+from trsp_ray.workbench import prepare
 
 pytestmark = pytest.mark.slow
 

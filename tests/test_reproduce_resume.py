@@ -88,11 +88,11 @@ def _check_resume(tmp_path: Path, use_ray: bool) -> None:
 
 
 def test_interrupted_run_resumes_without_redoing_cells_in_process(tmp_path, monkeypatch):
-    from trsp_ray import pipeline
+    from trsp_ray import workbench
     from trsp_ray.perplexity import encode
 
     # The on-disk token cache is not what this test is about; keep its files out of ~/.cache.
-    monkeypatch.setattr(pipeline, "encode_cached", encode, raising=False)
+    monkeypatch.setattr(workbench, "encode_cached", encode, raising=False)
     _check_resume(tmp_path, use_ray=False)
 
 

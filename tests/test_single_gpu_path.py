@@ -118,7 +118,7 @@ def test_fp16_stepper_skips_an_overflowing_step():
 
 def _bench(model, device="cpu", ckpt=False):
     from trsp_ray.config import load_config
-    from trsp_ray.pipeline import Workbench
+    from trsp_ray.workbench import Workbench
 
     cfg = load_config(overrides=[f"distributed.activation_checkpointing={str(ckpt).lower()}"])
     return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10), heldout_ids=torch.arange(10),
@@ -146,7 +146,7 @@ def test_fresh_model_is_an_equal_independent_copy():
 def test_fresh_model_is_made_on_the_device_without_a_host_copy():
     """The copy's tensors are created on the target device straight from the original's (the meta
     device stands in for a GPU: nothing is allocated, so a host-side copy would show as real data)."""
-    from trsp_ray.pipeline import copy_model
+    from trsp_ray.workbench import copy_model
 
     original = tiny_model("llama", layers=2)
     copied = copy_model(original, torch.device("meta"))
@@ -248,31 +248,31 @@ def test_route_single_gpu_when_it_fits_else_workers_else_one_line_error():
 def test_missing_device_is_a_one_line_error_before_any_work(monkeypatch, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from trsp_ray import pipeline
+    from trsp_ray import workbench
     from trsp_ray.cli import main
 
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    monkeypatch.setattr(pipeline.assets, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
+    monkeypatch.setattr(workbench, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(workbench.assets, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
     assert main(["prune", "--set", "device=cuda", "--no-mlflow"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "device='cuda'" in err
 
 
 def test_plan_too_large_for_one_device_is_refused_before_any_work(monkeypatch, capsys):
-    from trsp_ray import pipeline
+    from trsp_ray import workbench
     from trsp_ray.cli import main
 
-    monkeypatch.setattr(pipeline, "device_kind", lambda cfg: ("gpu", 0.5))
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    monkeypatch.setattr(pipeline.assets, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
+    monkeypatch.setattr(workbench, "device_kind", lambda cfg: ("gpu", 0.5))
+    monkeypatch.setattr(workbench, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(workbench.assets, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
     assert main(["prune", "--method", "shortgpt", "--no-mlflow"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "0.5 GB of one GPU" in err and "does not fit" in err
 
 
 def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypatch, tmp_path):
-    """pipeline.run hands a run the planner sends to workers to run_distributed, with that many."""
-    from trsp_ray import pipeline
+    """driver.run hands a run the planner sends to workers to run_distributed, with that many."""
+    from trsp_ray import driver, workbench
     from trsp_ray.config import load_config
     from trsp_ray.distributed import planner, train
 
@@ -285,30 +285,30 @@ def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypa
         return train.DistributedResult(drop_order=[3, 5], output=None, storage=str(tmp_path))
 
     monkeypatch.setattr(train, "run_distributed", fake_run_distributed)
-    monkeypatch.setattr(pipeline, "prepare", lambda *a, **k: pytest.fail("single-process path taken"))
+    monkeypatch.setattr(workbench, "prepare", lambda *a, **k: pytest.fail("single-process path taken"))
     cfg = load_config(overrides=["method=trsp", "distributed.workers=4", "tracking.enabled=false"])
     zero = planner.zero3_plan(replace(cfg, **{"distributed.workers": 2}), planner.shape_from_config(LLAMA2_7B))
     monkeypatch.setattr(planner, "route", lambda *a, **k: planner.Route(2, "cpu", zero))
-    results = pipeline.run(cfg)
+    results = driver.run(cfg)
     assert seen["cfg"].distributed.workers == 2 and not seen["cfg"].distributed.use_gpu
     assert results["dropped_layers"] == [3, 5] and results["route"] == "2 workers"
 
 
 def test_prune_dry_run_prints_route_and_plan(capsys, monkeypatch):
-    from trsp_ray import pipeline
+    from trsp_ray import workbench
     from trsp_ray.cli import main
 
-    monkeypatch.setattr(pipeline, "prepare", lambda *a, **k: pytest.fail("dry run did work"))
+    monkeypatch.setattr(workbench, "prepare", lambda *a, **k: pytest.fail("dry run did work"))
     assert main(["prune", "--method", "sleb", "--dry-run", "--set", "dtype=bf16"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("route: single process on one CPU") and "  sleb: " in out and "  evaluation: " in out
 
 
 def test_benchmark_checks_every_row_plan_before_any_work(monkeypatch, capsys):
-    from trsp_ray import bench, pipeline
+    from trsp_ray import bench, workbench
     from trsp_ray.cli import main
 
-    monkeypatch.setattr(pipeline, "device_kind", lambda cfg: ("cpu", 1.5))
+    monkeypatch.setattr(workbench, "device_kind", lambda cfg: ("cpu", 1.5))
     monkeypatch.setattr(bench, "run_benchmark", lambda *a, **k: pytest.fail("benchmark started"))
     # 1.5 GB of host memory holds SmolLM2's evaluation, not its stage 2 (the trsp row)
     assert main(["benchmark", "--workers", "0", "--rows", "dense,trsp", "--no-mlflow"]) == 2

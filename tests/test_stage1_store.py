@@ -14,10 +14,10 @@ from trsp_ray.reproduce.run import run_reproduce
 
 @pytest.fixture(autouse=True)
 def _no_token_cache(monkeypatch):
-    from trsp_ray import pipeline
+    from trsp_ray import workbench
     from trsp_ray.perplexity import encode
 
-    monkeypatch.setattr(pipeline, "encode_cached", encode, raising=False)  # keep ~/.cache out of it
+    monkeypatch.setattr(workbench, "encode_cached", encode, raising=False)  # keep ~/.cache out of it
 
 
 def _trial_config(search_dir: Path, run: dict, point: dict) -> dict:
@@ -99,7 +99,7 @@ def test_a_ray_train_cell_gets_the_shared_stage1_and_reports_its_kept_layers(tmp
 
         from trsp_ray.export import export_model
         from trsp_ray.methods import apply_method
-        from trsp_ray.pipeline import prepare
+        from trsp_ray.workbench import prepare
         from trsp_ray.stage1_store import result_from
 
         handed.append((cell_id, stage1["drop_order"]))

@@ -68,7 +68,8 @@ def selection_job(cfg_dict: dict, selector: str, seed: int) -> dict:
     """One selection (trsp = a stage-1 run; shortgpt, sleb, random) for one seed, as a plain dict."""
     from trsp_ray.gates import attach_gates
     from trsp_ray.methods import select
-    from trsp_ray.pipeline import log, prepare
+    from trsp_ray.logs import log
+    from trsp_ray.workbench import prepare
 
     bench = prepare(_seeded(cfg_dict, seed))
     t0 = time.time()
@@ -128,7 +129,8 @@ def _sleb_note(cfg: RunConfig) -> str:
 def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None) -> dict:
     """Prune (or not, for dense), recover as the row says and score one row for one seed."""
     from trsp_ray.methods import apply_method
-    from trsp_ray.pipeline import kept_parameters, log, prepare
+    from trsp_ray.logs import log
+    from trsp_ray.workbench import kept_parameters, prepare
 
     row = registry.ROWS[row_name]
     bench = prepare(_seeded(cfg_dict, seed))
@@ -308,7 +310,7 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
 def domain2_ids(bench):
     """Token ids of the second-domain text (data.domain2_text, default: gensim's news corpus)."""
     from trsp_ray import assets
-    from trsp_ray.pipeline import encode_cached
+    from trsp_ray.workbench import encode_cached
 
     text, _ = assets.domain2_text(bench.cfg.data.domain2_text)
     return encode_cached(bench.tokenizer, text)
@@ -333,7 +335,8 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     import tempfile
 
     from trsp_ray import assets, plots
-    from trsp_ray.pipeline import kept_parameters, log, prepare
+    from trsp_ray.logs import log
+    from trsp_ray.workbench import kept_parameters, prepare
     from trsp_ray.tracking import make_tracker
 
     selected = check_request(cfg, rows, seeds, zeroshot_limit)

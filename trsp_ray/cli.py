@@ -6,35 +6,13 @@ import argparse
 import sys
 
 from trsp_ray.config import METHODS
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model dir, hub id, or smollm2-135m (default)")
-    p.add_argument("--ratio", type=float, default=None, help="fraction of layers to drop, in (0, 1)")
-    p.add_argument("--calib-text", default=None, help="calibration text file (default: Wikipedia excerpt)")
-    p.add_argument("--eval-text", default=None, help="held-out text file (default: Wikipedia excerpt)")
-    p.add_argument("--config", default=None, help="YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, e.g. --set stage1.lambda1=0.01 (repeatable)")
-    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-
-
-def _cfg(args, **extra):
-    from trsp_ray.config import load_config
-
-    base = {k: v for k, v in {"model": args.model, "ratio": args.ratio, **extra}.items() if v is not None}
-    data = {k: v for k, v in {"calib_text": args.calib_text, "eval_text": args.eval_text}.items() if v}
-    if data:
-        base["data"] = data
-    if args.no_mlflow:
-        base["tracking"] = {"enabled": False}
-    return load_config(args.config, args.overrides, base=base)
+from trsp_ray.run_args import add_run_arguments, run_config
 
 
 def _prune(args) -> int:
-    from trsp_ray.pipeline import route_for, run
+    from trsp_ray.driver import route_for, run
 
-    cfg = _cfg(args, method=args.method, output=args.output)
+    cfg = run_config(args, method=args.method, output=args.output)
     if args.dry_run:
         print(_describe(route_for(cfg)))
         return 0
@@ -59,13 +37,13 @@ def _benchmark(args) -> int:
     from trsp_ray.bench import DEFAULT_ROWS, check_request, run_benchmark
 
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else DEFAULT_ROWS
-    cfg = _cfg(args)
+    cfg = run_config(args)
     if args.full_baselines:
         from trsp_ray.config import FULL_SLEB_WINDOWS, replace
 
         cfg = replace(cfg, **{"baselines.sleb_windows": max(cfg.baselines.sleb_windows, FULL_SLEB_WINDOWS)})
     check_request(cfg, rows, args.seeds, args.zeroshot)  # bad rows / seeds fail before Ray starts
-    from trsp_ray.pipeline import check_single_plan
+    from trsp_ray.workbench import check_single_plan
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
     if args.workers > 0:
@@ -81,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trsp-ray", description="TRSP layer pruning for LLMs on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prune", help="prune one model with one method and export it")
-    _common(p)
+    add_run_arguments(p)
     p.add_argument("--method", default=None, choices=METHODS,
                    help="default trsp+heal: TRSP's stage-1 selection, then a heal with stage 2's budget "
                         "(what won at equal budget, README); trsp = the paper's stage 2")
@@ -90,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the route and memory plan, do nothing")
     p.set_defaults(func=_prune)
     b = sub.add_parser("benchmark", help="compare methods on one model and print a table")
-    _common(b)
+    add_run_arguments(b)
     b.add_argument("--rows", default=None, help="comma-separated rows (default: every row)")
     b.add_argument("--seeds", type=int, default=1, help="seeds per row (mean and spread are printed)")
     b.add_argument("--zeroshot", type=int, default=0, metavar="N",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from trsp_ray import registry
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
+from trsp_ray.logs import log as _log
 from trsp_ray.stage1 import RemovalScorer, Stage1Result, run_stage1
 from trsp_ray.stage2 import run_stage2
 from trsp_ray.surgery import remove_layers
@@ -28,11 +29,6 @@ class Outcome:
     kept: list[int]
     info: dict = field(default_factory=dict)  # tokens, steps, seconds, stage-2 relative updates
 
-
-def _log(msg: str) -> None:
-    from trsp_ray.pipeline import log
-
-    log(msg)
 
 
 def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Report = null_report,

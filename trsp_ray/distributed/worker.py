@@ -242,7 +242,7 @@ def _load(config: dict, cfg, *, rank: int, world: int):
     from trsp_ray import assets, families
     from trsp_ray.distributed import engine as eng
     from trsp_ray.gates import attach_gates
-    from trsp_ray.pipeline import calibration_ids
+    from trsp_ray.workbench import calibration_ids
 
     path = config["model_path"]
     tokenizer = AutoTokenizer.from_pretrained(path)

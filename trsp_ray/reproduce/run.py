@@ -64,7 +64,7 @@ class CellPlan:
 def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[str, CellPlan]:
     """Every cell's config, route and shared stage 1, from config files alone (no weights, no
     writes); a bad override, a ratio that drops nothing or a cell that fits no route fails here."""
-    from trsp_ray.pipeline import check_plan
+    from trsp_ray.workbench import check_plan
     from trsp_ray.stage1_store import content_key, stage1_content
 
     plans: dict[str, CellPlan] = {}
@@ -150,7 +150,7 @@ def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, 
     Unknown preset/model/method, a bad ratio or override, a cell no route fits fail with a one-line
     TrspError before any model is loaded or Ray is started. `on_cell(cell, record)` is called after
     each stored cell."""
-    from trsp_ray.pipeline import log
+    from trsp_ray.logs import log
     from trsp_ray.reproduce.report import write_reports
 
     p = get_preset(preset) if isinstance(preset, str) else preset
@@ -245,7 +245,7 @@ def _record_pruned(store: CellStore, plans, cell: Cell, record: dict) -> None:
 def _finish_model(store, p: Preset, key: str, todo: list[Cell], plans, pending, eval_overrides, use_ray,
                   on_cell, computed) -> None:
     """Collect the model's task, run its Ray Train cells from the shared stage 1, score its cells."""
-    from trsp_ray.pipeline import log
+    from trsp_ray.logs import log
 
     shared: dict = {}
     if pending is not None:

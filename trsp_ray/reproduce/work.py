@@ -122,7 +122,7 @@ def shared_stage1(load, *, root: str, key: str, n_drop: int, content: dict) -> d
     from trsp_ray.stage1_store import Stage1Store, compute_stage1, result_dict
 
     def compute(n: int):
-        from trsp_ray.pipeline import log
+        from trsp_ray.logs import log
 
         log(f"stage 1: learning {n} layers (shared by every TRSP cell of this model)")
         return compute_stage1(load(), n)
@@ -160,7 +160,7 @@ def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], sta
     loaded: list = []
 
     def load():
-        from trsp_ray.pipeline import prepare
+        from trsp_ray.workbench import prepare
 
         if not loaded:
             loaded.append(prepare(from_dict(run)))
@@ -174,7 +174,7 @@ def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], sta
 def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
     from trsp_ray.config import from_dict
     from trsp_ray.methods import apply_method
-    from trsp_ray.pipeline import log
+    from trsp_ray.logs import log
     from trsp_ray.stage1_store import result_from
 
     t0 = time.time()

@@ -100,13 +100,13 @@ def options(args) -> "SearchOptions":  # noqa: F821
 
 
 def _search(args) -> int:
-    from trsp_ray.cli import _cfg
+    from trsp_ray.run_args import run_config
     from trsp_ray.search.run import run_search
     from trsp_ray.search.space import parse_space
 
     space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
                                          seed=args.seed, objectives=args.objectives, space_file=args.space_file))
-    run_search(_cfg(args, method=args.method), space, options(args))
+    run_search(run_config(args, method=args.method), space, options(args))
     return 0
 
 
@@ -120,10 +120,10 @@ def add_method_argument(p) -> None:
 
 def register(subparsers) -> None:
     """Add `search` to the `trsp-ray` subcommands (same run-config flags as `prune`)."""
-    from trsp_ray.cli import _common
+    from trsp_ray.run_args import add_run_arguments
 
     p = subparsers.add_parser("search", help="Ray Tune search over lambda1, lambda2 and the ratio")
-    _common(p)
+    add_run_arguments(p)
     add_method_argument(p)
     add_arguments(p)
     p.set_defaults(func=_search)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from trsp_ray.search.cache import stage1_for_trial
-from trsp_ray.search.trial import MODELS, planned_n_drop, trial_record_path, trial_store
+from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.stage1_store import compute_stage1, result_dict, result_from, stage1_content
 
 # Tune captures a trial's child tasks into the trial's own placement group, which holds only the
@@ -30,7 +30,7 @@ def _stage1_task(run: dict, n_drop: int) -> dict:
     import ray
 
     from trsp_ray.config import from_dict, replace
-    from trsp_ray.pipeline import prepare
+    from trsp_ray.workbench import prepare
     from trsp_ray.search.route import trial_device
 
     cfg = from_dict(run)
@@ -48,7 +48,7 @@ def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
     from trsp_ray.config import from_dict
     from trsp_ray.evaluation.evaluator import load_candidate
     from trsp_ray.perplexity import perplexity
-    from trsp_ray.pipeline import calibration_ids, kept_parameters
+    from trsp_ray.workbench import calibration_ids, kept_parameters
 
     cfg = from_dict(run)
     model, tokenizer = load_candidate(model_dir, dtype="bfloat16" if torch.cuda.is_available() else "float32")
@@ -66,7 +66,7 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
 
     from trsp_ray.config import replace
     from trsp_ray.distributed.handoff import run_stage2_distributed
-    from trsp_ray.pipeline import check_plan
+    from trsp_ray.workbench import check_plan
     from trsp_ray.tracking import write_json_atomic
 
     route, search_dir, start = config["route"], Path(config["search_dir"]), time.perf_counter()

@@ -20,7 +20,7 @@ from trsp_ray.distributed import ray_session
 from trsp_ray.errors import TrspError
 from trsp_ray.search.cache import RunLog
 from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
-from trsp_ray.search.trial import TRIALS, trial_record_path
+from trsp_ray.search.layout import TRIALS, trial_record_path
 from trsp_ray.stage1_store import data_fingerprint, stage1_key
 
 
@@ -55,7 +55,7 @@ def _probe(base: dict, space: SearchSpace, points: list[dict] | None) -> dict:
 def plan(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, dict]:
     """Checked points (None for Optuna), the model's layer count, and the stage-1 plan
     {stage-1 key: largest n_drop among the trials that share it}. Raises before any trial."""
-    from trsp_ray.pipeline import check_plan
+    from trsp_ray.workbench import check_plan
 
     if base.method not in registry.TRSP_METHODS:
         raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; "

@@ -15,16 +15,9 @@ import time
 from pathlib import Path
 
 from trsp_ray.search.cache import RunLog, stage1_for_trial
+from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.search.space import apply_point, trial_key
-from trsp_ray.stage1_store import Stage1Store, compute_stage1, stage1_content, stage1_key
-
-TRIALS = "trials"  # finished-trial records: <search_dir>/trials/<trial key>.json
-MODELS = "models"  # exported pruned models: <search_dir>/models/<trial key>/
-
-
-def trial_record_path(search_dir: str | Path, key: str) -> Path:
-    return Path(search_dir) / TRIALS / f"{key}.json"
-
+from trsp_ray.stage1_store import compute_stage1, stage1_content, stage1_key
 
 def _capture_models(bench) -> tuple[object, list]:
     """A bench whose fresh_model() also hands each copy to the caller: stage 2 trains that copy,
@@ -58,7 +51,7 @@ def expected_kept_parameters(bench, drop: list[int]) -> int:
     """Parameters left once `drop` is removed (known before stage 2: a multi-objective searcher wants
     every intermediate report to carry the same metrics as the final one)."""
     from trsp_ray.families import decoder_layers
-    from trsp_ray.pipeline import kept_parameters
+    from trsp_ray.workbench import kept_parameters
 
     layers = decoder_layers(bench.model)
     return kept_parameters(bench.model) - sum(p.numel() for i in drop for p in layers[i].parameters())
@@ -76,16 +69,6 @@ def _stage2_reporter(bench, made: list, *, every: int, steps: int, windows: int,
         report({"val_loss": loss, "val_ppl": math.exp(loss), "stage2_step": step,
                 "stage2_ce": metrics["stage2/ce"], "phase": "stage2", **(constant or {})})
     return on_metrics
-
-
-def trial_store(config: dict) -> Stage1Store | None:
-    """The search's stage-1 store, or None when reuse is off."""
-    return Stage1Store(Path(config["search_dir"]) / "stage1") if config.get("reuse", True) else None
-
-
-def planned_n_drop(config: dict, skey: str) -> int:
-    """Layers the first stage-1 computation of `skey` covers: the most any trial sharing it drops."""
-    return int(config.get("plan_n_drop", {}).get(skey, config.get("default_plan_n_drop", 0)))
 
 
 def gates_at_ratio(stage1, n_drop: int) -> list[float]:
@@ -113,7 +96,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
 
     from trsp_ray.config import from_dict, replace
     from trsp_ray.methods import apply_method
-    from trsp_ray.pipeline import kept_parameters, prepare
+    from trsp_ray.workbench import kept_parameters, prepare
     from trsp_ray.search.route import trial_device
 
     torch.set_num_threads(int(config.get("threads") or 1))

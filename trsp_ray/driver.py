@@ -1,0 +1,135 @@
+"""The driver of one pruning run, top to bottom: route -> load -> select -> stage 2 -> remove ->
+heal -> evaluate -> export -> log. `run(cfg)` is what `trsp-ray prune` and the jobs call; a model
+one device cannot hold goes to Ray Train workers (`run_on_workers`)."""
+
+from __future__ import annotations
+
+import torch
+
+from trsp_ray import assets, atomic, registry, workbench
+from trsp_ray.config import RunConfig
+from trsp_ray.logs import log
+from trsp_ray.perplexity import bos_token, perplexity
+
+
+def stage1_checkpoints(cfg: RunConfig, n_drop: int):
+    """(state to resume from or None, on_round callback) for stage 1 of this configuration.
+
+    Each finished round is saved atomically under a key of everything stage 1 depends on, so an
+    interrupted run (Ctrl-C, a lost machine) restarts after its last finished round."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    key_src = {"model": assets.resolve_model(cfg.model), "stage1": cfg.to_dict()["stage1"],
+               "gates": cfg.to_dict()["gates"], "data": cfg.to_dict()["data"], "seed": cfg.seed, "n_drop": n_drop,
+               "dtype": str(workbench.resolve_dtype(cfg.dtype, workbench.resolve_device(cfg.device)))}
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:20]
+    root = Path(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
+    path = root / f"stage1-{key}.pt"
+    resume = torch.load(path, weights_only=True) if path.exists() else None  # tensors, numbers, lists: no pickle
+    if resume is not None:
+        log(f"stage 1: resuming after round {len(resume['round_ends'])} from {path}")
+
+    def on_round(state: dict) -> None:
+        atomic.save_torch(path, state)
+
+    return resume, on_round
+
+
+def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
+    """Prune one model with one method as configured; export, evaluate and log. Returns the results."""
+    from trsp_ray import plots
+    from trsp_ray.export import check_output_dir, export_model, pruned_manifest
+    from trsp_ray.methods import apply_method, run_stage1_for
+    from trsp_ray.table import render
+    from trsp_ray.tracking import make_tracker
+
+    if cfg.output:
+        check_output_dir(cfg.output, overwrite=overwrite)
+    chosen = route_for(cfg)
+    log(f"route: {chosen.describe()}")
+    if chosen.workers:
+        return run_on_workers(cfg, chosen, overwrite=overwrite)
+    bench = workbench.prepare(cfg)
+    t = cfg.tracking
+    tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
+    dense_params = workbench.kept_parameters(bench.model)
+    with tracker.run(f"{cfg.method}-r{cfg.ratio}", tags={"method": cfg.method, "model": cfg.model}):
+        tracker.log_params(cfg.to_dict())
+        tracker.log_params({"data.calibration_source": bench.texts.calibration_source,
+                            "data.heldout_source": bench.texts.heldout_source})
+        log(f"model {cfg.model}: {bench.num_layers} layers, dropping {bench.n_drop()} with {cfg.method}")
+        dense_ppl = bench.heldout_ppl()
+        log(f"dense held-out PPL {dense_ppl:.2f}")
+        report = lambda metrics, step: tracker.log_metrics(metrics, step)
+        stage1 = None
+        if registry.method(cfg.method).uses_stage1:
+            resume, on_round = stage1_checkpoints(cfg, bench.n_drop())
+            stage1 = run_stage1_for(bench, report=report, resume=resume, on_round=on_round)
+            tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
+                               "stage1_gates.png")
+        outcome = apply_method(bench, cfg.method, stage1=stage1, report=report)
+        if "relative_update" in outcome.info:
+            tracker.log_dict(outcome.info["relative_update"], "stage2_relative_update.json")
+        ppl = bench.heldout_ppl(outcome.model)
+        results = {"method": cfg.method, "ratio": cfg.ratio, "dropped_layers": outcome.drop,
+                   "kept_layers": outcome.kept, "num_layers_original": bench.num_layers,
+                   "num_layers_kept": len(outcome.kept), "dense_ppl": dense_ppl, "heldout_ppl": ppl,
+                   "kept_parameters": workbench.kept_parameters(outcome.model), "dense_parameters": dense_params,
+                   "heldout_source": bench.texts.heldout_source, **{k: v for k, v in outcome.info.items()}}
+        if stage1 is not None:
+            results["stage1_drop_order"] = stage1.drop_order
+            results["stage1_rounds_computed"] = stage1.rounds_computed
+        manifest = pruned_manifest(method=cfg.method, drop=outcome.drop, num_layers_original=bench.num_layers,
+                                   config=cfg.to_dict(), metrics=results)
+        if cfg.output:
+            path = export_model(outcome.model, bench.tokenizer, cfg.output, manifest=manifest, overwrite=overwrite)
+            log(f"exported to {path}")
+            results["output"] = str(path)
+        tracker.log_metrics({"heldout_ppl": ppl, "dense_ppl": dense_ppl, "num_layers_kept": len(outcome.kept)})
+        tracker.log_dict(manifest, "trsp_ray.json")
+        tracker.log_dict({"drop_order": outcome.drop}, "drop_order.json")
+    print(render([{"method": "dense", "layers": bench.num_layers, "held-out PPL": dense_ppl},
+                  {"method": cfg.method, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
+                   "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
+    print(f"(held-out text: {bench.texts.heldout_source})")
+    return results
+
+
+def route_for(cfg: RunConfig):
+    """The planner's route of `cfg` on this machine (planner.route), after the cheap checks: the
+    device exists, config.json and the ratio are valid. One-line TrspError when nothing fits."""
+    from trsp_ray.distributed import planner
+
+    workbench.resolve_device(cfg.device)
+    workbench.check_plan(cfg)
+    kind, memory = workbench.device_kind(cfg)
+    return planner.route(cfg, device=kind, memory_gb=memory)
+
+
+def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
+    """`run` for a model the single-process plan cannot hold: stage 1, stage 2 and export on
+    `chosen.workers` Ray Train workers (distributed/train.py), then held-out PPL of the export in
+    this process when an evaluation pass fits one device."""
+    from trsp_ray.config import replace
+    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.train import run_distributed
+
+    cfg_w = replace(cfg, **{"distributed.workers": chosen.workers, "distributed.use_gpu": chosen.device == "gpu"})
+    result = run_distributed(cfg_w, overwrite=overwrite)
+    results = {"method": cfg.method, "ratio": cfg.ratio, "route": f"{chosen.workers} workers",
+               "dropped_layers": result.drop_order, "output": result.output, "storage": result.storage}
+    kind, memory = workbench.device_kind(cfg)
+    evaluation = planner.single_plan_for_run(cfg, device=kind, memory_gb=memory, methods=("dense",))
+    if not result.output or not evaluation.fits:
+        log("held-out PPL skipped: " + ("nothing was exported" if not result.output else evaluation.reason()))
+        return results
+    texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
+    for key, name in (("dense_ppl", cfg.model), ("heldout_ppl", result.output)):
+        model, tokenizer = workbench.load_model(name, device=cfg.device, dtype=workbench.run_dtype(cfg))
+        results[key] = perplexity(model, workbench.encode_cached(tokenizer, texts.heldout), seqlen=cfg.data.eval_seqlen, batch_size=4,
+                                  max_windows=cfg.data.eval_max_windows, bos=bos_token(tokenizer))
+        del model
+        log(f"{key.replace('_', ' ')} {results[key]:.2f}")
+    return results

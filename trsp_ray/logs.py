@@ -1,0 +1,75 @@
+"""Progress output: every module logs through the one `trsp_ray` logger.
+
+A line reads `[trsp_ray HH:MM:SS] message` on stdout, as the README shows it. On a multi-process
+run (Ray Train workers, torch.distributed) only rank 0 prints progress; the other ranks still print
+warnings and errors, so a failure on any rank is seen. `TRSP_RAY_LOG_LEVEL` (e.g. WARNING, DEBUG)
+changes how much is printed; an application that configures `logging` itself can attach its own
+handlers to the `trsp_ray` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LOGGER_NAME = "trsp_ray"
+_FORMAT = "[trsp_ray %(asctime)s] %(message)s"
+
+
+def rank() -> int:
+    """This process's rank: torch.distributed's when a process group is up, else the launcher's
+    RANK variable (Ray Train and torchrun set it), else 0."""
+    torch = sys.modules.get("torch")  # never import torch just to log
+    if torch is not None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class _RankZeroProgress(logging.Filter):
+    """Drop records below WARNING on every rank but 0 (evaluated per record: the rank is known only
+    once a worker has joined its process group)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or rank() == 0
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is at the time of the record (pytest and Ray swap it)."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
+
+
+def logger() -> logging.Logger:
+    """The `trsp_ray` logger, set up on first use (one stdout handler, INFO, rank-0 progress)."""
+    log_ = logging.getLogger(LOGGER_NAME)
+    if not getattr(log_, "_trsp_ray_ready", False):
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+        handler.addFilter(_RankZeroProgress())
+        log_.addHandler(handler)
+        level = os.environ.get("TRSP_RAY_LOG_LEVEL", "INFO").upper()
+        log_.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
+        log_.propagate = False  # one line per message, whatever the root logger does
+        log_._trsp_ray_ready = True
+    return log_
+
+
+def log(msg: str) -> None:
+    """One progress line."""
+    logger().info(msg)
+
+
+def warn(msg: str) -> None:
+    """A warning every rank prints."""
+    logger().warning(msg)

@@ -1,0 +1,31 @@
+"""The run-config flags shared by the commands that run a method (`trsp-ray prune`, `benchmark`,
+`search`, jobs/search.py), and the RunConfig they give."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The run-config flags every command that runs a method takes (prune, benchmark, search)."""
+    p.add_argument("--model", default=None, help="model dir, hub id, or smollm2-135m (default)")
+    p.add_argument("--ratio", type=float, default=None, help="fraction of layers to drop, in (0, 1)")
+    p.add_argument("--calib-text", default=None, help="calibration text file (default: Wikipedia excerpt)")
+    p.add_argument("--eval-text", default=None, help="held-out text file (default: Wikipedia excerpt)")
+    p.add_argument("--config", default=None, help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. --set stage1.lambda1=0.01 (repeatable)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+
+
+def run_config(args, **extra):
+    """The RunConfig of parsed run-config flags: --config, then the flags and `extra`, then --set."""
+    from trsp_ray.config import load_config
+
+    base = {k: v for k, v in {"model": args.model, "ratio": args.ratio, **extra}.items() if v is not None}
+    data = {k: v for k, v in {"calib_text": args.calib_text, "eval_text": args.eval_text}.items() if v}
+    if data:
+        base["data"] = data
+    if args.no_mlflow:
+        base["tracking"] = {"enabled": False}
+    return load_config(args.config, args.overrides, base=base)
