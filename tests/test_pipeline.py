@@ -37,7 +37,7 @@ def test_prune_exports_and_logs_to_mlflow(tiny_dir, tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'ml.db'}"
     out = tmp_path / "pruned"
     code = main(["prune", *_args(tiny_dir, "--method", "trsp", "--ratio", "0.25", "--output", str(out),
-                                 "--set", f"tracking.tracking_uri={uri}")])
+                                 "--set", f"tracking.tracking_uri={uri}", "--set", f"checkpoint_dir={tmp_path}")])
     assert code == 0
     manifest = json.loads((out / "trsp_ray.json").read_text())
     assert manifest["num_layers_original"] == 8 and manifest["num_layers_kept"] == 6
@@ -81,6 +81,17 @@ def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeyp
     again = run(cfg)
     assert again["stage1_rounds_computed"] == 0
     assert again["dropped_layers"] == resumed["dropped_layers"] and len(again["dropped_layers"]) == 3
+    # The finished stage 1 sits in the one stage-1 store, under the key a search or a reproduction
+    # of the same model, text and stage-1 settings would look up; the round checkpoints are gone.
+    from trsp_ray.stage1_store import Stage1Store, data_fingerprint, stage1_key
+
+    key = stage1_key(cfg.to_dict(), data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text))
+    stored = Stage1Store(tmp_path / "ck").get(key, 3)
+    assert stored is not None and stored.drop_order[:3] == resumed["stage1_drop_order"][:3]
+    assert not list((tmp_path / "ck").glob("*.rounds.pt"))
+    other = stage1_key(load_config(None, ["stage1.lambda1=0.02"], base=cfg.to_dict()).to_dict(),
+                       data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text))
+    assert other != key and Stage1Store(tmp_path / "ck").get(other, 3) is None
 
 
 def test_default_prune_is_trsp_selection_then_a_heal_with_stage2s_budget(tiny_dir, tmp_path):

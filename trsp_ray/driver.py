@@ -4,44 +4,45 @@ one device cannot hold goes to Ray Train workers (`run_on_workers`)."""
 
 from __future__ import annotations
 
-import torch
 
-from trsp_ray import assets, atomic, registry, workbench
+from trsp_ray import assets, registry, workbench
 from trsp_ray.config import RunConfig
 from trsp_ray.logs import log
 from trsp_ray.perplexity import bos_token, perplexity
 
 
-def stage1_checkpoints(cfg: RunConfig, n_drop: int):
-    """(state to resume from or None, on_round callback) for stage 1 of this configuration.
-
-    Each finished round is saved atomically under a key of everything stage 1 depends on, so an
-    interrupted run (Ctrl-C, a lost machine) restarts after its last finished round."""
-    import hashlib
-    import json
+def run_stage1(cfg: RunConfig, bench, *, report):
+    """Stage 1 of this run through the stage-1 store under `checkpoint_dir` (the store the search and
+    the reproduction use, keyed by what stage 1 depends on): a stored result covering the run's
+    layers is reused; otherwise it is computed with each finished round saved, so an interrupted run
+    (Ctrl-C, a lost machine) restarts after its last finished round."""
     from pathlib import Path
 
-    key_src = {"model": assets.resolve_model(cfg.model), "stage1": cfg.to_dict()["stage1"],
-               "gates": cfg.to_dict()["gates"], "data": cfg.to_dict()["data"], "seed": cfg.seed, "n_drop": n_drop,
-               "dtype": str(workbench.resolve_dtype(cfg.dtype, workbench.resolve_device(cfg.device)))}
-    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:20]
-    root = Path(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
-    path = root / f"stage1-{key}.pt"
-    resume = torch.load(path, weights_only=True) if path.exists() else None  # tensors, numbers, lists: no pickle
-    if resume is not None:
-        log(f"stage 1: resuming after round {len(resume['round_ends'])} from {path}")
+    from trsp_ray.methods import run_stage1_for
+    from trsp_ray.stage1_store import Stage1Store, data_fingerprint, stage1_content, stage1_key
 
-    def on_round(state: dict) -> None:
-        atomic.save_torch(path, state)
+    cfg_dict = cfg.to_dict()
+    key = stage1_key(cfg_dict, data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text))
+    store = Stage1Store(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
 
-    return resume, on_round
+    def compute(n_drop: int):
+        resume, on_round = store.checkpoints(key, n_drop)
+        if resume is not None:
+            log(f"stage 1: resuming after round {len(resume['round_ends'])} from {store.rounds_path(key, n_drop)}")
+        return run_stage1_for(bench, n_drop=n_drop, report=report, resume=resume, on_round=on_round)
+
+    result, computed = store.obtain(key, need=bench.n_drop(), compute=compute, content=stage1_content(cfg_dict))
+    if not computed:
+        log(f"stage 1: reusing the stored result {store.path(key)}")
+        result.rounds_computed = 0
+    return result
 
 
 def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     """Prune one model with one method as configured; export, evaluate and log. Returns the results."""
     from trsp_ray import plots
     from trsp_ray.export import check_output_dir, export_model, pruned_manifest
-    from trsp_ray.methods import apply_method, run_stage1_for
+    from trsp_ray.methods import apply_method
     from trsp_ray.table import render
     from trsp_ray.tracking import make_tracker
 
@@ -65,8 +66,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         report = lambda metrics, step: tracker.log_metrics(metrics, step)
         stage1 = None
         if registry.method(cfg.method).uses_stage1:
-            resume, on_round = stage1_checkpoints(cfg, bench.n_drop())
-            stage1 = run_stage1_for(bench, report=report, resume=resume, on_round=on_round)
+            stage1 = run_stage1(cfg, bench, report=report)
             tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
                                "stage1_gates.png")
         outcome = apply_method(bench, cfg.method, stage1=stage1, report=report)

@@ -9,6 +9,7 @@ that also needs weight gradients as 2; a pass through a fraction of the layers c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trsp_ray import registry
@@ -198,15 +199,20 @@ def method_heal(cfg):
 
 
 def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,
-                 stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report) -> Outcome:
+                 stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
+                 on_model: Callable[[object], None] | None = None) -> Outcome:
     """Prune a fresh copy of the model with `method`; returns the pruned model and what it cost.
 
     `drop` skips the selection (a drop set computed before, e.g. shared by several benchmark rows);
-    `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's."""
+    `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's;
+    `on_model` is handed the working copy before anything trains it (a search measures its
+    validation loss mid-training through `report`)."""
     cfg = bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
     model = bench.fresh_model()
+    if on_model is not None:
+        on_model(model)
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
     t0 = time.time()
     if drop is None:

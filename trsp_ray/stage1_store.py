@@ -9,7 +9,8 @@ its length, and a longer one replaces it. Changing any of those settings changes
 changed setting recomputes instead of silently reusing a stale result.
 
 `<root>/<key>.json` holds the result and the content it was keyed by (to read why two keys
-differ); writes are atomic, and `obtain` holds a per-key file lock while it computes, so parallel
+differ); `<root>/<key>.n<layers>.rounds.pt` holds the rounds finished so far of a computation in
+progress (`checkpoints`), so an interrupted one restarts after its last finished round; writes are atomic, and `obtain` holds a per-key file lock while it computes, so parallel
 processes (search trials, reproduction tasks) wait for one computation instead of repeating it.
 The root must be on storage every node sees (a shared filesystem on a multi-node cluster).
 No Ray, DeepSpeed or MLflow here: the single-process path could use it too.
@@ -128,6 +129,21 @@ class Stage1Store:
     def put(self, key: str, result: Stage1Result, *, content: dict, **extra) -> None:
         write_json_atomic({**result_dict(result), "key": key, "content": content, **extra}, self.path(key))
 
+    def rounds_path(self, key: str, n_drop: int) -> Path:
+        return self.root / f"{key}.n{n_drop}.rounds.pt"
+
+    def checkpoints(self, key: str, n_drop: int) -> tuple[dict | None, Callable[[dict], None]]:
+        """(state to resume from or None, on_round callback) of a computation of `key` for `n_drop`
+        layers: each finished round's state is saved atomically, and `obtain` removes it once the
+        whole result is stored."""
+        import torch
+
+        from trsp_ray import atomic
+
+        path = self.rounds_path(key, n_drop)
+        resume = torch.load(path, weights_only=True) if path.exists() else None  # tensors, numbers, lists: no pickle
+        return resume, lambda state: atomic.save_torch(path, state)
+
     def obtain(self, key: str, *, need: int, compute: Callable[[int], Stage1Result], content: dict,
                plan: int = 0) -> tuple[Stage1Result, bool]:
         """(result covering `need` layers, whether it was computed now). Under the key's lock: the
@@ -139,15 +155,12 @@ class Stage1Store:
             n_drop = max(need, plan)
             result = compute(n_drop)
             self.put(key, result, content=content, n_drop=n_drop)
+            self.rounds_path(key, n_drop).unlink(missing_ok=True)  # the finished result holds every round
             return result, True
 
 
 def compute_stage1(bench, n_drop: int) -> Stage1Result:
-    """Stage 1 on a loaded workbench (pipeline.prepare) for `n_drop` layers, whatever its ratio."""
-    from trsp_ray.config import replace
+    """Stage 1 on a loaded workbench (workbench.prepare) for `n_drop` layers, whatever its ratio."""
     from trsp_ray.methods import run_stage1_for
 
-    wide = dataclasses.replace(bench, cfg=replace(bench.cfg, ratio=n_drop / bench.num_layers))
-    if wide.n_drop() != n_drop:
-        raise ValueError(f"ratio {wide.cfg.ratio} gives {wide.n_drop()} layers, not {n_drop}")
-    return run_stage1_for(wide)
+    return run_stage1_for(bench, n_drop=n_drop)

@@ -9,7 +9,6 @@ the search. MLflow is written by the driver only, to keep one writer per trackin
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -18,20 +17,6 @@ from trsp_ray.search.cache import RunLog, stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.search.space import apply_point, trial_key
 from trsp_ray.stage1_store import compute_stage1, stage1_content, stage1_key
-
-def _capture_models(bench) -> tuple[object, list]:
-    """A bench whose fresh_model() also hands each copy to the caller: stage 2 trains that copy,
-    and the validation loss for ASHA must be measured on it mid-training."""
-    made: list = []
-    original = bench.fresh_model
-
-    def fresh_model():
-        made.append(original())
-        return made[-1]
-
-    captured = dataclasses.replace(bench)
-    captured.fresh_model = fresh_model
-    return captured, made
 
 
 def validation_loss(bench, model, *, windows: int) -> float:
@@ -117,18 +102,18 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     stage1 = stage1_for_trial(need=bench.n_drop(), compute=lambda n: compute_stage1(bench, n),
                               content=stage1_content(cfg_dict), store=trial_store(config),
                               key=skey, plan_n_drop=planned_n_drop(config, skey), log=log, trial=tkey)
-    captured, made = _capture_models(bench)
+    made: list = []  # the working copy apply_method trains (on_model): validation loss is measured on it
     every = max(1, int(config.get("val_every") or 1))
     curve: list = []
     n_drop = bench.n_drop()
     drop = stage1.drop_for(cfg.method, n_drop)
     dense = kept_parameters(bench.model)
     expected = expected_kept_parameters(bench, drop)
-    on_metrics = _stage2_reporter(captured, made, every=every, steps=cfg.stage2.steps, windows=windows,
+    on_metrics = _stage2_reporter(bench, made, every=every, steps=cfg.stage2.steps, windows=windows,
                                   report=report, curve=curve,
                                   constant={"kept_parameters": expected, "kept_fraction": expected / dense})
     log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"])
-    outcome = apply_method(captured, cfg.method, stage1=stage1, report=on_metrics)
+    outcome = apply_method(bench, cfg.method, stage1=stage1, report=on_metrics, on_model=made.append)
     val = validation_loss(bench, outcome.model, windows=windows)
     n_drop = len(outcome.drop)
     kept = kept_parameters(outcome.model)
