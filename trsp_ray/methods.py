@@ -32,6 +32,27 @@ class Outcome:
 
 
 
+def stage1_settings(s1) -> dict:
+    """`run_stage1`'s keyword arguments from the `stage1` config section: one unpacking for the
+    single process and the Ray Train workers, so the two cannot drift apart."""
+    return {"lambda1": s1.lambda1, "lr": s1.lr, "first_round_steps": s1.first_round_steps,
+            "steps_per_round": s1.steps_per_round, "selection": s1.selection, "train_base": s1.train_base,
+            "base_lr": s1.base_lr, "probe": s1.probe, "refine": s1.refine}
+
+
+def probes_removal(s1) -> bool:
+    """Whether stage 1 measures the removal cost of its smallest gates (iterative selection only)."""
+    return s1.probe > 1 and s1.selection == "iterative"
+
+
+def stage2_settings(s2, *, schedule: str | None = None) -> dict:
+    """`run_stage2`'s keyword arguments from the `stage2` config section (`schedule` overrides it:
+    a heal runs as stage 2 with schedule skip on the workers)."""
+    return {"lambda2": s2.lambda2, "steps": s2.steps, "lr": s2.lr, "p_lr_scale": s2.p_lr_scale, "mode": s2.mode,
+            "norm": s2.norm, "trainable": s2.trainable, "lora_rank": s2.lora_rank,
+            "schedule": schedule or s2.schedule, "anneal_fraction": s2.anneal_fraction}
+
+
 def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Report = null_report,
                    on_round=None, resume=None) -> Stage1Result:
     """Stage 1 with the run's config on `model` (default: a fresh copy) for `n_drop` layers
@@ -54,15 +75,12 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
             _log(f"  stage 1 round {metrics['stage1/rounds_done']}/{rounds}: drop layer {metrics['stage1/dropped']}")
 
     scorer = None
-    if s1.probe > 1 and s1.selection == "iterative":
+    if probes_removal(s1):
         scorer = RemovalScorer(model=model, gates=gates, windows=_windows(bench, s1.probe_windows, seed_offset=200),
                                criterion=s1.probe_criterion)
     return run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
-                      candidates=bench.candidates(), lambda1=s1.lambda1, lr=s1.lr,
-                      first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
-                      selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
-                      probe=s1.probe, scorer=scorer, refine=s1.refine, report=progress, on_round=on_round,
-                      resume=resume)
+                      candidates=bench.candidates(), scorer=scorer, report=progress, on_round=on_round,
+                      resume=resume, **stage1_settings(s1))
 
 
 def stage1_tokens(bench) -> int:
@@ -71,7 +89,7 @@ def stage1_tokens(bench) -> int:
     s1, d = bench.cfg.stage1, bench.cfg.data
     rounds = 1 if s1.selection == "oneshot" else bench.n_drop()
     steps = s1.first_round_steps + (rounds - 1) * s1.steps_per_round
-    probes = s1.probe_windows if (s1.probe > 1 and s1.selection == "iterative") else 0
+    probes = s1.probe_windows if probes_removal(s1) else 0
     return (steps * d.batch_size + probes) * d.seqlen
 
 
@@ -172,10 +190,7 @@ def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
                  f"penalty {metrics['stage2/penalty']:.3f}, P-layer scale {metrics['stage2/residual_scale']:.2f}")
 
     return run_stage2(model=model, gates=gates, batches=bench.batches(seed_offset=1), drop=drop,
-                      lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale,
-                      mode=s2.mode, norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank,
-                      schedule=s2.schedule, anneal_fraction=s2.anneal_fraction,
-                      make_stepper=recovery_stepper(bench), report=progress)
+                      make_stepper=recovery_stepper(bench), report=progress, **stage2_settings(s2))
 
 
 def _heal(bench, *, model, heal, report: Report):

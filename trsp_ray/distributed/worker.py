@@ -280,7 +280,7 @@ def _mean_over_ranks(value: float) -> float:
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
     from trsp_ray.distributed import engine as eng
-    from trsp_ray.methods import fixed_windows
+    from trsp_ray.methods import fixed_windows, probes_removal, stage1_settings
     from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, run_stage1
 
     s1, g = cfg.stage1, cfg.gates
@@ -306,17 +306,14 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                "drop_order": state["drop_order"]}, state, rank=rank)
 
     scorer = None
-    if s1.probe > 1 and s1.selection == "iterative":
+    if probes_removal(s1):
         # every rank scores the same windows (each forward is a ZeRO-3 collective); the mean over
         # ranks makes the scores bit-identical, so every rank drops the same layer
         scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=fixed_windows(_batches(cfg, bench, 200), s1.probe_windows),
                                criterion=s1.probe_criterion, reduce=_mean_over_ranks)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
-                        candidates=candidates, lambda1=s1.lambda1, lr=s1.lr,
-                        first_round_steps=s1.first_round_steps, steps_per_round=s1.steps_per_round,
-                        selection=s1.selection, train_base=s1.train_base, base_lr=s1.base_lr,
-                        make_stepper=bench.factory, report=report, resume=last["state"], on_round=on_round,
-                        probe=s1.probe, scorer=scorer, refine=s1.refine)
+                        candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],
+                        on_round=on_round, scorer=scorer, **stage1_settings(s1))
     drop = result.drop_for(cfg.method, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history)
@@ -327,6 +324,7 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
             engine_dir: str | None, rank: int, fault: FaultInjector):
     """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards."""
     from trsp_ray import registry
+    from trsp_ray.methods import stage2_settings
     from trsp_ray.stage2 import run_stage2
 
     s2 = cfg.stage2
@@ -355,10 +353,8 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     reset_peak_memory()
     # a heal reads the batch stream the single-process heal reads (seed + 2), stage 2 its own (seed + 1)
     result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 2 if spec.heal else 1),
-                        drop=drop,
-                        lambda2=s2.lambda2, steps=s2.steps, lr=s2.lr, p_lr_scale=s2.p_lr_scale, mode=s2.mode,
-                        norm=s2.norm, trainable=s2.trainable, lora_rank=s2.lora_rank, schedule=schedule,
-                        anneal_fraction=s2.anneal_fraction, make_stepper=bench.factory, report=report)
+                        drop=drop, make_stepper=bench.factory, report=report,
+                        **stage2_settings(s2, schedule=schedule))
     updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
     events.write("stage2_done", steps_computed=result.steps - done, peak_gb=peak_memory_gb(), relative_update=updates)
     return result.model
