@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trsp_ray import runlog
 from trsp_ray.errors import TrspError
 from trsp_ray.reproduce.presets import GRID_METHODS, Preset
 from trsp_ray.tracking import write_json_atomic
@@ -120,20 +121,12 @@ class CellStore:
                           self.cell_path(cell))
 
     def log(self, event: str, **fields) -> None:
-        """Append one line; a line is one write() of < 4 KB, so readers never see half an event."""
-        line = json.dumps({"event": event, "run_id": self.run_id, "time": time.time(), **fields}, default=str)
-        with open(self.log_path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
+        runlog.append(self.log_path, event, **{"run_id": self.run_id, **fields})
 
     def events(self) -> list[dict]:
-        if not self.log_path.is_file():
-            return []
-        return [json.loads(x) for x in self.log_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        return runlog.read(self.log_path)
 
 
 def read_events(out: str | Path) -> list[dict]:
     """The run log of an output directory (every run, oldest first)."""
-    path = Path(out) / "run_log.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    return runlog.read(Path(out) / "run_log.jsonl")

@@ -11,12 +11,11 @@ per line, so tests and benchmarks count work from the log rather than from timin
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trsp_ray import runlog
 from trsp_ray.stage1 import Stage1Result
 from trsp_ray.stage1_store import Stage1Store
 
@@ -31,21 +30,10 @@ class RunLog:
         self.invocation = invocation
 
     def write(self, event: str, **fields) -> None:
-        record = {"event": event, "time": time.time(), "invocation": self.invocation, **fields}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(record, default=str) + "\n"
-        # One write() on an O_APPEND file: lines from concurrent trials never interleave.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        runlog.append(self.path, event, **{"invocation": self.invocation, **fields})  # a summary carries its own
 
     def read(self, *, invocation: str | None = None) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        return [r for r in rows if invocation is None or r.get("invocation") == invocation]
+        return [r for r in runlog.read(self.path) if invocation is None or r.get("invocation") == invocation]
 
     def count(self, event: str, *, invocation: str | None = None) -> int:
         return sum(1 for r in self.read(invocation=invocation) if r["event"] == event)
