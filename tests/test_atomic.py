@@ -2,6 +2,7 @@
 a finished one replaces it."""
 
 import json
+import os
 import threading
 
 import pytest
@@ -27,6 +28,9 @@ def test_file_writers_replace_and_leave_nothing_else(tmp_path):
     assert text == json.dumps({"x": 1.5, "p": str(tmp_path)}, indent=2)  # tracking.write_json_atomic's format
     assert torch.equal(torch.load(tmp_path / "d.pt")["w"], torch.arange(4))
     assert _names(tmp_path) == ["a.txt", "b.bin", "d.pt", "sub"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o666 & ~umask  # as open() would, not mkstemp's 0o600
     assert _names(tmp_path / "sub") == ["c.json"]
 
 

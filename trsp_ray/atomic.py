@@ -9,6 +9,7 @@ partial target behind. Concurrent writers of identical content are fine: the las
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -17,6 +18,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 TEMP_PREFIX = ".tmp-"  # hidden, and what tests look for when they check that nothing was left behind
+
+
+@functools.cache
+def _file_mode() -> int:
+    """What open() would give a new file (0o666 less the umask); mkstemp's own 0o600 would make a
+    report or checkpoint unreadable to the group that shares a cluster's storage."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 @contextlib.contextmanager
@@ -29,6 +39,7 @@ def temp_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=suffix)
+    os.fchmod(fd, _file_mode())
     os.close(fd)
     try:
         yield Path(tmp)

@@ -12,6 +12,7 @@ import csv
 import io
 from pathlib import Path
 
+from trsp_ray import atomic
 from trsp_ray.evaluation.tasks import PAPER_TASKS
 from trsp_ray.table import markdown, render
 
@@ -110,13 +111,13 @@ def to_markdown(results: list[dict], *, footer: str = "") -> str:
 
 
 def write_reports(results: list[dict], out_dir: str | Path, *, footer: str = "") -> dict[str, Path]:
-    """results.csv, results.md and results.txt under `out_dir`; returns their paths."""
+    """results.csv, results.md and results.txt under `out_dir` (each through a temp file + rename);
+    returns their paths."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "results.csv", "md": out / "results.md", "txt": out / "results.txt"}
-    paths["csv"].write_text(to_csv(results), encoding="utf-8")
-    paths["md"].write_text(to_markdown(results, footer=footer), encoding="utf-8")
-    paths["txt"].write_text(format_table(results) + ("\n\n" + footer if footer else "") + "\n", encoding="utf-8")
+    atomic.write_text(paths["csv"], to_csv(results))
+    atomic.write_text(paths["md"], to_markdown(results, footer=footer))
+    atomic.write_text(paths["txt"], format_table(results) + ("\n\n" + footer if footer else "") + "\n")
     return paths
 
 

@@ -21,10 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trsp_ray import runlog
+from trsp_ray import atomic, runlog
 from trsp_ray.errors import TrspError
 from trsp_ray.reproduce.presets import GRID_METHODS, Preset
-from trsp_ray.tracking import write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -111,14 +110,14 @@ class CellStore:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
     def save_pruned(self, cell: Cell, record: dict, key: str) -> None:
-        write_json_atomic({**record, "prune_key": key}, self.prune_path(cell))
+        atomic.write_json(self.prune_path(cell), {**record, "prune_key": key})
 
     def load(self, cell: Cell) -> dict:
         return json.loads(self.cell_path(cell).read_text(encoding="utf-8"))
 
     def save(self, cell: Cell, result: dict) -> None:
-        write_json_atomic({**result, "cell": cell.to_dict(), "cell_id": cell.id, "run_id": self.run_id},
-                          self.cell_path(cell))
+        atomic.write_json(self.cell_path(cell),
+                          {**result, "cell": cell.to_dict(), "cell_id": cell.id, "run_id": self.run_id})
 
     def log(self, event: str, **fields) -> None:
         runlog.append(self.log_path, event, **{"run_id": self.run_id, **fields})
