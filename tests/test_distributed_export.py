@@ -139,10 +139,10 @@ def test_export_loads_in_plain_transformers_and_generates(tmp_path, family):
 def test_checksums_catch_a_corrupted_shard(tmp_path):
     """verify_shards on a finished export, then one flipped byte in the middle of one shard."""
     model = tiny_model("llama")
-    from trsp_ray.distributed.export import export_units, plan
+    from trsp_ray.distributed.export import export_units, plan_shards
 
     units, _, _ = export_units(model, DROP)
-    shards = plan(model, units, max_shard_bytes=10**5)
+    shards = plan_shards(model, units, max_shard_bytes=10**5)
     writer = ShardWriter(tmp_path, shards)
     for unit in units:
         for name, tensor in unit.entries:

@@ -30,7 +30,7 @@ def _pruned():
 
 
 def _exports(tmp_path, monkeypatch) -> dict[str, dict]:
-    from trsp_ray import assets, bench as bench_module
+    from trsp_ray import assets, comparison
     from trsp_ray.distributed.export import export_streaming
     from trsp_ray.reproduce import work
     from trsp_ray.search import trial
@@ -46,7 +46,7 @@ def _exports(tmp_path, monkeypatch) -> dict[str, dict]:
     trial_dir = trial._export(outcome, bench, tmp_path / "search", "t0", record)
     cell_dir = work.export_cell(outcome, bench, method="shortgpt+heal", config=cfg.to_dict(), info={"x": 1},
                                 target=str(tmp_path / "cell"))
-    row_dir = bench_module.export_row(outcome.model, bench, row_name="shortgpt", drop=DROP,
+    row_dir = comparison.export_row(outcome.model, bench, row_name="shortgpt", drop=DROP,
                                       target=str(tmp_path / "row"), metrics={"held-out PPL": 9.0})
     monkeypatch.setattr(assets, "resolve_model", lambda name: "org/not-a-directory")
     dense_dir = work._dense_dir(bench, tmp_path / "dense")

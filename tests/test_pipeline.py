@@ -1,5 +1,5 @@
 """End to end on a tiny model with a real tokenizer: `trsp-ray prune` exports, logs to MLflow, and an
-interrupted stage 1 resumes (the benchmark's tests are in test_bench.py)."""
+interrupted stage 1 resumes (the benchmark's tests are in test_comparison.py)."""
 
 import json
 from pathlib import Path

@@ -71,24 +71,24 @@ def test_ratios_out_of_range_fail_before_any_trial(config_dir, tmp_path, monkeyp
 
 
 def test_bad_values_and_methods_fail_before_any_trial(config_dir):
-    from trsp_ray.search.run import plan
+    from trsp_ray.search.run import plan_trials
 
     base = load_config(overrides=[f"model={config_dir}", "method=trsp"])
     with pytest.raises(TrspError, match=r"search point .*stage1.lambda1=-1"):
-        plan(base, parse_space({"params": {"stage1.lambda1": [1e-3, -1]}}))
+        plan_trials(base, parse_space({"params": {"stage1.lambda1": [1e-3, -1]}}))
     with pytest.raises(TrspError, match="has no lambda1/lambda2 to search"):
-        plan(load_config(overrides=[f"model={config_dir}", "method=shortgpt"]), parse_space(GRID))
+        plan_trials(load_config(overrides=[f"model={config_dir}", "method=shortgpt"]), parse_space(GRID))
     # the default method heals after stage 1: lambda2 would be a dimension that changes nothing
     with pytest.raises(TrspError, match="stage2.lambda2 acts only in stage 2, which method='trsp\\+heal' does not run"):
-        plan(load_config(overrides=[f"model={config_dir}"]), parse_space(GRID))
-    points, _, _ = plan(load_config(overrides=[f"model={config_dir}"]), parse_space({"params": {"ratio": [0.25, 0.375]}}))
+        plan_trials(load_config(overrides=[f"model={config_dir}"]), parse_space(GRID))
+    points, _, _ = plan_trials(load_config(overrides=[f"model={config_dir}"]), parse_space({"params": {"ratio": [0.25, 0.375]}}))
     assert len(points) == 2
 
 
 def test_stage1_plan_shares_one_computation_per_lambda1_at_the_largest_ratio(config_dir):
-    from trsp_ray.search.run import plan
+    from trsp_ray.search.run import plan_trials
 
-    points, layers, n_drop = plan(load_config(overrides=[f"model={config_dir}", "method=trsp"]), parse_space(GRID))
+    points, layers, n_drop = plan_trials(load_config(overrides=[f"model={config_dir}", "method=trsp"]), parse_space(GRID))
     assert layers == 8 and len(points) == 6
     assert sorted(n_drop.values()) == [3, 3]  # two lambda1 values, each planned for round(0.375 * 8)
 

@@ -305,11 +305,11 @@ def test_prune_dry_run_prints_route_and_plan(capsys, monkeypatch):
 
 
 def test_benchmark_checks_every_row_plan_before_any_work(monkeypatch, capsys):
-    from trsp_ray import bench, workbench
+    from trsp_ray import comparison, workbench
     from trsp_ray.cli import main
 
     monkeypatch.setattr(workbench, "device_kind", lambda cfg: ("cpu", 1.5))
-    monkeypatch.setattr(bench, "run_benchmark", lambda *a, **k: pytest.fail("benchmark started"))
+    monkeypatch.setattr(comparison, "run_benchmark", lambda *a, **k: pytest.fail("benchmark started"))
     # 1.5 GB of host memory holds SmolLM2's evaluation, not its stage 2 (the trsp row)
     assert main(["benchmark", "--workers", "0", "--rows", "dense,trsp", "--no-mlflow"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -34,7 +34,7 @@ def _describe(chosen) -> str:
 
 
 def _benchmark(args) -> int:
-    from trsp_ray.bench import DEFAULT_ROWS, check_request, run_benchmark
+    from trsp_ray.comparison import DEFAULT_ROWS, check_request, run_benchmark
 
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else DEFAULT_ROWS
     cfg = run_config(args)
@@ -47,7 +47,7 @@ def _benchmark(args) -> int:
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
     if args.workers > 0:
-        from trsp_ray.distributed.benchmark import run_benchmark_ray
+        from trsp_ray.distributed.comparison import run_benchmark_ray
 
         run_benchmark_ray(cfg, rows, workers=args.workers, seeds=args.seeds, zeroshot_limit=args.zeroshot)
     else:

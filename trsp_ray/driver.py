@@ -103,7 +103,7 @@ def route_for(cfg: RunConfig):
     from trsp_ray.distributed import planner
 
     workbench.resolve_device(cfg.device)
-    workbench.check_plan(cfg)
+    workbench.check_inputs(cfg)
     kind, memory = workbench.device_kind(cfg)
     return planner.route(cfg, device=kind, memory_gb=memory)
 

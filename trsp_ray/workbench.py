@@ -173,7 +173,7 @@ def encode_cached(tokenizer, text: str) -> torch.Tensor:
     return ids
 
 
-def check_plan(cfg: RunConfig) -> int:
+def check_inputs(cfg: RunConfig) -> int:
     """Validate model, texts and ratio from config.json alone, before any weights are loaded.
 
     Returns the model's number of decoder layers."""
@@ -219,7 +219,7 @@ def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbe
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    check_plan(cfg)
+    check_inputs(cfg)
     check_single_plan(cfg, methods=methods)
     texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
     model, tokenizer = load_model(cfg.model, device="cpu", dtype=run_dtype(cfg))

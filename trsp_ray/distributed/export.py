@@ -133,7 +133,7 @@ def _saved(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return revert_weight_conversion(model, dict(tensors))
 
 
-def plan(model, units: list[Unit], *, max_shard_bytes: int):
+def plan_shards(model, units: list[Unit], *, max_shard_bytes: int):
     """The shards every rank agrees on, from shapes and dtypes alone (nothing gathered)."""
     from trsp_ray.distributed.shards import TensorSpec, plan_shards
 
@@ -246,7 +246,7 @@ def export_streaming(model, *, tokenizer, drop: list[int], output: str, manifest
 
     rank, world = _world()
     units, kept, total = export_units(model, list(drop))
-    shards = plan(model, units, max_shard_bytes=int(max_shard_mb * 10**6))
+    shards = plan_shards(model, units, max_shard_bytes=int(max_shard_mb * 10**6))
     nbytes = sum(s.nbytes for s in shards)
     dtype = next(t.dtype for s in shards for t in s.tensors if t.dtype.is_floating_point)
     device = _compute_device(model)

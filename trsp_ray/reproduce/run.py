@@ -64,7 +64,7 @@ class CellPlan:
 def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[str, CellPlan]:
     """Every cell's config, route and shared stage 1, from config files alone (no weights, no
     writes); a bad override, a ratio that drops nothing or a cell that fits no route fails here."""
-    from trsp_ray.workbench import check_plan
+    from trsp_ray.workbench import check_inputs
     from trsp_ray.stage1_store import content_key, stage1_content
 
     plans: dict[str, CellPlan] = {}
@@ -77,7 +77,7 @@ def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[s
         for cell in mine:
             cfg = cell_config(preset, spec, overrides=overrides, method=cell.method, ratio=cell.ratio or widest)
             if spec.shape is None:
-                check_plan(cfg)  # local models: texts readable, the ratio drops and keeps layers
+                check_inputs(cfg)  # local models: texts readable, the ratio drops and keeps layers
             group = None
             if uses_stage1(cfg, cell.method):
                 n_drop = round(cfg.ratio * shape.layers)

@@ -66,11 +66,11 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
 
     from trsp_ray.config import replace
     from trsp_ray.distributed.handoff import run_stage2_distributed
-    from trsp_ray.workbench import check_plan
+    from trsp_ray.workbench import check_inputs
     from trsp_ray.tracking import write_json_atomic
 
     route, search_dir, start = config["route"], Path(config["search_dir"]), time.perf_counter()
-    num_layers = check_plan(cfg)  # config.json only: the trial never holds the model
+    num_layers = check_inputs(cfg)  # config.json only: the trial never holds the model
     n_drop = round(cfg.ratio * num_layers)
     cfg_dict = cfg.to_dict()
     stage1 = None

@@ -52,10 +52,10 @@ def _probe(base: dict, space: SearchSpace, points: list[dict] | None) -> dict:
     return points[0] if points else {d.key: d.bounds()[0] for d in space.dims}
 
 
-def plan(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, dict]:
+def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, dict]:
     """Checked points (None for Optuna), the model's layer count, and the stage-1 plan
     {stage-1 key: largest n_drop among the trials that share it}. Raises before any trial."""
-    from trsp_ray.workbench import check_plan
+    from trsp_ray.workbench import check_inputs
 
     if base.method not in registry.TRSP_METHODS:
         raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; "
@@ -68,7 +68,7 @@ def plan(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, d
     points = grid_points(space) if space.algorithm == "grid" else (
         sample_points(space) if space.algorithm == "random" else None)
     base_dict = _absolute_paths(base.to_dict())
-    num_layers = check_plan(from_dict(apply_point(base_dict, _probe(base_dict, space, points))))
+    num_layers = check_inputs(from_dict(apply_point(base_dict, _probe(base_dict, space, points))))
     check_points(base, space, points, num_layers=num_layers)
     fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"])
     n_drop: dict[str, int] = {}
@@ -252,7 +252,7 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     """Run (or resume) a search; returns a summary with the stage-1/stage-2 counts of this invocation."""
     import ray
 
-    points, num_layers, n_drop_plan = plan(base, space)
+    points, num_layers, n_drop_plan = plan_trials(base, space)
     base_dict = _absolute_paths(base.to_dict())
     search_dir = Path(opts.search_dir).resolve()
     done = finished_records(search_dir)

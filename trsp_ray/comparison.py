@@ -10,7 +10,7 @@ evaluation pool. Each row is compared with the best baseline of its own group; a
 the seeds' spread (max - min) is a tie.
 
 The work units (`selection_job`, `row_job`) take plain dicts so that a runner can execute them in
-this process (`run_local`) or as Ray tasks (distributed/benchmark.py).
+this process (`run_local`) or as Ray tasks (distributed/comparison.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def check_request(cfg: RunConfig, row_names, seeds: int, zeroshot_limit: int) ->
     return rows
 
 
-def plan(rows: list[registry.Row], seeds: list[int]) -> list[Job]:
+def plan_jobs(rows: list[registry.Row], seeds: list[int]) -> list[Job]:
     """Selections first (each once per seed), then rows: the order a sequential runner uses."""
     jobs = [Job("selection", s, seed) for seed in seeds for s in registry.selectors_for(rows)]
     return jobs + [Job("row", r.name, seed) for seed in seeds for r in rows]
@@ -330,7 +330,7 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     """Run every row for `seeds` seeds, print the tables and log everything to MLflow.
 
     `runner(jobs, cfg_dict=, export_dir=, on_done=)` executes the plan (default: `run_local`, in this
-    process); distributed/benchmark.py passes one that runs the jobs as Ray tasks."""
+    process); distributed/comparison.py passes one that runs the jobs as Ray tasks."""
     import shutil
     import tempfile
 
@@ -345,7 +345,7 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     bench = prepare(cfg, methods=methods)  # every input check and cache warm-up before any job starts
     _, domain2_source = assets.domain2_text(cfg.data.domain2_text)
     domain2_ids(bench)
-    jobs = plan(selected, seed_list)
+    jobs = plan_jobs(selected, seed_list)
     t = cfg.tracking
     tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
     export_dir = tempfile.mkdtemp(prefix="trsp-bench-") if zeroshot_limit else None

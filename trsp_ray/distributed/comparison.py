@@ -14,7 +14,7 @@ from trsp_ray.distributed import ray_session
 def _selection_task(cfg_dict: dict, selector: str, seed: int, threads: int) -> dict:
     import torch
 
-    from trsp_ray.bench import selection_job
+    from trsp_ray.comparison import selection_job
 
     torch.set_num_threads(threads)
     return selection_job(cfg_dict, selector, seed)
@@ -24,7 +24,7 @@ def _row_task(cfg_dict: dict, row: str, seed: int, selection: dict | None, expor
               threads: int) -> dict:
     import torch
 
-    from trsp_ray.bench import row_job
+    from trsp_ray.comparison import row_job
 
     torch.set_num_threads(threads)
     return row_job(cfg_dict, row, seed, selection, export_dir)
@@ -68,7 +68,7 @@ def ray_runner(workers: int):
 
 def run_benchmark_ray(cfg, rows, *, workers: int = 2, seeds: int = 1, zeroshot_limit: int = 0) -> list[dict]:
     """bench.run_benchmark with its jobs on Ray (the evaluation pool gets one actor per worker)."""
-    from trsp_ray.bench import run_benchmark
+    from trsp_ray.comparison import run_benchmark
 
     return run_benchmark(cfg, rows, seeds=seeds, zeroshot_limit=zeroshot_limit, runner=ray_runner(workers),
                          zeroshot_actors=workers)

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from trsp_ray import registry
-from trsp_ray.bench import check_request, plan, summarize, verdict
+from trsp_ray.comparison import check_request, plan_jobs, summarize, verdict
 from trsp_ray.config import load_config
 from trsp_ray.errors import TrspError
 
@@ -48,7 +48,7 @@ def test_bad_requests_fail_before_any_work(tiny_dir):
 def test_plan_computes_each_selection_once_per_seed():
     rows = registry.rows(["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal",
                           "shortgpt", "shortgpt+heal", "sleb+heal"])
-    jobs = plan(rows, [3, 4])
+    jobs = plan_jobs(rows, [3, 4])
     selections = [(j.name, j.seed) for j in jobs if j.kind == "selection"]
     assert sorted(selections) == sorted([(s, seed) for s in ("trsp", "shortgpt", "sleb") for seed in (3, 4)])
     assert sum(j.kind == "row" for j in jobs) == 16
@@ -100,7 +100,7 @@ def test_summary_compares_each_row_with_its_own_groups_best_baseline():
 
 
 def test_benchmark_rows_share_selections_and_budget(tiny_dir):
-    from trsp_ray.bench import run_benchmark
+    from trsp_ray.comparison import run_benchmark
 
     names = ["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal", "shortgpt",
              "shortgpt+heal", "sleb", "sleb+heal", "random", "random+heal"]
@@ -132,8 +132,8 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir):
 def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from trsp_ray.bench import run_benchmark
-    from trsp_ray.distributed.benchmark import run_benchmark_ray
+    from trsp_ray.comparison import run_benchmark
+    from trsp_ray.distributed.comparison import run_benchmark_ray
 
     names = ("dense", "trsp", "shortgpt", "shortgpt+heal")
     local = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir), names)}
@@ -156,12 +156,12 @@ def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
 
 def test_report_says_when_sleb_was_cut_and_full_baselines_lifts_it(monkeypatch):
     from trsp_ray import cli
-    from trsp_ray.bench import _sleb_note
+    from trsp_ray.comparison import _sleb_note
     from trsp_ray.config import FULL_SLEB_WINDOWS
 
     assert "CUT" in _sleb_note(load_config(None, [])) and "--full-baselines" in _sleb_note(load_config(None, []))
     seen = {}
-    monkeypatch.setattr("trsp_ray.bench.run_benchmark", lambda cfg, rows, **kw: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr("trsp_ray.comparison.run_benchmark", lambda cfg, rows, **kw: seen.setdefault("cfg", cfg))
     monkeypatch.setattr("trsp_ray.workbench.check_single_plan", lambda cfg, methods: None)
     assert cli.main(["benchmark", "--full-baselines", "--workers", "0", "--rows", "sleb", "--no-mlflow"]) == 0
     assert seen["cfg"].baselines.sleb_windows == FULL_SLEB_WINDOWS
