@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path

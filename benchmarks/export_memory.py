@@ -152,12 +152,14 @@ def main() -> None:
           f"dropped; kept weights {mb(rows['stream']['total_bytes']).strip()} MB in {rows['stream']['shards']} "
           f"shards of <= {args.shard_mb:g} MB; largest shard {mb(largest).strip()} MB (a tensor larger than the "
           f"limit gets its own shard); largest unit gathered: {rows['stream']['largest_unit']}")
-    print(f"{'path':<14} {'rank-0 peak above baseline MB':>30} {'x largest shard':>16} {'baseline MB':>12} {'seconds':>8}")
+    print(f"{'path':<14} {'rank-0 peak above baseline MB':>30} {'x largest shard':>16} "
+          f"{'baseline MB':>12} {'seconds':>8}")
     for path, r in rows.items():
         print(f"{path:<14} {mb(r['peak_bytes']):>30} {r['peak_bytes'] / largest:>16.2f} "
               f"{mb(r['baseline_bytes']):>12} {r['seconds']:>8.1f}")
     stream, floor = rows["stream"]["peak_bytes"], rows["gather-only"]["peak_bytes"]
-    print(f"target stream <= 2x largest shard: {stream / largest:.3f}x ({'met' if stream <= 2 * largest else 'not met'});"
+    print(f"target stream <= 2x largest shard: {stream / largest:.3f}x "
+          f"({'met' if stream <= 2 * largest else 'not met'});"
           f" the export adds {(stream - floor) / 10**6:.1f} MB to one bare gather of its largest unit")
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 

@@ -89,15 +89,16 @@ def part_prune(args) -> str:
     if not check["device"].startswith(args.device):
         raise RuntimeError(f"export check ran on {check['device']}, not on {args.device}")
     return (f"dense PPL {results['dense_ppl']:.2f} -> pruned {results['heldout_ppl']:.2f} "
-            f"({manifest['num_layers_kept']}/{manifest['num_layers_original']} layers, drop {results['dropped_layers']}); "
+            f"({manifest['num_layers_kept']}/{manifest['num_layers_original']} layers, "
+            f"drop {results['dropped_layers']}); "
             f"export check on {check['device']} {check['dtype']}: max |dlogit| {check['max_abs_logit_diff']:.3g} "
             f"<= {check['atol']:.3g}")
 
 
 def part_memory(args) -> str:
     import torch
-
     from planner_single import run_stage
+
     from trsp_ray.distributed import planner
     from trsp_ray.pipeline import device_kind, prepare
 
@@ -186,7 +187,8 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: skipped: no CUDA device is visible", flush=True)
         return 0
-    args.out = (args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-check-"))).resolve() / "gpu_check"
+    args.out = (args.out
+                or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-check-"))).resolve() / "gpu_check"
     args.out.mkdir(parents=True, exist_ok=True)
     _env(args.device)
     parts = [("pytest -m gpu", part_pytest), ("SmolLM2 bf16 prune + export + eval", part_prune),
@@ -201,7 +203,8 @@ def main() -> int:
             summary.append((title, "ok", fn(args), time.time() - t0))
         except Exception as exc:
             traceback.print_exc()
-            summary.append((title, "FAILED", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", time.time() - t0))
+            summary.append((title, "FAILED", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+                            time.time() - t0))
         gc.collect()
     print(f"\n=== summary ({time.time() - start:.0f}s, load average {os.getloadavg()[0]:.2f}) ===")
     for title, status, detail, seconds in summary:

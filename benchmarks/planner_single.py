@@ -122,7 +122,8 @@ def main() -> None:
           f"{args.sleb_windows} x {args.sleb_seqlen}-token windows in batches of {args.batch}")
     print(f"{'stage':<16}{'planner GiB':>12}{'measured GiB':>14}{'error':>8}")
     for r in rows:
-        print(f"{r['stage']:<16}{r['planner']:>12.3f}{r['measured']:>14.3f}{(r['planner'] - r['measured']) / r['measured']:>+8.0%}")
+        print(f"{r['stage']:<16}{r['planner']:>12.3f}{r['measured']:>14.3f}"
+              f"{(r['planner'] - r['measured']) / r['measured']:>+8.0%}")
     sleb = next(r for r in rows if r["stage"] == "sleb")
     verdict = "under" if sleb["measured"] <= sleb["planner"] else "OVER"
     print(f"SLEB budget (planner: working copy + one batch's layer inputs + one forward): {sleb['planner']:.3f} GiB; "

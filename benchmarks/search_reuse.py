@@ -22,8 +22,8 @@ budget (about equal) the ratio cannot go below ~0.75 for this grid.
 from __future__ import annotations
 
 import argparse
-import sys
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -85,8 +85,10 @@ def main() -> int:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     print(f"stage-1 settings: first_round_steps={args.first_round_steps} steps_per_round={args.steps_per_round}, "
           f"stage2.steps={args.stage2_steps}")
-    print(f"with reuse:    {with_reuse:7.1f} s, stage-1 computations {a['stage1_computed']}, stage-2 runs {a['stage2_runs']}")
-    print(f"without reuse: {without:7.1f} s, stage-1 computations {b['stage1_computed']}, stage-2 runs {b['stage2_runs']}")
+    print(f"with reuse:    {with_reuse:7.1f} s, stage-1 computations {a['stage1_computed']}, "
+          f"stage-2 runs {a['stage2_runs']}")
+    print(f"without reuse: {without:7.1f} s, stage-1 computations {b['stage1_computed']}, "
+          f"stage-2 runs {b['stage2_runs']}")
     print(f"reuse/no-reuse wall-time ratio: {with_reuse / without:.3f} (goal <= 0.6)")
     trials_a, trials_b = trial_phase_seconds(root / "reuse"), trial_phase_seconds(root / "no-reuse")
     print(f"trial phase only (start -> last trial finished): {trials_a:.1f} s vs {trials_b:.1f} s, "

@@ -45,7 +45,8 @@ def main() -> None:
     model, _ = load_model(args.model)
     gates = attach_gates(model)
     candidates = list(range(1, len(gates) - 1))
-    batch = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen),
+                          generator=torch.Generator().manual_seed(0))
     gate_params = gates.gate_params()
     base = [p for p in model.parameters() if all(p is not g for g in gate_params)]
 

@@ -46,7 +46,8 @@ def job_config(args: argparse.Namespace):
         "data": {"seqlen": 2048 if gpu else 128, "batch_size": max(args.workers, 2 if not gpu else args.workers)},
         "stage1": {"lambda1": args.lambda1, "first_round_steps": 32, "steps_per_round": 8},
         "stage2": {"lambda2": args.lambda2, "steps": 200, "trainable": "all"},
-        # MLflow, written by the driver: --tracking-uri, else $TRSP_RAY_MLFLOW_DIR/mlflow.db, else <storage-path>/mlflow.db
+        # MLflow, written by the driver: --tracking-uri, else $TRSP_RAY_MLFLOW_DIR/mlflow.db,
+        # else <storage-path>/mlflow.db
         "tracking": {"enabled": not args.no_tracking, "tracking_uri": args.tracking_uri},
         # cpus_per_worker 0 = auto: 1, or the node's CPUs per GPU with --offload-optimizer (CPU Adam)
         "distributed": {"workers": args.workers, "strategy": "zero3", "use_gpu": gpu, "cpus_per_worker": 0,
@@ -74,10 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--storage-path", default=None, help="Ray Train storage (shared across nodes)")
     p.add_argument("--max-failures", type=int, default=3)
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $TRSP_RAY_MLFLOW_DIR/mlflow.db, else sqlite in --storage-path)")
+    p.add_argument("--tracking-uri", default=None,
+                   help="MLflow tracking URI (default: $TRSP_RAY_MLFLOW_DIR/mlflow.db, else sqlite in --storage-path)")
     p.add_argument("--no-tracking", action="store_true", help="no MLflow run")
     p.add_argument("--config", default=None, help="YAML run config applied over the defaults")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. stage2.steps=50")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. stage2.steps=50")
     p.add_argument("--deepspeed", action="append", default=[], metavar="KEY=VALUE",
                    help="extra DeepSpeed option, e.g. zero_optimization.stage3_max_live_parameters=5e8")
     p.add_argument("--fault-round", type=int, default=None, help="test only: kill worker 1 once in this stage-1 round")
@@ -94,7 +97,6 @@ def main(argv=None) -> int:
     try:
         cfg = job_config(args)
         from trsp_ray import assets
-
         from trsp_ray.distributed.deepspeed_config import build_ds_config
 
         options = parse_options(args.deepspeed)

@@ -38,8 +38,8 @@ def job_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trsp_ray.run_args import add_run_arguments
     from trsp_ray.errors import TrspError
+    from trsp_ray.run_args import add_run_arguments
     from trsp_ray.search.cli import add_arguments, add_method_argument
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -138,7 +138,7 @@ def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
     names = ("dense", "trsp", "shortgpt", "shortgpt+heal")
     local = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir), names)}
     uri = f"sqlite:///{tmp_path / 'ml.db'}"
-    summary = run_benchmark_ray(_cfg(tiny_dir, f"tracking.enabled=true", f"tracking.tracking_uri={uri}"), names,
+    summary = run_benchmark_ray(_cfg(tiny_dir, "tracking.enabled=true", f"tracking.tracking_uri={uri}"), names,
                                 workers=2)
     assert [s["row"] for s in summary] == list(names)
     for s in summary:  # the same jobs on Ray give the same numbers as in this process

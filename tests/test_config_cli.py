@@ -32,7 +32,8 @@ def test_bad_config_values(override, needle):
 
 def _cli(tmp_path, *args):
     return subprocess.run([sys.executable, "-m", "trsp_ray.cli", *args], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300, env={**__import__("os").environ, "TRSP_RAY_MLFLOW_DIR": str(tmp_path / "ml")})
+                          cwd=tmp_path, timeout=300,
+                          env={**__import__("os").environ, "TRSP_RAY_MLFLOW_DIR": str(tmp_path / "ml")})
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -84,7 +84,8 @@ def test_mlflow_store_of_a_distributed_run(tmp_path, monkeypatch):
 def test_worker_threads_follow_the_nodes_cores_under_offload():
     from trsp_ray.distributed.train import worker_cpus
 
-    gpu_nodes = [{"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}}] * 2 + [{"Alive": True, "Resources": {"CPU": 8.0}}]
+    gpu_nodes = ([{"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}}] * 2
+                 + [{"Alive": True, "Resources": {"CPU": 8.0}}])
     offload = DistributedConfig(workers=16, use_gpu=True, offload_optimizer=True)
     assert worker_cpus(offload, gpu_nodes) == 12  # 96 cores / 8 GPUs; the CPU-only head does not count
     assert worker_cpus(DistributedConfig(workers=16, use_gpu=True), gpu_nodes) == 1  # no CPU Adam to feed

@@ -65,7 +65,8 @@ def test_streamed_files_equal_save_pretrained(tmp_path, family):
     config = lambda d: json.loads((tmp_path / d / "config.json").read_text())
     assert config("s") == config("r") and config("s")["num_hidden_layers"] == 4
     check = done["export_check"]
-    assert check["shards"] > 1 and check["largest_shard_bytes"] <= max(10**5, max(t.numel() * 4 for t in saved.values()))
+    assert (check["shards"] > 1
+            and check["largest_shard_bytes"] <= max(10**5, max(t.numel() * 4 for t in saved.values())))
     assert check["tensors"] == len(saved) and check["max_abs_logit_diff"] <= check["atol"] == 1e-5
     index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(saved)
@@ -119,7 +120,8 @@ print(json.dumps({"diff": diff, "cached": cached.tolist(), "nocache": seq[0, 6:]
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_export_loads_in_plain_transformers_and_generates(tmp_path, family):
-    export_streaming(_gated(family), tokenizer=None, drop=DROP, output=str(tmp_path / "s"), manifest={}, max_shard_mb=0.2)
+    export_streaming(_gated(family), tokenizer=None, drop=DROP, output=str(tmp_path / "s"), manifest={},
+                     max_shard_mb=0.2)
     pruned = tiny_model(family)
     remove_layers(pruned, DROP)
     ids = torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(5))
@@ -277,7 +279,8 @@ def _zero3_export(model_dir, out, world: int) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(model_dir), str(out)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
              for r in range(world)]
     results = []
     for proc in procs:
@@ -300,4 +303,5 @@ def test_zero3_gloo_export_equals_the_plain_export(tmp_path, world):
     zero3, plain = _tensors(tmp_path / "zero3"), _tensors(tmp_path / "plain")
     assert sorted(zero3) == sorted(plain) and "lm_head.weight" not in zero3
     assert all(torch.equal(zero3[k], plain[k]) for k in plain)
-    assert sorted(p.name for p in (tmp_path / "zero3").iterdir()) == sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert (sorted(p.name for p in (tmp_path / "zero3").iterdir())
+            == sorted(p.name for p in (tmp_path / "plain").iterdir()))

@@ -3,7 +3,6 @@
 there and the offloaded run equals the one without offload."""
 
 import pytest
-
 from test_distributed_ray import OVERRIDES, _logits, start_own_ray, stop_own_ray, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
 
 pytestmark = [pytest.mark.ray]
@@ -12,11 +11,11 @@ STRONG = ["stage1.lambda1=2.0", "stage1.lr=0.3", "stage1.first_round_steps=6", "
           "stage2.steps=2"]
 
 
-def _run(tiny_dir, tmp_path, extra):
+def _run(model_dir, tmp_path, extra):
     from trsp_ray.config import load_config
     from trsp_ray.distributed.train import run_distributed
 
-    cfg = load_config(overrides=[f"model={tiny_dir}", f"distributed.storage_path={tmp_path / 'storage'}",
+    cfg = load_config(overrides=[f"model={model_dir}", f"distributed.storage_path={tmp_path / 'storage'}",
                                  f"output={tmp_path / 'out'}"] + OVERRIDES + STRONG + extra)
     start_own_ray()
     try:

@@ -217,7 +217,8 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
          f"--dashboard-port={dash}", "--include-dashboard=true",
          # Another Ray on the machine may hold the default agent ports; the job agent must bind.
          f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-         f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}", "--num-cpus=2", "--num-gpus=0",
+         f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+         "--num-cpus=2", "--num-gpus=0",
          f"--temp-dir={temp_dir}"], env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -247,7 +248,8 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
         assert len(runs) == 1 and runs[0].data.metrics["layers_dropped"] == len(drop) == 2
         assert runs[0].data.metrics["rounds_computed"] == 2 and runs[0].data.metrics["stage1/peak_gb"] > 0
         assert [m.value for m in client.get_metric_history(runs[0].info.run_id, "stage1/dropped")] == drop
-        assert {"gate_trajectories.png", "trsp_ray.json"} <= {a.path for a in client.list_artifacts(runs[0].info.run_id)}
+        assert ({"gate_trajectories.png", "trsp_ray.json"}
+                <= {a.path for a in client.list_artifacts(runs[0].info.run_id)})
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # only the head (and its children) this test started
         head.wait(timeout=60)
@@ -321,7 +323,8 @@ def test_lost_nodes_in_stage1_and_stage2_resume_on_a_replacement(tiny_dir, tmp_p
         raise out["error"]
     result = out["result"]
     starts = [e for e in result.events if e["event"] == "start"]
-    print("starts:", [(s["attempt"], s["resumed_from"], s["nodes"]) for s in starts], "removed", removed, "added", added)
+    print("starts:", [(s["attempt"], s["resumed_from"], s["nodes"]) for s in starts],
+          "removed", removed, "added", added)
     assert len(removed) == 2 and result.attempts() == 3
     assert len(set(starts[0]["nodes"])) == 2  # the workers ran on both nodes
     assert removed[0] in starts[0]["nodes"] and removed[1] in starts[1]["nodes"]
@@ -330,7 +333,8 @@ def test_lost_nodes_in_stage1_and_stage2_resume_on_a_replacement(tiny_dir, tmp_p
     # No finished round or step recomputed: round 1 once (attempt 1), round 2 once (attempt 2),
     # stage-2 steps 1-2 in attempt 2 and only 3-4 in attempt 3.
     assert [(e["round"], e["attempt"]) for e in result.events if e["event"] == "round"] == [(1, 1), (2, 2)]
-    assert [(e["rounds_computed"], e["attempt"]) for e in result.events if e["event"] == "stage1_done"] == [(1, 2), (0, 3)]
+    assert ([(e["rounds_computed"], e["attempt"]) for e in result.events if e["event"] == "stage1_done"]
+            == [(1, 2), (0, 3)])
     assert [(e["step"], e["attempt"]) for e in result.events if e["event"] == "checkpoint"] == [(2, 2)]
     assert [(e["steps_computed"], e["attempt"]) for e in result.events if e["event"] == "stage2_done"] == [(2, 3)]
     assert result.drop_order == clean_run[0].drop_order

@@ -41,7 +41,8 @@ def test_csv_and_markdown_hold_every_task_and_the_failure():
     assert [r["candidate"] for r in rows] == ["trsp-25", "broken"]
     assert float(rows[0]["mean5_acc"]) == pytest.approx(0.4)
     assert float(rows[0]["boolq.acc"]) == 0.7 and rows[0]["boolq.acc_norm"] == ""
-    assert float(rows[0]["prefill_speedup"]) == 1.33 and float(rows[0]["ideal_speedup"]) == pytest.approx(1.3636, abs=1e-4)
+    assert (float(rows[0]["prefill_speedup"]) == 1.33
+            and float(rows[0]["ideal_speedup"]) == pytest.approx(1.3636, abs=1e-4))
     assert rows[1]["status"] == "failed" and "does not load" in rows[1]["error"] and rows[1]["ppl"] == ""
     md = report.to_markdown([OK, BAD], footer="PPL on held-out text")
     header = md.splitlines()[0]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from trsp_ray.families import FAMILIES, decoder_layers, family_of, per_layer_lists
 from trsp_ray.errors import TrspError
+from trsp_ray.families import FAMILIES, decoder_layers, family_of, per_layer_lists
 from trsp_ray.gates import GatedLayer, attach_gates, detach_gates
 from trsp_ray.surgery import remove_layers
 from trsp_ray.tiny import tiny_model

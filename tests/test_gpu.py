@@ -84,10 +84,10 @@ def test_bf16_stepper_uses_fp32_masters_on_the_device(device):
 
 
 def test_export_check_runs_on_the_model_device(device, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from trsp_ray.export import export_model
     from trsp_ray.surgery import remove_layers
-
-    from transformers import AutoModelForCausalLM
 
     tiny_model("llama", layers=4).save_pretrained(tmp_path / "src")  # loaded in bf16 as load_model does
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).to(device).eval()

@@ -42,6 +42,7 @@ def test_ray_and_deepspeed_only_in_orchestration_packages():
 
 def test_import_trsp_ray_is_light():
     code = ("import sys, trsp_ray, trsp_ray.config, trsp_ray.cli; "
-            "print(sorted(m for m in ('torch','transformers','ray','deepspeed','mlflow','lm_eval') if m in sys.modules))")
+            "print(sorted(m for m in ('torch','transformers','ray','deepspeed','mlflow','lm_eval') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

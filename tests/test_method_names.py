@@ -38,5 +38,6 @@ def test_method_names_are_spelled_only_in_the_registry_and_cli():
 def test_the_scan_sees_a_spelled_name(tmp_path):
     # The check above must be able to fail: a module comparing against a method name is caught.
     bad = tmp_path / "bad.py"
-    bad.write_text('def f(cfg):\n    """trsp-oneshot in a docstring is prose."""\n    return cfg.method == "trsp-oneshot"\n')
+    bad.write_text('def f(cfg):\n    """trsp-oneshot in a docstring is prose."""\n'
+                   '    return cfg.method == "trsp-oneshot"\n')
     assert _spelled(bad) == [(3, "trsp-oneshot")]

@@ -109,8 +109,8 @@ def test_prune_reports_bos_convention_dense_ppl(tmp_path):
 def test_smollm2_tokenizer_windows_unchanged(tmp_path):
     """SmolLM2's tokenizer adds no BOS, so the Workbench scores exactly the windows it always did."""
     from trsp_ray.config import load_config
-    from trsp_ray.workbench import prepare
     from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.workbench import prepare
 
     root = tiny_workspace(tmp_path, layers=4, calib_chars=20000, eval_chars=8000)
     bench = prepare(load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",

@@ -30,5 +30,6 @@ def test_stage1_drop_set_costs_less_than_the_median_random_set_on_smollm2():
     random_ces = sorted(tail_ce(rng.sample(candidates, n_drop)) for _ in range(20))
     median = (random_ces[9] + random_ces[10]) / 2
     dense = tail_ce([])
-    print(f"tail CE: dense {dense:.3f}, stage 1 {chosen:.3f}, random median {median:.3f}, best random {random_ces[0]:.3f}")
+    print(f"tail CE: dense {dense:.3f}, stage 1 {chosen:.3f}, random median {median:.3f}, "
+          f"best random {random_ces[0]:.3f}")
     assert dense < chosen < median

@@ -94,7 +94,7 @@ def test_paper_dry_run_prints_every_cell_with_route_and_plan_within_8x80gb(tmp_p
     assert not list(tmp_path.iterdir()), "a dry run writes nothing"
     cells = build_grid(PAPER)
     lines = {c.id: next(line for line in out.splitlines() if line.strip().startswith(c.id)) for c in cells}
-    for cid, line in lines.items():
+    for _cid, line in lines.items():
         assert ("single process on one GPU" in line or "Ray Train worker(s), ZeRO-3 on GPU" in line) and " GB" in line
         peak = float(line.split("peak ")[1].split(" of")[0])
         assert 0 < peak <= 80, line
@@ -130,7 +130,6 @@ def test_a_gpu_preset_on_a_machine_without_cuda_fails_on_one_line_before_any_wor
     import dataclasses
 
     import torch
-
     from test_reproduce_resume import tiny_preset
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

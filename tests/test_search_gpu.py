@@ -40,7 +40,8 @@ def _llama2_7b(tmp_path):
 def test_route_gives_small_models_a_gpu_fraction_and_large_ones_ray_train(assets, tmp_path):
     tiny = str(assets / "model")
     small = trial_route(_base(assets, "device=auto"), model_path=tiny, cluster={"CPU": 16, "GPU": 8})
-    assert (small.use_gpu, small.gpus, small.workers) == (True, 0.25, 0) and small.resources(2) == {"cpu": 2, "gpu": 0.25}
+    assert ((small.use_gpu, small.gpus, small.workers) == (True, 0.25, 0)
+            and small.resources(2) == {"cpu": 2, "gpu": 0.25})
     assert small.eval_gpus == 0.25 and small.gpus_per_trial() == 0.25
     cpu = trial_route(_base(assets, "device=auto"), model_path=tiny, cluster={"CPU": 2})
     assert (cpu.use_gpu, cpu.gpus, cpu.workers) == (False, 0.0, 0) and cpu.resources(1) == {"cpu": 1}

@@ -8,8 +8,8 @@ from trsp_ray.config import load_config
 from trsp_ray.errors import TrspError
 from trsp_ray.search.cache import RunLog
 from trsp_ray.search.space import grid_points, parse_space, sample_points, trial_key
-from trsp_ray.stage1_store import Stage1Store, stage1_key
 from trsp_ray.stage1 import Stage1Result
+from trsp_ray.stage1_store import Stage1Store, stage1_key
 
 GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3], "stage2.lambda2": [1e-3]}}
 
@@ -81,14 +81,16 @@ def test_bad_values_and_methods_fail_before_any_trial(config_dir):
     # the default method heals after stage 1: lambda2 would be a dimension that changes nothing
     with pytest.raises(TrspError, match="stage2.lambda2 acts only in stage 2, which method='trsp\\+heal' does not run"):
         plan_trials(load_config(overrides=[f"model={config_dir}"]), parse_space(GRID))
-    points, _, _ = plan_trials(load_config(overrides=[f"model={config_dir}"]), parse_space({"params": {"ratio": [0.25, 0.375]}}))
+    points, _, _ = plan_trials(load_config(overrides=[f"model={config_dir}"]),
+                               parse_space({"params": {"ratio": [0.25, 0.375]}}))
     assert len(points) == 2
 
 
 def test_stage1_plan_shares_one_computation_per_lambda1_at_the_largest_ratio(config_dir):
     from trsp_ray.search.run import plan_trials
 
-    points, layers, n_drop = plan_trials(load_config(overrides=[f"model={config_dir}", "method=trsp"]), parse_space(GRID))
+    points, layers, n_drop = plan_trials(load_config(overrides=[f"model={config_dir}", "method=trsp"]),
+                                         parse_space(GRID))
     assert layers == 8 and len(points) == 6
     assert sorted(n_drop.values()) == [3, 3]  # two lambda1 values, each planned for round(0.375 * 8)
 

@@ -140,7 +140,8 @@ def test_fresh_model_is_an_equal_independent_copy():
             p.add_(1.0)
     with torch.no_grad():
         assert not torch.equal(copy(input_ids=batch).logits, original(input_ids=batch).logits)
-    assert torch.equal(bench.fresh_model().model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(bench.fresh_model().model.layers[0].mlp.up_proj.weight,
+                       original.model.layers[0].mlp.up_proj.weight)
 
 
 def test_fresh_model_is_made_on_the_device_without_a_host_copy():
@@ -273,10 +274,8 @@ def test_plan_too_large_for_one_device_is_refused_before_any_work(monkeypatch, c
 def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypatch, tmp_path):
     """driver.run hands a run the planner sends to workers to run_distributed, with that many."""
     from trsp_ray import driver, workbench
-    from trsp_ray.config import load_config
+    from trsp_ray.config import load_config, replace
     from trsp_ray.distributed import planner, train
-
-    from trsp_ray.config import replace
 
     seen = {}
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_reproduce_resume import tiny_preset
+
 from trsp_ray.reproduce.grid import read_events
 from trsp_ray.reproduce.run import run_reproduce
 
@@ -99,8 +99,8 @@ def test_a_ray_train_cell_gets_the_shared_stage1_and_reports_its_kept_layers(tmp
 
         from trsp_ray.export import export_model
         from trsp_ray.methods import apply_method
-        from trsp_ray.workbench import prepare
         from trsp_ray.stage1_store import result_from
+        from trsp_ray.workbench import prepare
 
         handed.append((cell_id, stage1["drop_order"]))
         bench = prepare(cfg)

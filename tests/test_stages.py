@@ -330,7 +330,8 @@ def test_refinement_undoes_a_myopic_greedy_choice():
         return costs[frozenset(drop)]
 
     result = Stage1Result(drop_order=[1, 3], round1_ranking=[])
-    result.probes = [{"round": 1, "scores": {"1": 0.1, "2": 0.2, "4": 0.3}}, {"round": 2, "scores": {"3": 1.0, "4": 1.2}}]
+    result.probes = [{"round": 1, "scores": {"1": 0.1, "2": 0.2, "4": 0.3}},
+                     {"round": 2, "scores": {"3": 1.0, "4": 1.2}}]
     _refine(result, scorer=scorer, passes=2, current=1.0)
     assert result.drop_order == [2, 3]
     assert result.swaps == [{"out": 1, "in": 2, "score": 0.5}]

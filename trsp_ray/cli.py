@@ -81,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_benchmark)
     from trsp_ray.distributed.cli import register as register_plan
     from trsp_ray.evaluation.cli import register as register_eval
-
     from trsp_ray.reproduce.cli import register as register_reproduce
     from trsp_ray.search.cli import register as register_search
 

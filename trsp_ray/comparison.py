@@ -67,8 +67,8 @@ def _seeded(cfg_dict: dict, seed: int) -> RunConfig:
 def selection_job(cfg_dict: dict, selector: str, seed: int) -> dict:
     """One selection (trsp = a stage-1 run; shortgpt, sleb, random) for one seed, as a plain dict."""
     from trsp_ray.gates import attach_gates
-    from trsp_ray.methods import select
     from trsp_ray.logs import log
+    from trsp_ray.methods import select
     from trsp_ray.workbench import prepare
 
     bench = prepare(_seeded(cfg_dict, seed))
@@ -128,8 +128,8 @@ def _sleb_note(cfg: RunConfig) -> str:
 
 def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None) -> dict:
     """Prune (or not, for dense), recover as the row says and score one row for one seed."""
-    from trsp_ray.methods import apply_method
     from trsp_ray.logs import log
+    from trsp_ray.methods import apply_method
     from trsp_ray.workbench import kept_parameters, prepare
 
     row = registry.ROWS[row_name]
@@ -268,7 +268,8 @@ def table_rows(summary: list[dict]) -> list[dict]:
         vs = "-" if "vs best" not in s else ("best baseline" if s["row"] == s["best baseline"] else
                                              f"{s['vs best']:.2f} ({verdicts.get('held-out PPL', '')})")
         out.append({"group": s["group"], "row": s["row"],
-                    "dropped (seed 1)": " ".join(map(str, sorted(s["drop"]))) + ("" if s["same drop over seeds"] else " *"),
+                    "dropped (seed 1)": (" ".join(map(str, sorted(s["drop"])))
+                                         + ("" if s["same drop over seeds"] else " *")),
                     "kept %": s["kept %"], "calib tokens": s["calib tokens"],
                     "select cost (M)": s["select cost"] / 1e6, "weight tokens": s["weight tokens"],
                     "held-out PPL": _fmt(s["held-out PPL"]), "domain-2 PPL": _fmt(s["domain-2 PPL"]),
@@ -293,7 +294,8 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         f"larger spread is a tie.\nheld-out: {heldout_source}; domain 2: {domain2_source}; PPL over "
         f"{d.eval_max_windows or 'all'} windows of {d.eval_seqlen} tokens.\n"
         f"trained rows: {cfg.stage2.steps} batches of {d.batch_size}x{d.seqlen} tokens of weight updates each, "
-        f"objective {cfg.recovery.objective}; select cost = dense-forward tokens (millions) spent choosing the drop set.\n"
+        f"objective {cfg.recovery.objective}; select cost = dense-forward tokens (millions) spent choosing the "
+        "drop set.\n"
         + _sleb_note(cfg))
     if zeroshot_limit:
         parts.append(f"zero-shot: mean acc over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, {zeroshot_limit} items "
@@ -336,8 +338,8 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
 
     from trsp_ray import assets, plots
     from trsp_ray.logs import log
-    from trsp_ray.workbench import kept_parameters, prepare
     from trsp_ray.tracking import make_tracker
+    from trsp_ray.workbench import kept_parameters, prepare
 
     selected = check_request(cfg, rows, seeds, zeroshot_limit)
     seed_list = [cfg.seed + k for k in range(seeds)]
@@ -354,7 +356,8 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     try:
         with tracker.run(f"benchmark-r{cfg.ratio}", tags={"kind": "benchmark", "model": cfg.model}):
             tracker.log_params(cfg.to_dict())
-            tracker.log_params({"data.heldout_source": bench.texts.heldout_source, "data.domain2_source": domain2_source,
+            tracker.log_params({"data.heldout_source": bench.texts.heldout_source,
+                                "data.domain2_source": domain2_source,
                                 "rows": ",".join(r.name for r in selected), "seeds": seeds,
                                 "zeroshot_limit": zeroshot_limit})
 

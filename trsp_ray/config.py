@@ -188,7 +188,8 @@ class DistributedConfig:
     workers: int = 0  # 0 = single process, no Ray Train
     strategy: str = "zero3"  # zero3 | ddp
     use_gpu: bool = False
-    cpus_per_worker: int = 0  # CPUs (= torch threads) per worker; 0 = auto: 1, or the node's CPUs per worker when offloading
+    # CPUs (= torch threads) per worker; 0 = auto: 1, or the node's CPUs per worker when offloading
+    cpus_per_worker: int = 0
     offload_params: bool = False
     offload_optimizer: bool = False
     grad_accum: int = 1
@@ -251,7 +252,8 @@ class RunConfig:
             raise TrspError(f"ratio={self.ratio!r} is not valid; it must be in the open interval (0, 1)")
         _choice("device", self.device, ("cpu", "cuda", "auto"))
         if self.recovery.objective == "kd" and self.distributed.workers > 0:
-            raise TrspError(f"recovery.objective='kd' is not available with distributed.workers={self.distributed.workers}: "
+            raise TrspError(f"recovery.objective='kd' is not available with "
+                            f"distributed.workers={self.distributed.workers}: "
                             f"the Ray Train path trains with ce; use recovery.objective=ce or distributed.workers=0")
         _choice("dtype", self.dtype, ("auto", "bf16", "fp16", "fp32"))
         if self.threads is not None:

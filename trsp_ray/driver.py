@@ -4,7 +4,6 @@ one device cannot hold goes to Ray Train workers (`run_on_workers`)."""
 
 from __future__ import annotations
 
-
 from trsp_ray import assets, registry, workbench
 from trsp_ray.config import RunConfig
 from trsp_ray.logs import log
@@ -128,7 +127,8 @@ def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
     texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
     for key, name in (("dense_ppl", cfg.model), ("heldout_ppl", result.output)):
         model, tokenizer = workbench.load_model(name, device=cfg.device, dtype=workbench.run_dtype(cfg))
-        results[key] = perplexity(model, workbench.encode_cached(tokenizer, texts.heldout), seqlen=cfg.data.eval_seqlen, batch_size=4,
+        results[key] = perplexity(model, workbench.encode_cached(tokenizer, texts.heldout),
+                                  seqlen=cfg.data.eval_seqlen, batch_size=4,
                                   max_windows=cfg.data.eval_max_windows, bos=bos_token(tokenizer))
         del model
         log(f"{key.replace('_', ' ')} {results[key]:.2f}")

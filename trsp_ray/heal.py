@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trsp_ray.training import (Batches, MakeStepper, Report, TorchStepper, add_lora, freeze, merge_lora,
-                               null_report)
+from trsp_ray.training import Batches, MakeStepper, Report, TorchStepper, add_lora, freeze, merge_lora, null_report
 
 
 @dataclass

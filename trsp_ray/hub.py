@@ -55,8 +55,12 @@ def config_file(name: str) -> Path:
 
 def _hub_config(repo_id: str) -> Path:
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     cache = hub_cache_dir()
     try:

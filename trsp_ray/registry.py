@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from trsp_ray.errors import TrspError
 
-
 TRSP_SELECTOR = "trsp"  # the selector that is TRSP's stage 1
 
 

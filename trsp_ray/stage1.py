@@ -46,10 +46,12 @@ def candidate_layers(num_layers: int, *, protect_head: int, protect_tail: int) -
 
 def check_drop_count(n_drop: int, candidates: list[int], ratio: float, num_layers: int) -> None:
     if n_drop < 1:
-        raise TrspError(f"ratio={ratio} drops round({ratio}*{num_layers})=0 layers; use a ratio >= {0.5 / num_layers:.3f}")
+        raise TrspError(f"ratio={ratio} drops round({ratio}*{num_layers})=0 layers; "
+                        f"use a ratio >= {0.5 / num_layers:.3f}")
     if n_drop > len(candidates):
         raise TrspError(f"ratio={ratio} asks to drop {n_drop} layers but only {len(candidates)} are candidates "
-                        f"(layers {candidates[0]}..{candidates[-1]}); use a ratio <= {len(candidates) / num_layers:.3f} "
+                        f"(layers {candidates[0]}..{candidates[-1]}); "
+                        f"use a ratio <= {len(candidates) / num_layers:.3f} "
                         f"or protect fewer head/tail layers")
 
 

@@ -10,8 +10,9 @@ changed setting recomputes instead of silently reusing a stale result.
 
 `<root>/<key>.json` holds the result and the content it was keyed by (to read why two keys
 differ); `<root>/<key>.n<layers>.rounds.pt` holds the rounds finished so far of a computation in
-progress (`checkpoints`), so an interrupted one restarts after its last finished round; writes are atomic, and `obtain` holds a per-key file lock while it computes, so parallel
-processes (search trials, reproduction tasks) wait for one computation instead of repeating it.
+progress (`checkpoints`), so an interrupted one restarts after its last finished round; writes
+are atomic, and `obtain` holds a per-key file lock while it computes, so parallel processes
+(search trials, reproduction tasks) wait for one computation instead of repeating it.
 The root must be on storage every node sees (a shared filesystem on a multi-node cluster).
 No Ray, DeepSpeed or MLflow here: the single-process path could use it too.
 """

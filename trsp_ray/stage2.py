@@ -25,8 +25,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trsp_ray.training import (Batches, MakeStepper, Report, TorchStepper, add_lora, freeze,
-                               layer_param_groups, merge_lora, null_report)
+from trsp_ray.training import (
+    Batches,
+    MakeStepper,
+    Report,
+    TorchStepper,
+    add_lora,
+    freeze,
+    layer_param_groups,
+    merge_lora,
+    null_report,
+)
 
 
 @dataclass

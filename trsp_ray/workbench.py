@@ -17,7 +17,6 @@ from trsp_ray.perplexity import bos_token, encode, perplexity
 from trsp_ray.stage1 import candidate_layers, check_drop_count
 from trsp_ray.training import Batches, set_checkpointing
 
-
 VALIDATION_TOKENS = 4096
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -225,9 +224,11 @@ def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbe
     model, tokenizer = load_model(cfg.model, device="cpu", dtype=run_dtype(cfg))
     calib_ids, val_ids = calibration_ids(tokenizer, texts.calibration)
     heldout_ids = encode_cached(tokenizer, texts.heldout)
-    for name, ids, seqlen in (("calibration", calib_ids, cfg.data.seqlen), ("evaluation", heldout_ids, cfg.data.eval_seqlen)):
+    for name, ids, seqlen in (("calibration", calib_ids, cfg.data.seqlen),
+                              ("evaluation", heldout_ids, cfg.data.eval_seqlen)):
         if ids.numel() < seqlen + 1:
-            raise TrspError(f"{name} text has {ids.numel()} tokens, fewer than one window of {seqlen}; pass a longer text")
+            raise TrspError(f"{name} text has {ids.numel()} tokens, fewer than one window of {seqlen}; "
+                            "pass a longer text")
     return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=calib_ids, heldout_ids=heldout_ids,
                      texts=texts, val_ids=val_ids, device=str(device), bos=bos_token(tokenizer))
 

@@ -61,7 +61,6 @@ def setup_from_args(args: argparse.Namespace):
 
 def run_plan(args: argparse.Namespace) -> int:
     from trsp_ray.distributed import planner
-
     from trsp_ray.errors import TrspError
 
     result = planner.plan(planner.read_shape(args.model_config), setup_from_args(args))

@@ -22,8 +22,8 @@ def quiet_deepspeed() -> None:
 
 def init_deepspeed(*, backend: str) -> None:
     """Attach DeepSpeed's comm layer to the process group Ray Train created."""
-    import torch._dynamo  # noqa: F401  (zero.Init patches module classes; dynamo must be imported first)
     import deepspeed
+    import torch._dynamo  # noqa: F401  (zero.Init patches module classes; dynamo must be imported first)
 
     quiet_deepspeed()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)

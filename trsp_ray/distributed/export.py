@@ -31,7 +31,6 @@ import contextlib
 import copy
 import datetime
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

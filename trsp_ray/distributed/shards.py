@@ -69,7 +69,8 @@ def header(shard: Shard) -> bytes:
     that tensors of one dtype stay aligned to their element size."""
     entries, offset = {}, 0
     for t in shard.tensors:
-        entries[t.name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        entries[t.name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                           "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

@@ -20,6 +20,7 @@ from pathlib import Path
 from trsp_ray.distributed import ray_session
 from trsp_ray.distributed.storage import RunRecords, check_storage, is_remote, location
 from trsp_ray.errors import TrspError
+from trsp_ray.logs import warn
 
 __all__ = ["DistributedResult", "check_plan", "check_resources", "check_storage", "prepare_run", "run_distributed"]
 
@@ -171,7 +172,7 @@ def log_run(cfg, result: DistributedResult, *, name: str, local_storage: str | N
 
     uri = tracking_uri_for(cfg, local_storage)
     if uri is None:
-        print("[trsp_ray] MLflow skipped: storage_path is remote and tracking.tracking_uri is not set", flush=True)
+        warn("MLflow skipped: storage_path is remote and tracking.tracking_uri is not set")
         return None
     tracker = MlflowTracker(tracking_uri=uri, experiment=cfg.tracking.experiment)
     ev = result.events

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from trsp_ray.logs import log
+
 STATE = "state-rank{rank}.pt"  # stage-1 state (+ this rank's optimizer partition)
 ENGINE_DIR = "engine"  # stage-2 DeepSpeed checkpoint (model + optimizer partitions)
 
@@ -42,7 +44,7 @@ class EventLog:
         if self.rank != 0:
             return
         record = {"event": event, "attempt": self.attempt, "time": round(time.time(), 3), **fields}
-        print(f"[trsp_ray worker] {json.dumps(record)}", flush=True)
+        log(f"worker: {json.dumps(record)}")
         if self.store is not None:
             self.store.write(record)
 
@@ -309,7 +311,8 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
     if probes_removal(s1):
         # every rank scores the same windows (each forward is a ZeRO-3 collective); the mean over
         # ranks makes the scores bit-identical, so every rank drops the same layer
-        scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=fixed_windows(_batches(cfg, bench, 200), s1.probe_windows),
+        scorer = RemovalScorer(model=bench.model, gates=bench.gates,
+                               windows=fixed_windows(_batches(cfg, bench, 200), s1.probe_windows),
                                criterion=s1.probe_criterion, reduce=_mean_over_ranks)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],

@@ -17,6 +17,7 @@ from trsp_ray.errors import TrspError
 from trsp_ray.evaluation.harness import check_limit
 from trsp_ray.evaluation.speed import SpeedSettings
 from trsp_ray.evaluation.tasks import DEFAULT_TASKS, STOCK_PREFIX, check_task_names
+from trsp_ray.logs import log
 
 MANIFEST = "trsp_ray.json"
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -162,12 +163,12 @@ class Evaluator:
         if s.ppl:
             ids = self._heldout_ids(tokenizer)
             out["ppl"] = perplexity(model, ids, seqlen=s.ppl_seqlen, max_windows=s.ppl_windows)
-            print(f"{name}: held-out PPL {out['ppl']:.2f} ({time.perf_counter() - start:.1f} s)", flush=True)
+            log(f"{name}: held-out PPL {out['ppl']:.2f} ({time.perf_counter() - start:.1f} s)")
         if s.tasks:
             scored = run_tasks(model, tokenizer, tasks=list(s.tasks), limit=s.limit,
                                batch_size=s.batch_size, task_dir=self._task_dir)
             out["tasks"] = scored["tasks"]
-            print(f"{name}: {len(s.tasks)} tasks scored ({time.perf_counter() - start:.1f} s)", flush=True)
+            log(f"{name}: {len(s.tasks)} tasks scored ({time.perf_counter() - start:.1f} s)")
         if s.speed is not None:
             out["speed"] = self._speed(model)
         out["seconds"] = time.perf_counter() - start

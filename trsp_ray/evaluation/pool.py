@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from trsp_ray.distributed import ray_session
 from trsp_ray.errors import TrspError
 from trsp_ray.evaluation.evaluator import EvalSettings, Evaluator, check_candidate
+from trsp_ray.logs import log as progress_log
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _progress_line(done: int, total: int, result: dict) -> str:
 def evaluate_pool(models: list[str], *, settings: EvalSettings, actors: int = 1,
                   resources: ActorResources = ActorResources(), tracker=None, retries: int = 1,
                   address: str | None = None, on_result: Callable[[dict], None] | None = None,
-                  log: Callable[[str], None] = print) -> list[dict]:
+                  log: Callable[[str], None] = progress_log) -> list[dict]:
     """Evaluate every candidate directory in `models` on a pool of `actors` Ray actors.
 
     Returns one result dict per candidate, in the order given; failed ones have status "failed" and a
@@ -156,7 +157,7 @@ def evaluate_pool(models: list[str], *, settings: EvalSettings, actors: int = 1,
 
 @contextlib.contextmanager
 def actor_pool(*, settings: EvalSettings, actors: int, resources: ActorResources = ActorResources(),
-               retries: int = 1, log: Callable[[str], None] = print):
+               retries: int = 1, log: Callable[[str], None] = progress_log):
     """`actors` started evaluation actors (each constructed, so start-up is over when this yields);
     yields `run(models, report=None) -> results`, which keeps every actor busy until the candidates
     (checked directories) are scored, and can be called again on the same warm actors. Needs Ray

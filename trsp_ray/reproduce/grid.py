@@ -75,7 +75,8 @@ class CellStore:
             for sub in ("cells", "models", "stage1"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise TrspError(f"output {str(out)!r} is not writable ({exc.strerror}); pass a directory you can write to") from None
+            raise TrspError(f"output {str(out)!r} is not writable ({exc.strerror}); "
+                            "pass a directory you can write to") from None
         self.log_path = self.root / "run_log.jsonl"
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
 

@@ -60,7 +60,8 @@ def _fmt(row: dict, col: str) -> str:
 
 
 def footer(preset) -> str:
-    eval_text = preset.run.get("data", {}).get("eval_text") or "gensim enwiki excerpt (real Wikipedia, NOT WikiText-2), held-out articles"
+    eval_text = (preset.run.get("data", {}).get("eval_text")
+                 or "gensim enwiki excerpt (real Wikipedia, NOT WikiText-2), held-out articles")
     e = preset.evaluation
     tasks = ", ".join(e.get("tasks") or ()) or "none"
     return (f"Preset {preset.name}: {preset.description}. Calibration: {preset.calibration}. "
@@ -68,7 +69,8 @@ def footer(preset) -> str:
             f"Zero-shot (lm-eval, 0-shot, limit {e.get('limit') or 'whole split'}): {tasks}; mean5 = mean acc over "
             "PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, in %. Paper numbers: Feng et al. (arXiv 2505.18232), "
             "25% of layers removed, WikiText-2 PPL; d = ours - paper. Every TRSP row of a model prunes from "
-            f"one shared stage-1 run; {UNSHARED} marks a drop set that is not the shared one. " + " ".join(preset.notes))
+            f"one shared stage-1 run; {UNSHARED} marks a drop set that is not the shared one. "
+            + " ".join(preset.notes))
 
 
 def to_markdown(rows: list[dict], foot: str) -> str:

@@ -21,10 +21,21 @@ from pathlib import Path
 
 from trsp_ray.distributed import ray_session
 from trsp_ray.errors import TrspError
+from trsp_ray.logs import log
 from trsp_ray.reproduce.grid import Cell, CellStore, build_grid
 from trsp_ray.reproduce.presets import Preset, get_preset, paper_numbers
-from trsp_ray.reproduce.work import (cell_config, cell_key, cell_record, cell_route, model_shape, prune_cells,
-                                     prune_distributed, prune_key, stage1_route, uses_stage1)
+from trsp_ray.reproduce.work import (
+    cell_config,
+    cell_key,
+    cell_record,
+    cell_route,
+    model_shape,
+    prune_cells,
+    prune_distributed,
+    prune_key,
+    stage1_route,
+    uses_stage1,
+)
 
 
 def eval_settings(preset: Preset, dense_dir: str | None, overrides: dict | None = None):
@@ -64,8 +75,8 @@ class CellPlan:
 def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[str, CellPlan]:
     """Every cell's config, route and shared stage 1, from config files alone (no weights, no
     writes); a bad override, a ratio that drops nothing or a cell that fits no route fails here."""
-    from trsp_ray.workbench import check_inputs
     from trsp_ray.stage1_store import content_key, stage1_content
+    from trsp_ray.workbench import check_inputs
 
     plans: dict[str, CellPlan] = {}
     stage1: dict[tuple, Stage1Plan] = {}
@@ -114,7 +125,8 @@ def _plan_parts(plan) -> str:
 def format_dry_run(preset: Preset, plans: dict[str, CellPlan]) -> str:
     """Every cell with its route and plan, each model's shared stage 1, and what the cluster needs."""
     gpu = any(p.route.device == "gpu" for p in plans.values())
-    workers = f"at most {preset.max_workers} Ray Train workers per cell" if preset.max_workers else "no Ray Train workers"
+    workers = (f"at most {preset.max_workers} Ray Train workers per cell" if preset.max_workers
+               else "no Ray Train workers")
     lines = [f"preset {preset.name}: {len(plans)} cells; {workers}"
              + (f", {preset.gpu_memory_gb:g} GB per GPU" if gpu else ", on CPU")]
     groups = list({id(p.stage1): p.stage1 for p in plans.values() if p.stage1 is not None}.values())
@@ -139,7 +151,8 @@ def format_dry_run(preset: Preset, plans: dict[str, CellPlan]) -> str:
 def dry_run(preset: str | Preset, *, models=None, methods=None, ratios=None, overrides: list[str] | None = None) -> str:
     """The text `--dry-run` prints: nothing is loaded, written or started."""
     p = get_preset(preset) if isinstance(preset, str) else preset
-    return format_dry_run(p, plan_grid(p, build_grid(p, models=models, methods=methods, ratios=ratios), overrides or []))
+    return format_dry_run(p, plan_grid(p, build_grid(p, models=models, methods=methods, ratios=ratios),
+                                       overrides or []))
 
 
 def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, ratios=None,
@@ -150,7 +163,6 @@ def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, 
     Unknown preset/model/method, a bad ratio or override, a cell no route fits fail with a one-line
     TrspError before any model is loaded or Ray is started. `on_cell(cell, record)` is called after
     each stored cell."""
-    from trsp_ray.logs import log
     from trsp_ray.reproduce.report import write_reports
 
     p = get_preset(preset) if isinstance(preset, str) else preset
@@ -245,7 +257,6 @@ def _record_pruned(store: CellStore, plans, cell: Cell, record: dict) -> None:
 def _finish_model(store, p: Preset, key: str, todo: list[Cell], plans, pending, eval_overrides, use_ray,
                   on_cell, computed) -> None:
     """Collect the model's task, run its Ray Train cells from the shared stage 1, score its cells."""
-    from trsp_ray.logs import log
 
     shared: dict = {}
     if pending is not None:
@@ -303,7 +314,7 @@ def _score(store, preset, cells_by_dir: dict, pruned: dict, plans, settings, use
 
         res = ActorResources(num_cpus=1.0, num_gpus=preset.eval_gpus_per_actor)
         evaluate_pool(dirs, settings=settings, actors=min(preset.eval_actors, len(dirs)), resources=res,
-                      on_result=finish, log=lambda m: print(m, flush=True))
+                      on_result=finish, log=log)
         return
     from trsp_ray.evaluation.evaluator import Evaluator
 

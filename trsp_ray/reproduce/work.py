@@ -57,7 +57,8 @@ def prune_key(cfg: RunConfig, method: str, *, calib_fp: str) -> str:
 
 def cell_key(prune: str, eval_settings: dict) -> str:
     """Content key of a scored cell: its export and how it was scored (settings and the text's bytes)."""
-    return content_key({"prune": prune, "eval": eval_settings, "eval_text": text_fingerprint(eval_settings.get("eval_text"))})
+    return content_key({"prune": prune, "eval": eval_settings,
+                        "eval_text": text_fingerprint(eval_settings.get("eval_text"))})
 
 
 def planner_shape(spec):
@@ -173,8 +174,8 @@ def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], sta
 
 def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
     from trsp_ray.config import from_dict
-    from trsp_ray.methods import apply_method
     from trsp_ray.logs import log
+    from trsp_ray.methods import apply_method
     from trsp_ray.stage1_store import result_from
 
     t0 = time.time()

@@ -30,8 +30,8 @@ def _stage1_task(run: dict, n_drop: int) -> dict:
     import ray
 
     from trsp_ray.config import from_dict, replace
-    from trsp_ray.workbench import prepare
     from trsp_ray.search.route import trial_device
+    from trsp_ray.workbench import prepare
 
     cfg = from_dict(run)
     device = trial_device(cfg.device, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
@@ -66,8 +66,8 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
 
     from trsp_ray.config import replace
     from trsp_ray.distributed.handoff import run_stage2_distributed
-    from trsp_ray.workbench import check_inputs
     from trsp_ray.tracking import write_json_atomic
+    from trsp_ray.workbench import check_inputs
 
     route, search_dir, start = config["route"], Path(config["search_dir"]), time.perf_counter()
     num_layers = check_inputs(cfg)  # config.json only: the trial never holds the model

@@ -18,11 +18,11 @@ from trsp_ray import registry
 from trsp_ray.config import RunConfig, from_dict
 from trsp_ray.distributed import ray_session
 from trsp_ray.errors import TrspError
+from trsp_ray.logs import log as progress_log
 from trsp_ray.search.cache import RunLog
-from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
 from trsp_ray.search.layout import TRIALS, trial_record_path
+from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
 from trsp_ray.stage1_store import data_fingerprint, stage1_key
-
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ def best_trial(records: list[dict]) -> dict | None:
     return min((r for r in done if len(r["drop"]) == most), key=lambda r: r["val_ppl"])
 
 
-def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=print) -> dict:
+def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=progress_log) -> dict:
     """Run (or resume) a search; returns a summary with the stage-1/stage-2 counts of this invocation."""
     import ray
 

@@ -81,8 +81,8 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
 
     from trsp_ray.config import from_dict, replace
     from trsp_ray.methods import apply_method
-    from trsp_ray.workbench import kept_parameters, prepare
     from trsp_ray.search.route import trial_device
+    from trsp_ray.workbench import kept_parameters, prepare
 
     torch.set_num_threads(int(config.get("threads") or 1))
     search_dir = Path(config["search_dir"])
