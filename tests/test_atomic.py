@@ -25,7 +25,7 @@ def test_file_writers_replace_and_leave_nothing_else(tmp_path):
     assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
     text = (tmp_path / "sub" / "c.json").read_text()
     assert json.loads(text) == {"x": 1.5, "p": str(tmp_path)}
-    assert text == json.dumps({"x": 1.5, "p": str(tmp_path)}, indent=2)  # tracking.write_json_atomic's format
+    assert text == json.dumps({"x": 1.5, "p": str(tmp_path)}, indent=2)  # the format every JSON record has had
     assert torch.equal(torch.load(tmp_path / "d.pt")["w"], torch.arange(4))
     assert _names(tmp_path) == ["a.txt", "b.bin", "d.pt", "sub"]
     umask = os.umask(0)

@@ -14,9 +14,7 @@ from pathlib import Path
 import torch
 
 from trsp_ray import atomic
-from trsp_ray.atomic import publish, staging_dir  # noqa: F401  (distributed/export.py's two-phase export)
 from trsp_ray.errors import TrspError
-from trsp_ray.tracking import write_json_atomic
 
 MANIFEST = "trsp_ray.json"
 
@@ -69,7 +67,7 @@ def pruned_manifest(*, method: str | None, drop: list[int], num_layers_original:
 
 
 def write_manifest(manifest: dict, directory: Path) -> None:
-    write_json_atomic({**manifest, "versions": versions()}, Path(directory) / MANIFEST)
+    atomic.write_json(Path(directory) / MANIFEST, {**manifest, "versions": versions()})
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from trsp_ray.tracking import write_json_atomic
+from trsp_ray import atomic
 
 if TYPE_CHECKING:
     from trsp_ray.stage1 import Stage1Result
@@ -128,7 +128,7 @@ class Stage1Store:
         return result_from(data)
 
     def put(self, key: str, result: Stage1Result, *, content: dict, **extra) -> None:
-        write_json_atomic({**result_dict(result), "key": key, "content": content, **extra}, self.path(key))
+        atomic.write_json(self.path(key), {**result_dict(result), "key": key, "content": content, **extra})
 
     def rounds_path(self, key: str, n_drop: int) -> Path:
         return self.root / f"{key}.n{n_drop}.rounds.pt"

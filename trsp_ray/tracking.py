@@ -11,8 +11,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from trsp_ray import atomic
-
 
 def default_tracking_uri() -> str:
     root = Path(os.environ.get("TRSP_RAY_MLFLOW_DIR", Path.cwd() / "runs"))
@@ -106,7 +104,3 @@ def make_tracker(*, enabled: bool = True, tracking_uri: str | None = None, exper
         return NullTracker()
     return MlflowTracker(tracking_uri=tracking_uri, experiment=experiment)
 
-
-def write_json_atomic(obj: Any, path: Path) -> None:
-    """atomic.write_json with this module's older argument order, kept for its many callers."""
-    atomic.write_json(path, obj)

@@ -281,8 +281,9 @@ class _Rank0Export:
     the gathers (raising mid-stream would leave the others blocked in the next gather)."""
 
     def __init__(self, model, *, shards, output: str, overwrite: bool):
+        from trsp_ray.atomic import staging_dir
         from trsp_ray.distributed.shards import ShardWriter
-        from trsp_ray.export import check_output_dir, staging_dir
+        from trsp_ray.export import check_output_dir
 
         self.model, self.shards, self.error, self.result, self.tmp, self.writer = model, shards, None, None, None, None
         try:
@@ -314,8 +315,9 @@ class _Rank0Export:
 
     def finish(self, *, tokenizer, reference, device, dtype, vocab: int, kept: list[int], total: int,
                drop: list[int], manifest: dict, reload_note: str, timeout_s: int) -> None:
+        from trsp_ray.atomic import publish
         from trsp_ray.distributed.shards import verify_shards
-        from trsp_ray.export import pruned_manifest, publish, write_manifest
+        from trsp_ray.export import pruned_manifest, write_manifest
 
         if self.error is not None:
             return

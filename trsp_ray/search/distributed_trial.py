@@ -64,9 +64,9 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
     """The trial as above; `config` is the Tune config (see trial.run_trial), `cfg` its RunConfig."""
     import ray
 
+    from trsp_ray import atomic
     from trsp_ray.config import replace
     from trsp_ray.distributed.handoff import run_stage2_distributed
-    from trsp_ray.tracking import write_json_atomic
     from trsp_ray.workbench import check_inputs
 
     route, search_dir, start = config["route"], Path(config["search_dir"]), time.perf_counter()
@@ -103,7 +103,7 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
               "info": {"storage": result.storage}}
     if scored["layers"] != num_layers - len(drop):
         raise RuntimeError(f"export {out} has {scored['layers']} layers, expected {num_layers - len(drop)}")
-    write_json_atomic(record, trial_record_path(search_dir, tkey))
+    atomic.write_json(trial_record_path(search_dir, tkey), record)
     log.write("trial_finished", trial=tkey, val_ppl=record["val_ppl"])
     report({"val_loss": record["val_loss"], "val_ppl": record["val_ppl"], "kept_parameters": record["kept_parameters"],
             "kept_fraction": record["kept_fraction"], "trial_key": tkey, "phase": "final", "done_trial": 1})

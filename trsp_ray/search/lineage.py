@@ -12,7 +12,8 @@ import json
 import time
 from pathlib import Path
 
-from trsp_ray.tracking import _flatten, default_tracking_uri, write_json_atomic
+from trsp_ray import atomic
+from trsp_ray.tracking import _flatten, default_tracking_uri
 
 STATE = "mlflow.json"
 PARENT_TAG = "mlflow.parentRunId"
@@ -138,7 +139,7 @@ def log_search(*, search_dir: Path, name: str, tracking_uri: str | None, experim
     for record in records:
         if record["trial_key"] in new_keys or record["trial_key"] not in children:
             children[record["trial_key"]] = _trial_run(client, exp_id, parent, record)
-            write_json_atomic(state, state_file)  # a crash later still leaves the finished children linked
+            atomic.write_json(state_file, state)  # a crash later still leaves the finished children linked
     _log(client, parent, metrics={k: v for k, v in summary.items() if isinstance(v, (int, float))})
     client.log_figure(parent, pareto_figure(records), "pareto.png")
     client.log_figure(parent, gate_heatmap(records), "gates_heatmap.png")
@@ -147,7 +148,7 @@ def log_search(*, search_dir: Path, name: str, tracking_uri: str | None, experim
         state["model_version"] = register_best(client, children[best["trial_key"]], best, register_name)
         state["registered_trial"] = best["trial_key"]
         client.set_tag(parent, "trsp.best_trial", best["trial_key"])
-    write_json_atomic(state, state_file)
+    atomic.write_json(state_file, state)
     return state
 
 

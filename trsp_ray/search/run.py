@@ -194,7 +194,7 @@ def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, t
 
 def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
     """Records of the trials this invocation ran; early-stopped ones get a 'stopped' record."""
-    from trsp_ray.tracking import write_json_atomic
+    from trsp_ray import atomic
 
     out = []
     for result in results:
@@ -210,7 +210,7 @@ def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
                   "val_loss": metrics.get("val_loss"), "val_ppl": metrics.get("val_ppl"),
                   "error": str(result.error).splitlines()[0][:300] if result.error else None}
         if status == "stopped":  # ASHA's decision is final: a rerun does not revisit the trial
-            write_json_atomic(record, path)
+            atomic.write_json(path, record)
         out.append(record)
     return out
 
@@ -218,9 +218,9 @@ def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
 def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log, route) -> None:
     """Held-out PPL (and optional zero-shot tasks) of every new export, on the evaluation pool
     (actors on GPUs, in bf16, when the search runs on GPUs)."""
+    from trsp_ray import atomic
     from trsp_ray.evaluation.evaluator import EvalSettings
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
-    from trsp_ray.tracking import write_json_atomic
 
     todo = [r for r in records if r["status"] == "finished" and r.get("evaluation") is None]
     if not todo:
@@ -235,7 +235,7 @@ def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log, route
     for record, result in zip(todo, results):
         record["evaluation"] = result
         record["heldout_ppl"] = result.get("ppl")
-        write_json_atomic(record, trial_record_path(opts.search_dir, record["trial_key"]))
+        atomic.write_json(trial_record_path(opts.search_dir, record["trial_key"]), record)
 
 
 def best_trial(records: list[dict]) -> dict | None:

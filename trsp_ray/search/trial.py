@@ -127,9 +127,9 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
               "device": device, "gpu_ids": list(gpu_ids), "route": "single",
               "info": {k: v for k, v in outcome.info.items() if k != "relative_update"}}
     record["model_dir"] = _export(outcome, bench, search_dir, tkey, record)
-    from trsp_ray.tracking import write_json_atomic
+    from trsp_ray import atomic
 
-    write_json_atomic(record, trial_record_path(search_dir, tkey))
+    atomic.write_json(trial_record_path(search_dir, tkey), record)
     log.write("trial_finished", trial=tkey, val_ppl=record["val_ppl"])
     report({"val_loss": val, "val_ppl": record["val_ppl"], "kept_parameters": kept,
             "kept_fraction": record["kept_fraction"], "trial_key": tkey, "phase": "final", "done_trial": 1})
