@@ -110,7 +110,7 @@ def _reloads(path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(path)
     manifest = json.loads((Path(path) / "trsp_ray.json").read_text())
-    assert model.config.num_hidden_layers == 6 - len(manifest["drop"])
+    assert model.config.num_hidden_layers == 6 - len(manifest["dropped_layers"])
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.arange(8)[None]).logits).all()
 
@@ -241,7 +241,7 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
         # The driver logged the run to MLflow in the storage path (the job's default store).
         from mlflow.tracking import MlflowClient
 
-        drop = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())["drop"]
+        drop = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())["dropped_layers"]
         client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'storage' / 'mlflow.db'}")
         runs = client.search_runs([client.get_experiment_by_name("trsp_ray").experiment_id],
                                   "tags.`trsp.kind` = 'distributed'")
