@@ -29,6 +29,12 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _close(figure) -> None:
+    from trsp_ray.plots import _pyplot
+
+    _pyplot().close(figure)
+
+
 class NullTracker:
     """Same interface as MlflowTracker; records nothing."""
 
@@ -43,7 +49,9 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_dict(self, obj: Any, name: str) -> None: ...
     def log_text(self, text: str, name: str) -> None: ...
-    def log_figure(self, figure, name: str) -> None: ...
+    def log_figure(self, figure, name: str) -> None:
+        _close(figure)
+
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
     def set_tags(self, tags: dict) -> None: ...
 
@@ -89,7 +97,12 @@ class MlflowTracker:
         self._mlflow.log_text(text, name)
 
     def log_figure(self, figure, name: str) -> None:
-        self._mlflow.log_figure(figure, name)
+        """Log `figure` as a PNG, then close it: pyplot keeps every open figure alive, and a search or
+        reproduction logs hundreds."""
+        try:
+            self._mlflow.log_figure(figure, name)
+        finally:
+            _close(figure)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self._mlflow.log_artifact(path, artifact_path)
