@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-dir copy of trsp_ray
+PROG = Path(__file__).name  # what argparse calls the job; its own errors start with it too
 
 from trsp_ray import registry  # noqa: E402 (after the path insert)
 
@@ -59,7 +60,7 @@ def job_config(args: argparse.Namespace):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="meta-llama/Llama-2-70b-hf", help="model directory, hub id or smollm2-135m")
     p.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.TRSP_METHODS,
                    help="trsp+heal (default): stage-1 selection, then the stage-2 budget spent healing the pruned "
@@ -91,26 +92,26 @@ def main(argv=None) -> int:
     from trsp_ray.distributed import planner
     from trsp_ray.distributed.deepspeed_config import parse_options
     from trsp_ray.distributed.train import run_distributed
-    from trsp_ray.errors import TrspError
+    from trsp_ray.errors import run_main
 
     args = parse_args(argv)
-    try:
-        cfg = job_config(args)
+
+    def body() -> int:
         from trsp_ray import assets
         from trsp_ray.distributed.deepspeed_config import build_ds_config
 
+        cfg = job_config(args)
         options = parse_options(args.deepspeed)
         ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
         print(planner.format_plan(planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds)), flush=True)
         fault = {"round": args.fault_round} if args.fault_round else None
         result = run_distributed(cfg, ds_options=options, fault=fault, overwrite=args.overwrite)
-    except TrspError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({"drop_order": result.drop_order, "rounds_computed": result.rounds_computed(),
-                      "attempts": result.attempts(), "output": result.output, "storage": result.storage,
-                      "mlflow_run": result.mlflow_run}))
-    return 0
+        print(json.dumps({"drop_order": result.drop_order, "rounds_computed": result.rounds_computed(),
+                          "attempts": result.attempts(), "output": result.output, "storage": result.storage,
+                          "mlflow_run": result.mlflow_run}))
+        return 0
+
+    return run_main(PROG, body)
 
 
 if __name__ == "__main__":

@@ -24,27 +24,24 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-dir copy of trsp_ray
+PROG = Path(__file__).name  # what argparse calls the job; its own errors start with it too
 
 
 def job_config(argv=None) -> argparse.Namespace:
     """The job's arguments: the same flags as `trsp-ray reproduce`, defaulting to the paper preset."""
     from trsp_ray.reproduce.cli import add_arguments
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     add_arguments(p)
     p.set_defaults(preset="paper")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    from trsp_ray.errors import TrspError
+    from trsp_ray.errors import run_main
     from trsp_ray.reproduce.cli import run_from_args
 
-    try:
-        return run_from_args(job_config(argv))
-    except TrspError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_main(PROG, lambda: run_from_args(job_config(argv)))
 
 
 if __name__ == "__main__":

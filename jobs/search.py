@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-dir copy of trsp_ray
+PROG = Path(__file__).name  # what argparse calls the job; its own errors start with it too
 
 
 def job_config(args: argparse.Namespace):
@@ -38,24 +39,23 @@ def job_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trsp_ray.errors import TrspError
+    from trsp_ray.errors import run_main
     from trsp_ray.run_args import add_run_arguments
     from trsp_ray.search.cli import add_arguments, add_method_argument
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     add_run_arguments(parser)
     add_method_argument(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        cfg, space, opts = job_config(args)
+
+    def body() -> int:
         from trsp_ray.search.run import run_search
 
-        summary = run_search(cfg, space, opts)
-    except TrspError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0 if not summary["failed"] else 1
+        cfg, space, opts = job_config(args)
+        return 0 if not run_search(cfg, space, opts)["failed"] else 1
+
+    return run_main(PROG, body)
 
 
 if __name__ == "__main__":

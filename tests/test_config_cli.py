@@ -1,7 +1,9 @@
 """Bad input: a one-line error naming the value and what is valid, exit 2, nothing written."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +59,32 @@ def test_unknown_method_is_rejected(capsys):
         main(["prune", "--method", "magic"])
     assert exc.value.code == 2
     assert "magic" in capsys.readouterr().err
+
+
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
+
+
+@pytest.mark.parametrize("cmd, prog, needle", [
+    ([str(JOBS / "prune_70b.py"), "--no-tracking", "--set", "ratio=1.5"], "prune_70b.py", "ratio=1.5"),
+    ([str(JOBS / "reproduce.py"), "--set", "ratio=1.5"], "reproduce.py", "ratio=1.5"),
+    ([str(JOBS / "search.py"), "--space", "stage1.lambda1=-1"], "search.py", "stage1.lambda1"),
+    (["-m", "trsp_ray.cli", "eval", "--models", ".", "--tasks", "magic", "--no-mlflow"], "trsp-ray", "'magic'"),
+    ([str(JOBS / "prune_70b.py"), "--bogus"], "prune_70b.py", "--bogus"),  # argparse's own error: same shape
+])
+def test_every_entry_point_reports_bad_input_on_one_line_named_after_itself(tmp_path, cmd, prog, needle):
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    lines = [line for line in proc.stderr.splitlines() if ": error:" in line]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-1500:]
+    assert lines[0].startswith(f"{prog}: error: ") and needle in lines[0], lines
+    assert not any(p.name != "ml" for p in tmp_path.iterdir())  # refused before anything was written
+
+
+def test_interrupt_exits_130_and_says_finished_work_is_intact(capsys):
+    from trsp_ray.errors import run_main
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_main("trsp-ray", interrupted) == 130
+    assert capsys.readouterr().err.strip() == "trsp-ray: interrupted; finished exports and checkpoints are intact"

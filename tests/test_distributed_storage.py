@@ -130,6 +130,6 @@ def test_prune_job_refuses_bad_storage_on_one_line(s3, hub_tiny, tmp_path):
         done = subprocess.run([sys.executable, "jobs/prune_70b.py", "--model", "trsp-test/tiny-llama", "--workers", "2",
                                "--device", "cpu", "--storage-path", storage, "--no-tracking"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        errors = [line for line in done.stderr.splitlines() if line.startswith("prune_70b.py: error:")]
         assert done.returncode == 2 and len(errors) == 1 and needle in errors[0], done.stderr[-1500:]
         assert "Started a local Ray instance" not in done.stdout + done.stderr  # refused before Ray started

@@ -92,17 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trsp_ray.errors import TrspError
+    from trsp_ray.errors import run_main
 
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except TrspError as exc:
-        print(f"trsp-ray: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("trsp-ray: interrupted; finished exports and checkpoints are intact", file=sys.stderr)
-        return 130
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_main(parser.prog, lambda: args.func(args))
 
 
 if __name__ == "__main__":

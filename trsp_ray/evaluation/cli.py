@@ -72,31 +72,27 @@ def _footer(settings) -> str:
 
 
 def run_eval(args) -> int:
-    """Validate everything cheap first, then run the pool; returns the process exit code."""
-    from trsp_ray.errors import TrspError
+    """Validate everything cheap first, then run the pool; returns the process exit code (a TrspError
+    reaches `trsp-ray`'s one error line)."""
     from trsp_ray.evaluation import report
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
     from trsp_ray.tracking import make_tracker
 
-    try:
-        settings = _settings(args)
-        cpus = args.cpus_per_actor or max(1, (os.cpu_count() or 1) // max(1, args.actors))
-        resources = ActorResources(num_cpus=cpus, num_gpus=args.gpus_per_actor,
-                                   placement_group=args.placement_group)
-        tracker = make_tracker(enabled=not args.no_mlflow, tracking_uri=args.tracking_uri,
-                               experiment=args.experiment)
-        out = args.out or os.path.join("runs", time.strftime("eval-%Y%m%d-%H%M%S"))
-        with tracker.run("eval", tags={"kind": "eval"}):
-            tracker.log_params({"settings": settings.to_dict(), "actors": args.actors,
-                                "resources": vars(resources), "models": args.models})
-            results = evaluate_pool(args.models, settings=settings, actors=args.actors,
-                                    resources=resources, tracker=tracker, address=args.address)
-            paths = report.write_reports(results, out, footer=_footer(settings))
-            for path in paths.values():
-                tracker.log_artifact(str(path))
-    except TrspError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    settings = _settings(args)
+    cpus = args.cpus_per_actor or max(1, (os.cpu_count() or 1) // max(1, args.actors))
+    resources = ActorResources(num_cpus=cpus, num_gpus=args.gpus_per_actor,
+                               placement_group=args.placement_group)
+    tracker = make_tracker(enabled=not args.no_mlflow, tracking_uri=args.tracking_uri,
+                           experiment=args.experiment)
+    out = args.out or os.path.join("runs", time.strftime("eval-%Y%m%d-%H%M%S"))
+    with tracker.run("eval", tags={"kind": "eval"}):
+        tracker.log_params({"settings": settings.to_dict(), "actors": args.actors,
+                            "resources": vars(resources), "models": args.models})
+        results = evaluate_pool(args.models, settings=settings, actors=args.actors,
+                                resources=resources, tracker=tracker, address=args.address)
+        paths = report.write_reports(results, out, footer=_footer(settings))
+        for path in paths.values():
+            tracker.log_artifact(str(path))
     print(report.format_table(results))
     print(f"results: {paths['csv']} {paths['md']}")
     failed = [r for r in results if r["status"] != "ok"]
