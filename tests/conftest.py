@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -7,11 +8,23 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
+REPO_RUNS = Path(__file__).resolve().parents[1] / "runs"
+
+
+def _repo_runs() -> set[Path]:
+    return set(REPO_RUNS.rglob("*")) if REPO_RUNS.is_dir() else set()
+
 
 @pytest.fixture(autouse=True)
-def _mlflow_in_tmp(tmp_path, monkeypatch):
-    """Keep every test's MLflow store (and runs/ dir) out of the repository."""
+def _outputs_in_tmp(tmp_path, monkeypatch):
+    """Keep every test's MLflow store out of the repository, and fail a test that writes into the
+    repository's runs/ (a default output directory): a stage-1 store left there is reused by a later
+    run, so it must not come from a test."""
     monkeypatch.setenv("TRSP_RAY_MLFLOW_DIR", str(tmp_path / "mlruns"))
+    before = _repo_runs()
+    yield
+    new = sorted(str(p.relative_to(REPO_RUNS)) for p in _repo_runs() - before)
+    assert not new, f"the test wrote into the repository's runs/: {new[:5]}"
 
 
 def pytest_configure(config):

@@ -156,7 +156,8 @@ def test_zero3_two_workers_match_single_process(tiny_dir, tmp_path, single, clea
     from trsp_ray.config import load_config
     from trsp_ray.driver import run
 
-    run(load_config(overrides=[f"model={tiny_dir}", f"output={tmp_path / 'single'}"] + OVERRIDES
+    run(load_config(overrides=[f"model={tiny_dir}", f"output={tmp_path / 'single'}",
+                               f"checkpoint_dir={tmp_path / 'stage1'}"] + OVERRIDES
                     + ["distributed.workers=0", "data.eval_max_windows=2"]))
     diff = (_logits(tmp_path / "single") - _logits(root / "out")).abs().max().item()
     print("max |logit difference| ZeRO-3 vs single process, after stage 2:", diff)
