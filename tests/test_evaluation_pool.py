@@ -152,9 +152,11 @@ def test_cli_eval_writes_tables_and_exit_code(tmp_path, candidates, capsys, own_
     csv_text = (out / "results.csv").read_text()
     assert "boolq.acc" in csv_text and "is not a directory" in csv_text
     assert "pruned" in capsys.readouterr().out
-    bad = parser.parse_args(["eval", "--models", candidates["pruned"], "--limit", "0"])
-    assert bad.func(bad) == 2
-    assert "limit=0" in capsys.readouterr().err
+    from trsp_ray.cli import main
+
+    assert main(["eval", "--models", candidates["pruned"], "--limit", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trsp-ray: error: ") and "limit=0" in err[0], err
 
 
 def test_unknown_stock_task_is_named_in_the_error(candidates):
