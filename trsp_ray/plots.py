@@ -12,6 +12,12 @@ def _pyplot():
     return plt
 
 
+def close(figure) -> None:
+    """Release a figure once it is logged: pyplot keeps every open figure alive for the life of the
+    process, and a search or reproduction logs hundreds."""
+    _pyplot().close(figure)
+
+
 def gate_trajectories(gate_history: list[list[float]], round_ends: list[int], drop_order: list[int]):
     """Each layer's gate value per stage-1 step; dashed lines end rounds, dropped layers in colour."""
     plt = _pyplot()

@@ -29,12 +29,6 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _close(figure) -> None:
-    from trsp_ray.plots import _pyplot
-
-    _pyplot().close(figure)
-
-
 class NullTracker:
     """Same interface as MlflowTracker; records nothing."""
 
@@ -50,7 +44,9 @@ class NullTracker:
     def log_dict(self, obj: Any, name: str) -> None: ...
     def log_text(self, text: str, name: str) -> None: ...
     def log_figure(self, figure, name: str) -> None:
-        _close(figure)
+        from trsp_ray import plots
+
+        plots.close(figure)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
     def set_tags(self, tags: dict) -> None: ...
@@ -97,12 +93,13 @@ class MlflowTracker:
         self._mlflow.log_text(text, name)
 
     def log_figure(self, figure, name: str) -> None:
-        """Log `figure` as a PNG, then close it: pyplot keeps every open figure alive, and a search or
-        reproduction logs hundreds."""
+        """Log `figure` as a PNG, then close it (`plots.close`)."""
+        from trsp_ray import plots
+
         try:
             self._mlflow.log_figure(figure, name)
         finally:
-            _close(figure)
+            plots.close(figure)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self._mlflow.log_artifact(path, artifact_path)

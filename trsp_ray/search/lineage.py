@@ -141,11 +141,13 @@ def log_search(*, search_dir: Path, name: str, tracking_uri: str | None, experim
             children[record["trial_key"]] = _trial_run(client, exp_id, parent, record)
             atomic.write_json(state_file, state)  # a crash later still leaves the finished children linked
     _log(client, parent, metrics={k: v for k, v in summary.items() if isinstance(v, (int, float))})
-    from trsp_ray.plots import _pyplot
+    from trsp_ray import plots
 
     for figure, artifact in ((pareto_figure(records), "pareto.png"), (gate_heatmap(records), "gates_heatmap.png")):
-        client.log_figure(parent, figure, artifact)
-        _pyplot().close(figure)  # pyplot keeps open figures alive for the life of the process
+        try:
+            client.log_figure(parent, figure, artifact)
+        finally:
+            plots.close(figure)
     client.log_dict(parent, {"trials": records}, "trials.json")
     if best is not None and register_name and state.get("registered_trial") != best["trial_key"]:
         state["model_version"] = register_best(client, children[best["trial_key"]], best, register_name)
