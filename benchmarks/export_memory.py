@@ -67,7 +67,7 @@ def worker(args) -> None:
     from trsp_ray.config import DistributedConfig
     from trsp_ray.distributed import engine as eng
     from trsp_ray.distributed.deepspeed_config import build_ds_config
-    from trsp_ray.distributed.export import export_streaming, export_units, gathered, plan
+    from trsp_ray.distributed.export import export_streaming, export_units, gathered, plan_shards
     from trsp_ray.gates import attach_gates
 
     torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def worker(args) -> None:
     eng.StepperFactory(ds_config=ds, rank=rank, world=world)(model, [{"params": gates.gate_params()}])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     units = export_units(model, drop)[0]
-    shards = plan(model, units, max_shard_bytes=int(args.shard_mb * 10**6))
+    shards = plan_shards(model, units, max_shard_bytes=int(args.shard_mb * 10**6))
     largest_unit = max(units, key=lambda u: sum(p.ds_numel for p in u.params()))
     dist.barrier()
     base = _status_kb("VmRSS")

@@ -4,7 +4,7 @@
 
 1. `pytest -m gpu` (tests/test_gpu.py: one model copy on the device, checkpointed gradients,
    fp32 masters, the export check on the device, SLEB and perplexity against CPU, a tiny bf16 prune).
-2. SmolLM2-135M in bf16, single process, activation checkpointing: `pipeline.run` (stage 1,
+2. SmolLM2-135M in bf16, single process, activation checkpointing: `driver.run` (stage 1,
    stage 2, removal, export with its on-device logit check, held-out PPL with the BOS convention).
 3. Planner vs torch.cuda.max_memory_allocated per single-process stage: stage 1 and stage 2 with
    and without checkpointing, SLEB on 32 x 512-token windows, evaluation (planner figure = the
@@ -76,7 +76,7 @@ def _cfg(args, *extra: str):
 
 
 def part_prune(args) -> str:
-    from trsp_ray.pipeline import run
+    from trsp_ray.driver import run
 
     cpu = args.device == "cpu"
     out = args.out / "smollm2-trsp-bf16"
@@ -100,7 +100,7 @@ def part_memory(args) -> str:
     from planner_single import run_stage
 
     from trsp_ray.distributed import planner
-    from trsp_ray.pipeline import device_kind, prepare
+    from trsp_ray.workbench import device_kind, prepare
 
     rows = []
     for stage in ("stage 1", "stage 1 +ckpt", "stage 2", "stage 2 +ckpt", "sleb", "evaluation"):

@@ -54,7 +54,7 @@ def measure(args, stage: str) -> dict:
 
     from trsp_ray.config import load_config
     from trsp_ray.distributed import planner
-    from trsp_ray.pipeline import prepare
+    from trsp_ray.workbench import prepare
 
     cfg = load_config(overrides=_overrides(args, stage))
     bench = prepare(cfg)

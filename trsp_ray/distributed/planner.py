@@ -464,7 +464,7 @@ def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     return p
 
 
-# --- The single-process path (pipeline.run, the benchmark, search trials, reproduction cells) and
+# --- The single-process path (driver.run, the benchmark, search trials, reproduction cells) and
 # the route every job takes: one process on one device when that plan fits, else Ray Train workers.
 #
 # One device holds the working copy of the model (Workbench.fresh_model; the original stays in host

@@ -248,7 +248,7 @@ def _load(config: dict, cfg, *, rank: int, world: int):
 
     path = config["model_path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    # The same training windows as the single-process path (pipeline.calibration_ids).
+    # The same training windows as the single-process path (workbench.calibration_ids).
     calib_ids, _ = calibration_ids(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
     dtype = torch.bfloat16 if cfg.distributed.use_gpu else torch.float32
     model = eng.load_sharded(path, ds_config=config["ds_config"], dtype=dtype)
