@@ -256,7 +256,7 @@ def _fmt(stat: dict | None, digits: int = 2, scale: float = 1.0) -> str:
     return mean
 
 
-COLUMNS = ["row", "dropped (seed 1)", "kept %", "calib tokens", "select cost (M)", "weight tokens",
+COLUMNS = ["row", "dropped (first seed)", "kept %", "calib tokens", "select cost (M)", "weight tokens",
            "held-out PPL", "domain-2 PPL", "zero-shot %", "vs best", "wall s"]
 
 
@@ -268,7 +268,7 @@ def table_rows(summary: list[dict]) -> list[dict]:
         vs = "-" if "vs best" not in s else ("best baseline" if s["row"] == s["best baseline"] else
                                              f"{s['vs best']:.2f} ({verdicts.get('held-out PPL', '')})")
         out.append({"group": s["group"], "row": s["row"],
-                    "dropped (seed 1)": (" ".join(map(str, sorted(s["drop"])))
+                    "dropped (first seed)": (" ".join(map(str, sorted(s["drop"])))
                                          + ("" if s["same drop over seeds"] else " *")),
                     "kept %": s["kept %"], "calib tokens": s["calib tokens"],
                     "select cost (M)": s["select cost"] / 1e6, "weight tokens": s["weight tokens"],
