@@ -109,12 +109,16 @@ def part_memory(args) -> str:
                  "stage1.first_round_steps=2", "stage1.steps_per_round=1", "ratio=0.07", "stage2.steps=2"]
         if name == "sleb":
             extra += ["method=sleb", "data.seqlen=512", "data.batch_size=4", "baselines.sleb_windows=32"]
+        else:  # the paper's method plans a "stage 2"; the default (trsp+heal) plans a "heal" instead
+            extra += ["method=trsp"]
         cfg = _cfg(args, *extra)
         bench = prepare(cfg)
         kind, memory = device_kind(cfg)
         plan = planner.single_plan_for_run(cfg, device=kind, memory_gb=memory,
                                            methods=("sleb",) if name == "sleb" else None)
-        part = next(s for s in plan.stages if s.name == name)
+        part = next((s for s in plan.stages if s.name == name), None)
+        if part is None:
+            raise RuntimeError(f"the plan of {cfg.method} has no stage {name!r}: {[s.name for s in plan.stages]}")
         before_parts = ("runtime overhead", "model (original, host)")
         estimate = part.total - sum(part.parts.get(k, 0.0) for k in before_parts)
         gc.collect()
