@@ -3,11 +3,11 @@ between trials that share it, ASHA on the stage-2 validation loss, MLflow lineag
 
     ray job submit --working-dir . -- python jobs/search.py --model /shared/models/Llama-2-7b-hf \
         --space ratio=0.25,0.3 --space stage1.lambda1=1e-3,5e-3 --space stage2.lambda2=1e-3 \
-        --search-dir /shared/runs/search-llama2-7b --device cuda --cpus-per-trial 8
+        --search-dir /shared/runs/search-llama2-7b --set device=cuda --cpus-per-trial 8
 
 `--search-dir` must be on storage every node sees: it holds the stage-1 store, the trial records
 that make a rerun skip finished trials, the exports, and the JSON-lines run log (`events.jsonl`).
-On GPUs (`--device cuda`, or `auto` on a cluster with GPUs) each trial holds the GPU share the
+On GPUs (`--set device=cuda`, or `device=auto` on a cluster with GPUs) each trial holds the GPU share the
 memory planner gives it (a quarter of one for a small model, `--gpus-per-trial` to override); a
 trial that does not fit one GPU drives stage 2 on Ray Train workers from inside the trial
 (`--trial-workers N` to force it), and the evaluation actors get GPUs too.
@@ -38,8 +38,7 @@ def job_config(args: argparse.Namespace):
     return run_config(args, method=args.method), space, options(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from trsp_ray.errors import run_main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from trsp_ray.run_args import add_run_arguments
     from trsp_ray.search.cli import add_arguments, add_method_argument
 
@@ -47,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(parser)
     add_method_argument(parser)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trsp_ray.errors import run_main
+
+    args = parse_args(argv)
 
     def body() -> int:
         from trsp_ray.search.run import run_search
