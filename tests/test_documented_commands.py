@@ -1,5 +1,6 @@
 """Every trsp-ray and jobs/ command the documentation shows parses with the program it names: the
-README's usage block, cluster/README.md, the jobs' own docstrings and the KubeRay entrypoints. A
+README's usage block, cluster/README.md, the jobs' and the package modules' docstrings and the KubeRay
+entrypoints. A
 renamed or removed flag (or a narrowed choice, like a default method) fails here instead of on a
 user's cluster."""
 
@@ -76,7 +77,7 @@ def parse(argv: list[str]):
 
 
 DOCUMENTS = [ROOT / "README.md", ROOT / "cluster" / "README.md", *sorted((ROOT / "jobs").glob("*.py")),
-             *sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml"))]
+             *sorted((ROOT / "trsp_ray").rglob("*.py")), *sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml"))]
 
 
 def test_every_documented_command_parses(capsys):
