@@ -1,9 +1,9 @@
 """Every trsp-ray and jobs/ command the documentation shows parses with the program it names: the
 README's usage block, cluster/README.md, the jobs' and the package modules' docstrings and the KubeRay
-entrypoints. A
-renamed or removed flag (or a narrowed choice, like a default method) fails here instead of on a
-user's cluster."""
+entrypoints. A renamed or removed flag (or a narrowed choice, like a default method) fails here
+instead of on a user's cluster."""
 
+import functools
 import importlib.util
 import re
 import shlex
@@ -57,6 +57,7 @@ def commands(lines: list[str]) -> list[list[str]]:
     return found
 
 
+@functools.cache
 def _job(name: str):
     spec = importlib.util.spec_from_file_location(f"job_{name}", ROOT / "jobs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

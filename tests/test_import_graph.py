@@ -2,6 +2,7 @@
 still ties two modules into one unit that cannot be understood or changed apart)."""
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trsp_ray"
@@ -81,6 +82,7 @@ def test_the_cycle_finder_finds_a_cycle():
 REPO = PACKAGE.parent
 
 
+@functools.cache
 def _top_level_names(path: Path) -> set[str]:
     """What `from module import name` can take from the module: its top-level definitions,
     assignments and imports (inside top-level if/try blocks too)."""
@@ -119,6 +121,7 @@ def unresolved_imports(files) -> list[str]:
 
     bad = []
     for path in files:
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
         tree = ast.parse(path.read_text())
         modules = {}  # local name -> the trsp_ray module it is bound to (`from trsp_ray import atomic`)
         for node in ast.walk(tree):
@@ -130,8 +133,7 @@ def unresolved_imports(files) -> list[str]:
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
                     and source(modules[node.value.id]) is not None and not has(modules[node.value.id], node.attr)):
-                bad.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path.name}:{node.lineno} "
-                           f"{modules[node.value.id]}.{node.attr}")
+                bad.append(f"{shown}:{node.lineno} {modules[node.value.id]}.{node.attr}")
             if isinstance(node, ast.Import):
                 wanted = [(a.name, None) for a in node.names if a.name.split(".")[0] == "trsp_ray"]
             elif (isinstance(node, ast.ImportFrom) and not node.level
@@ -140,20 +142,17 @@ def unresolved_imports(files) -> list[str]:
             else:
                 continue
             for module, name in wanted:
-                where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path.name}:{node.lineno}"
-                found = source(module)
-                if found is None:
-                    bad.append(f"{where} {module}")
+                if source(module) is None:
+                    bad.append(f"{shown}:{node.lineno} {module}")
                 elif name and name != "*" and not has(module, name):
-                    bad.append(f"{where} {module}.{name}")
+                    bad.append(f"{shown}:{node.lineno} {module}.{name}")
     return bad
 
 
 def test_every_script_imports_what_the_package_has():
     """Jobs, benchmarks, cluster scripts and tests import (and read from imported modules) only names
-    trsp_ray has: the
-    benchmark scripts run by hand, so a rename (pipeline.py -> workbench/driver) left them importing a
-    module that was gone and nothing failed."""
+    trsp_ray has: the benchmark scripts run by hand, so a rename (pipeline.py -> workbench/driver) left
+    them importing a module that was gone and nothing failed."""
     folders = ("trsp_ray", "jobs", "benchmarks", "cluster", "tests")
     files = [p for folder in folders for p in (REPO / folder).rglob("*.py")]
     assert len(files) > 50
@@ -166,4 +165,3 @@ def test_the_import_check_sees_a_missing_module_and_name(tmp_path):
                       "from trsp_ray import atomic\nimport trsp_ray.nope\natomic.write_json\natomic.gone\n")
     found = [line.split(" ", 1)[1] for line in unresolved_imports([script])]
     assert found == ["trsp_ray.pipeline", "trsp_ray.workbench.nothing_here", "trsp_ray.nope", "trsp_ray.atomic.gone"]
-

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from trsp_ray import plots
+
 
 def default_tracking_uri() -> str:
     root = Path(os.environ.get("TRSP_RAY_MLFLOW_DIR", Path.cwd() / "runs"))
@@ -44,8 +46,6 @@ class NullTracker:
     def log_dict(self, obj: Any, name: str) -> None: ...
     def log_text(self, text: str, name: str) -> None: ...
     def log_figure(self, figure, name: str) -> None:
-        from trsp_ray import plots
-
         plots.close(figure)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
@@ -94,8 +94,6 @@ class MlflowTracker:
 
     def log_figure(self, figure, name: str) -> None:
         """Log `figure` as a PNG, then close it (`plots.close`)."""
-        from trsp_ray import plots
-
         try:
             self._mlflow.log_figure(figure, name)
         finally:

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from trsp_ray import atomic
+from trsp_ray import atomic, plots
 from trsp_ray.tracking import _flatten, default_tracking_uri
 
 STATE = "mlflow.json"
@@ -141,8 +141,6 @@ def log_search(*, search_dir: Path, name: str, tracking_uri: str | None, experim
             children[record["trial_key"]] = _trial_run(client, exp_id, parent, record)
             atomic.write_json(state_file, state)  # a crash later still leaves the finished children linked
     _log(client, parent, metrics={k: v for k, v in summary.items() if isinstance(v, (int, float))})
-    from trsp_ray import plots
-
     for figure, artifact in ((pareto_figure(records), "pareto.png"), (gate_heatmap(records), "gates_heatmap.png")):
         try:
             client.log_figure(parent, figure, artifact)
