@@ -16,19 +16,29 @@ class Family:
     layers_path: str  # dotted path from the *ForCausalLM module to the decoder-layer ModuleList
     config_path: str = ""  # dotted path from model.config to the text config ("" = itself)
     per_layer_config: tuple[str, ...] = ("layer_types",)  # config lists with one entry per layer
+    # dotted path from a decoder layer to the linear whose output (bias included) the layer adds to
+    # its residual stream as the MLP's contribution: a closed-form compensation folds its map there
+    mlp_out_path: str = "mlp.down_proj"
+    # why a map folded into that linear would not reach the residual stream ("" = it does)
+    mlp_fold_refusal: str = ""
 
 
 _DEFAULT = "model.layers"
+_POST_FFN_NORM = ("its post_feedforward_layernorm normalises the MLP output before the residual add, "
+                  "so a linear map folded into down_proj is undone by the norm")
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", _DEFAULT),
     "mistral": Family("mistral", _DEFAULT),
     "qwen2": Family("qwen2", _DEFAULT),
     "qwen3": Family("qwen3", _DEFAULT),
-    "gemma2": Family("gemma2", _DEFAULT),
-    "gemma3_text": Family("gemma3_text", _DEFAULT),
+    "gemma2": Family("gemma2", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM),
+    "gemma3_text": Family("gemma3_text", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM),
     "phi3": Family("phi3", _DEFAULT),
-    "opt": Family("opt", "model.decoder.layers"),
-    "gpt_neox": Family("gpt_neox", "gpt_neox.layers"),
+    # OPTDecoderLayer adds fc2's output straight to the residual (its LayerNorm comes first)
+    "opt": Family("opt", "model.decoder.layers", mlp_out_path="fc2"),
+    # with use_parallel_residual the layer writes x + attn + mlp, without it (x + attn) + mlp: either
+    # way the layer's output minus the projection's output is the stream the MLP output joins
+    "gpt_neox": Family("gpt_neox", "gpt_neox.layers", mlp_out_path="mlp.dense_4h_to_h"),
 }
 
 
@@ -57,6 +67,26 @@ def set_decoder_layers(model, layers) -> None:
     path = family_of(model).layers_path
     parent_path, _, leaf = path.rpartition(".")
     setattr(_get(model, parent_path), leaf, layers)
+
+
+def mlp_output(layer, model):
+    """The nn.Linear of decoder `layer` (of `model`) whose output is the MLP's contribution to the
+    residual stream, unchanged up to the add: right-multiplying that output by a d x d map can be
+    folded into the linear's weight and bias. Families where it cannot get a one-line error."""
+    family = family_of(model)
+    reason = family.mlp_fold_refusal
+    if not reason and family.name == "opt" and not getattr(text_config(model), "do_layer_norm_before", True):
+        reason = "with do_layer_norm_before=False its final_layer_norm follows the residual add"
+    if reason:
+        raise TrspError(f"compensation cannot fold into family {family.name!r}: {reason}; use compensation.method=none")
+    try:
+        module = _get(layer, family.mlp_out_path)
+    except AttributeError:
+        module = None
+    if getattr(getattr(module, "weight", None), "dim", lambda: 0)() != 2:
+        raise TrspError(f"family {family.name!r} has no separate MLP output projection at "
+                        f"{family.mlp_out_path!r}; use compensation.method=none")
+    return module
 
 
 def text_config(model):

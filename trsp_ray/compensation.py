@@ -1,0 +1,257 @@
+"""Training-free compensation of removed blocks (SPEC section 7), in closed form and folded into an
+existing weight so the pruned model stays a stock checkpoint with no new parameters (ReplaceMe's
+least-squares form).
+
+A removed block is a maximal run [a..b] of dropped layers (original indices). Layer a-1 is kept
+and, after removal, feeds layer b+1 directly. On calibration tokens (rows, d = hidden size):
+  M     = the MLP output of layer a-1: its output projection's output, bias included   [n, d]
+  h_mid = layer a-1's output minus M: the residual stream M is added to              [n, d]
+  Y     = (dense output of layer b: what the dense model feeds layer b+1, or the final hidden
+           state before the final norm when b is the last layer) - h_mid            [n, d]
+  T     = argmin ||M T - Y||^2 + r ||T||^2 = (M^T M + r I)^-1 M^T Y, r = ridge * mean(diag(M^T M))
+Folding T into the projection (W <- T^T W, bias <- T^T bias) makes the pruned layer a-1 write
+h_mid + M T, the least-squares estimate of the dense input of layer b+1. Sums are float64.
+
+Where M and h_mid come from (`activations`):
+  "dense": all from the dense model, one pass for every block (the SPEC's form). Map k repairs the
+      boundary a_k-1 -> b_k+1 as if the stream entering layer a_k-1 were dense; the error that
+      earlier removed blocks leave upstream is not seen by later maps.
+  "sequential": M and h_mid from the pruned model with the earlier blocks already compensated
+      (block by block from the first), Y's target still from the dense model: map k repairs the
+      boundary a_k-1 -> b_k+1 for the stream that actually reaches it. Costs a pass per block.
+
+Data parallel: each rank accumulates its own window shard; `reduce` (identity in one process, an
+all-reduce sum under torch.distributed) is applied to the sums before the solve, so every rank
+solves the same system and applies the same fold to its copy or shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trsp_ray import families
+from trsp_ray.errors import TrspError
+
+METHODS = ("none", "lstsq")
+ACTIVATIONS = ("dense", "sequential")
+
+
+def blocks(drop, num_layers: int) -> list[tuple[int, int]]:
+    """Maximal contiguous runs of dropped layers as (first, last) original indices, ascending."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(int(j) for j in drop):
+        if not 0 <= i < num_layers:
+            raise TrspError(f"drop set {sorted(drop)} is not valid for a {num_layers}-layer model")
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return out
+
+
+@dataclass
+class Stats:
+    """The least-squares sums of one block over n calibration tokens (float64)."""
+
+    block: tuple[int, int]
+    mtm: torch.Tensor  # sum M^T M, [d, d]
+    mty: torch.Tensor  # sum M^T Y, [d, d]
+    yty: torch.Tensor  # sum ||Y||^2, scalar
+    tokens: int
+
+    def reduced(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Stats:
+        """These sums combined across ranks by `reduce` (a sum); the token count travels with them."""
+        tail = reduce(torch.stack([self.yty, self.yty.new_tensor(float(self.tokens))]))
+        return Stats(self.block, reduce(self.mtm), reduce(self.mty), tail[0], int(round(tail[1].item())))
+
+    def residual(self, t: torch.Tensor) -> float:
+        """||M T - Y||^2 summed over the tokens, from the sums alone."""
+        t = t.to(self.mtm)
+        return float(self.yty - 2 * (t * self.mty).sum() + (t * (self.mtm @ t)).sum())
+
+
+def check_request(*, model, method: str, tokens: int, drop=None) -> None:
+    """Refuse, before any forward pass, a compensation that cannot run: an unknown method, a family
+    whose MLP output a map cannot be folded into, fewer calibration tokens than the hidden size
+    (a d x d map is then underdetermined), or a block at layer 0 (no layer before it to fold into)."""
+    if method not in METHODS:
+        extra = " (the scalar fold of Prune&Comp is not implemented)" if method == "scalar" else ""
+        raise TrspError(f"compensation.method={method!r} is not valid{extra}; choose one of {', '.join(METHODS)}")
+    if method == "none":
+        return
+    layers = families.decoder_layers(model)
+    families.mlp_output(layers[0], model)
+    hidden = families.text_config(model).hidden_size
+    if tokens < hidden:
+        raise TrspError(f"compensation has {tokens} calibration tokens, fewer than the hidden size {hidden} "
+                        f"a {hidden} x {hidden} map needs; raise compensation.windows")
+    if drop is not None and 0 in set(drop):
+        raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
+                        "compensation; use compensation.method=none or protect layer 0 (gates.protect_head)")
+
+
+def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-4) -> torch.Tensor:
+    """T = (M^T M + ridge * mean(diag(M^T M)) I)^-1 M^T Y in float64, [d, d]."""
+    a = mtm.double()
+    a = a + ridge * a.diagonal().mean() * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    try:
+        return torch.linalg.solve(a, mty.double())
+    except torch.linalg.LinAlgError:
+        raise TrspError(f"the compensation system is singular at compensation.ridge={ridge}; raise the ridge "
+                        "or compensation.windows") from None
+
+
+@torch.no_grad()
+def fold(*, model, layer, t: torch.Tensor) -> None:
+    """Right-multiply the MLP output of decoder `layer` of `model` by `t` [d, d], in its weights:
+    output z W^T + b becomes (z W^T + b) T, i.e. W <- T^T W and b <- T^T b (cast back to their dtype)."""
+    proj = families.mlp_output(layer, model)
+    w = proj.weight
+    tt = t.to(device=w.device, dtype=torch.float64).T
+    w.copy_((tt @ w.double()).to(w.dtype))
+    if getattr(proj, "bias", None) is not None:
+        proj.bias.copy_((tt @ proj.bias.double()).to(proj.bias.dtype))
+
+
+class _Stop(Exception):
+    """Raised by a hook once the last layer a pass needs has run: the rest is not computed."""
+
+
+def _hidden(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int) -> list:
+    """Forward hooks on `model` writing store[(index, 'out')] (a decoder layer's output) and
+    store[(index, 'mlp')] (its MLP output projection's output), flattened to [n, d]; the pass
+    stops after decoder layer `stop_after`."""
+    layers = families.decoder_layers(model)
+    handles = []
+
+    def saver(key, stop):
+        def hook(_module, _inputs, output):
+            h = _hidden(output)
+            store[key] = h.reshape(-1, h.shape[-1])
+            if stop:
+                raise _Stop
+        return hook
+
+    for index, what in wanted.items():
+        if "mlp" in what:
+            proj = families.mlp_output(layers[index], model)
+            handles.append(proj.register_forward_hook(saver((index, "mlp"), False)))
+    for index, what in wanted.items():
+        if "out" in what:
+            handles.append(layers[index].register_forward_hook(saver((index, "out"), index == stop_after)))
+    if stop_after not in {i for i, w in wanted.items() if "out" in w}:
+        handles.append(layers[stop_after].register_forward_hook(saver((stop_after, "out"), True)))
+    return handles
+
+
+def _run(model, batch, wanted: dict[int, str], *, stop_after: int) -> dict:
+    store: dict = {}
+    handles = _record(model, wanted, store, stop_after=stop_after)
+    try:
+        model(input_ids=batch.to(next(model.parameters()).device), use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return store
+
+
+def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor) -> Stats:
+    m, y = m.double(), y.to(m.device).double()
+    if stats is None:
+        d = m.shape[1]
+        z = m.new_zeros(d, d)
+        stats = Stats(block, z, z.clone(), m.new_zeros(()), 0)
+    stats.mtm += m.T @ m
+    stats.mty += m.T @ y
+    stats.yty += (y * y).sum()
+    stats.tokens += m.shape[0]
+    return stats
+
+
+@torch.no_grad()
+def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | None = None) -> list[Stats]:
+    """The sums of every block of `drop` over `windows` (batches of token ids [B, S]).
+
+    With `pruned` None, everything comes from `dense` in one pass per batch ("dense" form). With
+    `pruned` (the layer-removed model, earlier blocks already folded) and one `block`, M and h_mid
+    come from pruned's copy of layer a-1 and the target from dense ("sequential" form)."""
+    num = families.num_layers(dense)
+    spans = blocks(drop, num) if block is None else [block]
+    if spans and spans[0][0] == 0:
+        raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
+                        "compensation; use compensation.method=none or protect layer 0 (gates.protect_head)")
+    stats: dict[tuple[int, int], Stats | None] = {s: None for s in spans}
+    kept = [i for i in range(num) if i not in set(drop)]
+    for batch in windows:
+        if pruned is None:
+            wanted: dict[int, str] = {}
+            for a, b in spans:
+                wanted[a - 1] = wanted.get(a - 1, "") + "out mlp"
+                wanted[b] = wanted.get(b, "") + "out"
+            got = _run(dense, batch, wanted, stop_after=max(b for _, b in spans))
+            src = {s: (got[(s[0] - 1, "out")], got[(s[0] - 1, "mlp")], got[(s[1], "out")]) for s in spans}
+        else:
+            (a, b), = spans
+            target = _run(dense, batch, {b: "out"}, stop_after=b)[(b, "out")]
+            new = kept.index(a - 1)
+            got = _run(pruned, batch, {new: "out mlp"}, stop_after=new)
+            src = {(a, b): (got[(new, "out")], got[(new, "mlp")], target)}
+        for s, (out, m, target) in src.items():
+            h_mid = out - m
+            stats[s] = _add(stats[s], s, m, target.to(out.device) - h_mid)
+    return [stats[s] for s in spans]
+
+
+def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense") -> float:
+    """Dense-forward tokens of `compensate` over `tokens` calibration tokens: passes stop after the
+    last layer they need and count the fraction of the dense depth they run; the solves are free."""
+    spans = blocks(drop, num_layers)
+    if not spans:
+        return 0.0
+    if activations == "dense":
+        return tokens * (spans[-1][1] + 1) / num_layers
+    kept = [i for i in range(num_layers) if i not in set(drop)]
+    return sum(tokens * (b + 1 + kept.index(a - 1) + 1) / num_layers for a, b in spans)
+
+
+def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: float = 1e-4,
+               activations: str = "dense", reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict:
+    """Fold one least-squares map per removed block of `drop` into `model` (the layer-removed copy
+    of `dense`, original indices in `drop`), from calibration `windows` (this rank's shard).
+
+    Returns {"blocks", "tokens" (after `reduce`), "residual", "residual_identity"} (the summed
+    squared boundary error with the map and without it, per block)."""
+    if activations not in ACTIVATIONS:
+        raise TrspError(f"compensation.activations={activations!r} is not valid; "
+                        f"choose one of {', '.join(ACTIVATIONS)}")
+    tokens = sum(int(w.numel()) for w in windows)
+    check_request(model=dense, method=method, tokens=int(reduce(torch.tensor(float(tokens))).item()), drop=drop)
+    if method == "none":
+        return {"blocks": [], "tokens": 0, "residual": [], "residual_identity": []}
+    num = families.num_layers(dense)
+    spans = blocks(drop, num)
+    kept = [i for i in range(num) if i not in set(drop)]
+    layers = families.decoder_layers(model)
+    dense_stats = accumulate(dense=dense, windows=windows, drop=drop) if activations == "dense" else None
+    info: dict = {"blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
+    for k, span in enumerate(spans):
+        if dense_stats is not None:
+            stats = dense_stats[k]
+        else:
+            stats, = accumulate(dense=dense, windows=windows, drop=drop, pruned=model, block=span)
+        stats = stats.reduced(reduce)
+        t = solve(stats.mtm, stats.mty, ridge=ridge)
+        fold(model=model, layer=layers[kept.index(span[0] - 1)], t=t)
+        info["tokens"] = stats.tokens
+        info["residual"].append(stats.residual(t))
+        info["residual_identity"].append(stats.residual(torch.eye(t.shape[0], dtype=t.dtype)))
+    return info
