@@ -154,6 +154,29 @@ class RecoveryConfig:
         _positive("recovery.kd_temperature", self.kd_temperature)
 
 
+@dataclass(frozen=True)
+class CompensationConfig:
+    """Training-free repair of each removed block after removal and before any heal (SPEC section 7,
+    trsp_ray/compensation.py): lstsq fits ReplaceMe's least-squares map on calibration activations
+    and folds it into the MLP output projection of the layer before the block."""
+
+    method: str = "none"  # none | lstsq
+    ridge: float = 1e-4  # ridge, relative to the mean diagonal of M^T M
+    windows: int = 16  # calibration windows of data.seqlen tokens (at least the hidden size in tokens)
+    # dense: M and the residual from the dense model (one pass); sequential: from the pruned model
+    # with the earlier blocks already compensated (a pass per block); targets always dense
+    activations: str = "dense"
+
+    def __post_init__(self):
+        if self.method == "scalar":
+            raise TrspError("compensation.method='scalar' (Prune&Comp's scalar fold) is not implemented; "
+                            "choose one of none, lstsq")
+        _choice("compensation.method", self.method, ("none", "lstsq"))
+        _positive("compensation.ridge", self.ridge, allow_zero=True)
+        _positive("compensation.windows", self.windows)
+        _choice("compensation.activations", self.activations, ("dense", "sequential"))
+
+
 # SLEB's calibration windows for `trsp-ray benchmark --full-baselines`: on SmolLM2 (8 of 30 layers,
 # 128-token windows) its drop set no longer changed when the count doubled from 8 to 16.
 FULL_SLEB_WINDOWS = 16
@@ -242,6 +265,7 @@ class RunConfig:
     stage2: Stage2Config = field(default_factory=Stage2Config)
     heal: HealConfig = field(default_factory=HealConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    compensation: CompensationConfig = field(default_factory=CompensationConfig)
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
