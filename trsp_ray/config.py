@@ -368,7 +368,18 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, bas
         p = Path(path)
         if not p.is_file():
             raise TrspError(f"config file {path!r} does not exist; pass a YAML file")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            def at(mark) -> str:  # marks are 0-based; editors count from 1
+                return f"line {mark.line + 1}, column {mark.column + 1}"
+
+            mark, start = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            where = f" at {at(mark)}" if mark is not None else ""
+            # an unclosed bracket is reported at the end of the file; say where it was opened
+            opened = f" ({exc.context} from {at(start)})" if start is not None and exc.context else ""
+            raise TrspError(f"config file {path!r} is not valid YAML{where}: {what}{opened}") from None
         if not isinstance(data, dict):
             raise TrspError(f"config file {path!r} must hold a YAML mapping, got {type(data).__name__}")
     merged = apply_overrides(data, [f"{k}={_yaml_value(v)}" for k, v in _flat(base or {}).items()])
