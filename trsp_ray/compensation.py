@@ -165,7 +165,6 @@ def _run(model, batch, wanted: dict[int, str], *, stop_after: int) -> dict:
 
 
 def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor) -> Stats:
-    m, y = m.double(), y.to(m.device).double()
     if stats is None:
         d = m.shape[1]
         z = m.new_zeros(d, d)
@@ -206,8 +205,8 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
             got = _run(pruned, batch, {new: "out mlp"}, stop_after=new)
             src = {(a, b): (got[(new, "out")], got[(new, "mlp")], target)}
         for s, (out, m, target) in src.items():
-            h_mid = out - m
-            stats[s] = _add(stats[s], s, m, target.to(out.device) - h_mid)
+            m = m.double()  # the differences too: Y is small beside the stream it is taken from
+            stats[s] = _add(stats[s], s, m, target.to(m.device).double() - (out.double() - m))
     return [stats[s] for s in spans]
 
 
