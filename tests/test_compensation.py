@@ -240,3 +240,32 @@ def test_two_gloo_workers_fold_the_one_process_map(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["tokens"] == info["tokens"] == 6 * 4 * 32
         assert torch.allclose(got["weight"], one, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path):
+    import json
+
+    from trsp_ray import driver
+    from trsp_ray.config import load_config
+    from trsp_ray.tiny import tiny_workspace
+
+    root = tiny_workspace(tmp_path / "ws", layers=6, calib_chars=20000, eval_chars=8000)
+    overrides = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
+                 f"data.eval_text={root / 'eval.txt'}", "data.seqlen=32", "data.eval_seqlen=64",
+                 "data.eval_max_windows=2", "method=random", "ratio=0.34", "threads=1", "tracking.enabled=false"]
+    plain = driver.run(load_config(overrides=overrides))
+    cfg = load_config(overrides=[*overrides, "compensation.method=lstsq", "compensation.windows=4",
+                                 f"output={tmp_path / 'out'}"])
+    with pytest.raises(TrspError, match="fewer than the hidden size 64"):
+        driver.run(load_config(overrides=[*overrides, "compensation.method=lstsq", "compensation.windows=1"]))
+    results = driver.run(cfg)
+    assert results["dropped_layers"] == plain["dropped_layers"]
+    assert results["compensation"] == "lstsq" and results["compensation_tokens"] == 4 * 32
+    spans = compensation.blocks(results["dropped_layers"], 6)
+    assert results["compensation_cost"] == pytest.approx(4 * 32 * (spans[-1][1] + 1) / 6)
+    assert results["heldout_ppl"] != pytest.approx(plain["heldout_ppl"], rel=1e-6)
+    manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
+    assert manifest["config"]["compensation"] == {"method": "lstsq", "ridge": 1e-4, "windows": 4,
+                                                  "activations": "dense"}
+    assert manifest["metrics"]["compensation_tokens"] == 4 * 32
+    assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]

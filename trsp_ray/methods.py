@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trsp_ray import registry
+from trsp_ray import compensation, registry
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
 from trsp_ray.logs import log as _log
@@ -225,6 +225,9 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     cfg = bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
+    comp = cfg.compensation
+    if comp.method != "none":  # a family or calibration size it cannot serve fails before any work
+        compensation.check_request(model=bench.model, method=comp.method, tokens=comp.windows * cfg.data.seqlen)
     model = bench.fresh_model()
     if on_model is not None:
         on_model(model)
@@ -245,6 +248,15 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         info.update(stage2_tokens=result.tokens, stage2_steps=result.steps, stage2_seconds=time.time() - t1,
                     relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
     kept = remove_layers(model, drop)
+    if comp.method != "none":
+        t3 = time.time()
+        windows = fixed_windows(bench.batches(seed_offset=300), comp.windows)
+        done = compensation.compensate(model=model, dense=bench.model, drop=drop, windows=windows, method=comp.method,
+                                       ridge=comp.ridge, activations=comp.activations)
+        info.update(compensation=comp.method, compensation_tokens=done["tokens"], compensation_seconds=time.time() - t3,
+                    compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],
+                                                        activations=comp.activations))
+        _log(f"{method}: {comp.method} compensation of blocks {done['blocks']} on {done['tokens']} tokens")
     if heal.steps > 0:
         t2 = time.time()
         _log(f"{method}: heal ({heal.steps} steps)")
