@@ -99,11 +99,14 @@ def main(argv=None) -> int:
     def body() -> int:
         from trsp_ray import assets
         from trsp_ray.distributed.deepspeed_config import build_ds_config
+        from trsp_ray.export import check_export_target
 
         cfg = job_config(args)
         options = parse_options(args.deepspeed)
         ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
-        print(planner.format_plan(planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds)), flush=True)
+        plan = planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds)
+        check_export_target(cfg.output, overwrite=args.overwrite, plan=plan, ratio=cfg.ratio)  # before any worker
+        print(planner.format_plan(plan), flush=True)
         fault = {"round": args.fault_round} if args.fault_round else None
         result = run_distributed(cfg, ds_options=options, fault=fault, overwrite=args.overwrite)
         print(json.dumps({"drop_order": result.drop_order, "rounds_computed": result.rounds_computed(),

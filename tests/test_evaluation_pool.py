@@ -144,13 +144,16 @@ def test_cli_eval_writes_tables_and_exit_code(tmp_path, candidates, capsys, own_
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     out = tmp_path / "out"
-    args = parser.parse_args(["eval", "--models", candidates["pruned"], str(tmp_path / "gone"),
+    # a candidate whose weights do not load fails in its actor; a missing one is refused before the
+    # pool starts (tests/test_first_hour.py)
+    broken = broken_candidate(tmp_path, candidates["pruned"])
+    args = parser.parse_args(["eval", "--models", candidates["pruned"], broken,
                               "--tasks", "boolq", "--limit", "2", "--actors", "1", "--ppl-windows", "1",
                               "--no-speed", "--out", str(out), "--tracking-uri", f"sqlite:///{tmp_path}/m.db",
                               "--placement-group", "--cpus-per-actor", "1"])
     assert args.func(args) == 1  # one candidate failed, the other finished (in a placement group)
     csv_text = (out / "results.csv").read_text()
-    assert "boolq.acc" in csv_text and "is not a directory" in csv_text
+    assert "boolq.acc" in csv_text and "does not load" in csv_text
     assert "pruned" in capsys.readouterr().out
     from trsp_ray.cli import main
 

@@ -40,14 +40,13 @@ def run_stage1(cfg: RunConfig, bench, *, report):
 def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     """Prune one model with one method as configured; export, evaluate and log. Returns the results."""
     from trsp_ray import plots
-    from trsp_ray.export import check_output_dir, export_model, pruned_manifest
+    from trsp_ray.export import check_export_target, export_model, pruned_manifest
     from trsp_ray.methods import apply_method
     from trsp_ray.table import render
     from trsp_ray.tracking import make_tracker
 
-    if cfg.output:
-        check_output_dir(cfg.output, overwrite=overwrite)
-    chosen = route_for(cfg)
+    chosen = route_for(cfg)  # config.json only: no weights are read before the output is checked
+    check_export_target(cfg.output, overwrite=overwrite, plan=chosen.plan, ratio=cfg.ratio)
     log(f"route: {chosen.describe()}")
     if chosen.workers:
         return run_on_workers(cfg, chosen, overwrite=overwrite)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,15 +32,60 @@ def versions() -> dict[str, str]:
     return out
 
 
-def check_output_dir(output: str, *, overwrite: bool) -> Path:
-    """Validate an export target before any work starts."""
+def check_output_dir(output: str, *, overwrite: bool, need_bytes: float = 0) -> Path:
+    """Validate an export target before any work starts: not an existing non-empty directory (unless
+    `overwrite`), under a directory (not a file) this process can write, on a disk with `need_bytes`
+    free. Returns the resolved target; a one-line TrspError names what is wrong."""
     target = Path(output).expanduser().resolve()
     if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
         raise TrspError(f"output {output!r} already exists and is not empty; choose a new path or pass --overwrite")
-    parent = target.parent
-    if parent.exists() and not os.access(parent, os.W_OK):
-        raise TrspError(f"output {output!r} is not writable; choose a directory you can write to")
+    base = target.parent  # the nearest existing folder above the target: what the export creates it in
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise TrspError(f"output {output!r} is under {str(base)!r}, a file, not a directory; "
+                        f"choose a path under a directory")
+    if not _can_create_in(base):
+        raise TrspError(f"output {output!r} cannot be written: {str(base)!r} is not writable; "
+                        f"choose a directory you can write to")
+    free = shutil.disk_usage(base).free
+    if free < need_bytes:
+        raise TrspError(f"output {output!r}: the export needs ~{need_bytes / 1e9:.2f} GB but {str(base)!r} has "
+                        f"{free / 1e9:.2f} GB free; free some space or choose another disk")
     return target
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether an entry can be created in `directory`: os.access says yes to root on any folder and
+    knows nothing of read-only mounts, so create (and remove) one."""
+    probe = directory / f".trsp-ray-write-check-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except FileExistsError:
+        return True
+    except OSError:
+        return False
+    probe.rmdir()
+    return True
+
+
+# Tokenizer files, config and manifest beside the weights: a few MB; this leaves room for them.
+EXPORT_EXTRA_BYTES = 64 * 2**20
+
+
+def planned_export_bytes(plan, *, ratio: float) -> float:
+    """Bytes the export of a run will write, from its memory plan (planner `Plan` or `SinglePlan`):
+    the pruned model's parameters (round(ratio * layers) decoder layers fewer) in the plan's dtype."""
+    s = plan.shape
+    return (s.params - round(ratio * s.layers) * s.layer_params) * plan.setup.dtype_bytes + EXPORT_EXTRA_BYTES
+
+
+def check_export_target(output: str | None, *, overwrite: bool, plan, ratio: float) -> Path | None:
+    """The check every job that writes an export runs at its start (trsp-ray prune, jobs/prune_70b.py):
+    `check_output_dir` with the free disk the export needs as planned. None when nothing is exported."""
+    if not output:
+        return None
+    return check_output_dir(output, overwrite=overwrite, need_bytes=planned_export_bytes(plan, ratio=ratio))
 
 
 # What every `trsp_ray.json` holds, whichever path wrote the weights (single process, Ray Train,

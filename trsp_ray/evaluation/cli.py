@@ -75,10 +75,13 @@ def run_eval(args) -> int:
     """Validate everything cheap first, then run the pool; returns the process exit code (a TrspError
     reaches `trsp-ray`'s one error line)."""
     from trsp_ray.evaluation import report
+    from trsp_ray.evaluation.evaluator import check_candidate
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
     from trsp_ray.tracking import make_tracker
 
     settings = _settings(args)
+    for path in [*args.models, *([args.dense] if args.dense else [])]:
+        check_candidate(path)  # a missing or weightless directory is known before any actor starts
     cpus = args.cpus_per_actor or max(1, (os.cpu_count() or 1) // max(1, args.actors))
     resources = ActorResources(num_cpus=cpus, num_gpus=args.gpus_per_actor,
                                placement_group=args.placement_group)
