@@ -119,3 +119,45 @@ def test_smollm2_tokenizer_windows_unchanged(tmp_path):
     assert bench.bos is None
     plain = perplexity(bench.model, bench.heldout_ids, seqlen=64, batch_size=4, max_windows=4)
     assert bench.heldout_ppl() == plain
+
+
+def test_every_path_starts_its_windows_with_bos(tmp_path):
+    """SPEC section 5's one convention: stage 1's training and probe windows, ShortGPT's calibration,
+    stage 2, the heal, validation and held-out perplexity, and the Ray Train workers' batch stream
+    all start each window with BOS when the tokenizer adds one (the model sees nothing else)."""
+    from types import SimpleNamespace
+
+    from trsp_ray.config import load_config
+    from trsp_ray.distributed.worker import _batches
+    from trsp_ray.methods import apply_method, run_stage1_for
+    from trsp_ray.workbench import prepare
+
+    root = _bos_workspace(tmp_path)
+    cfg = load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
+                                 f"data.eval_text={root / 'eval.txt'}", "ratio=0.34", "data.seqlen=16",
+                                 "data.eval_seqlen=32", "data.eval_max_windows=4", "stage1.first_round_steps=2",
+                                 "stage1.steps_per_round=1", "stage1.probe=2", "stage1.probe_windows=2",
+                                 "stage2.steps=2", "baselines.calib_windows=2", "tracking.enabled=false",
+                                 "threads=1"])
+    bench = prepare(cfg)
+    assert bench.bos == 1
+    seen: list[torch.Tensor] = []
+
+    def watch(model):
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"][:, 0].clone()),
+                                        with_kwargs=True)
+        return model
+
+    fresh = bench.fresh_model
+    bench.fresh_model = lambda: watch(fresh())
+    stage1 = run_stage1_for(bench)  # gate training and removal probes
+    for method in ("shortgpt", "trsp", "trsp+heal"):  # calibration, stage 2, heal
+        apply_method(bench, method, stage1=stage1 if method != "shortgpt" else None)
+    model = watch(bench.fresh_model())
+    bench.validation_ppl(model), bench.heldout_ppl(model)
+    firsts = torch.cat(seen)
+    assert len(seen) > 20 and (firsts == 1).all(), f"{int((firsts != 1).sum())} of {firsts.numel()} windows lack BOS"
+    worker = _batches(cfg, SimpleNamespace(calib_ids=bench.calib_ids, tokenizer=bench.tokenizer), seed_offset=0)
+    assert (worker.next()[:, 0] == 1).all() and worker.next().shape == (cfg.data.batch_size, 16)
+    assert torch.equal(_batches(cfg, SimpleNamespace(calib_ids=bench.calib_ids, tokenizer=bench.tokenizer),
+                                seed_offset=0).next(), bench.batches().next())  # the single process's stream

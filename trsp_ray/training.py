@@ -28,11 +28,14 @@ class Batches:
     """A deterministic, resumable stream of calibration windows, each batch shape [B, seqlen].
 
     Windows are non-overlapping, shuffled once by `seed`, and cycled; `position` counts batches.
+    With `bos` (perplexity.bos_token of the tokenizer), each window is [bos] + seqlen - 1 text tokens,
+    the convention every evaluation window follows, so a model is never selected or trained on
+    inputs it is not scored on (SPEC section 5).
     """
 
     def __init__(self, ids: torch.Tensor, *, seqlen: int, batch_size: int, seed: int = 0,
-                 max_windows: int | None = None):
-        self.windows = windows(ids, seqlen, max_windows)
+                 max_windows: int | None = None, bos: int | None = None):
+        self.windows = windows(ids, seqlen, max_windows, bos=bos)
         gen = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(self.windows.shape[0], generator=gen)
         self.batch_size = batch_size

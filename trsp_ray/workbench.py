@@ -90,7 +90,8 @@ class Workbench:
 
     def batches(self, seed_offset: int = 0) -> Batches:
         d = self.cfg.data
-        return Batches(self.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=self.cfg.seed + seed_offset)
+        return Batches(self.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=self.cfg.seed + seed_offset,
+                       bos=self.bos)
 
     def fixed_batches(self, count: int, seed_offset: int = 100) -> list[torch.Tensor]:
         stream = self.batches(seed_offset)
