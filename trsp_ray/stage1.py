@@ -10,6 +10,7 @@ the drop set for a smaller ratio is a prefix of it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,68 +56,121 @@ def check_drop_count(n_drop: int, candidates: list[int], ratio: float, num_layer
                         f"or protect fewer head/tail layers")
 
 
+# Dense log-probs of this rank's probe windows kept on the device (model dtype) up to this many
+# bytes per rank; above it the dense model is re-run each call (same dtype, so the scores agree).
+TEACHER_CACHE_BYTES = 2 * 2**30
+
+
+def probe_memory_bytes(*, chunk_tokens: int, cached_tokens: int, vocab: int, dtype_bytes: int) -> dict[str, int]:
+    """Device bytes of a removal probe beyond the model, per rank (see RemovalScorer), at its peak
+    inside `F.kl_div` over one chunk's scored tokens: the student's fp32 log-probs (4), the
+    teacher's chunk in the model's dtype (e) and its fp32 upcast (4), and kl_div's exp, difference
+    and product (3 x 4); plus the teacher cache (`cached_tokens` = this rank's scored tokens when
+    they fit TEACHER_CACHE_BYTES, else 0) in the model's dtype. Bytes = tokens x V x that."""
+    return {"probe chunk (student + teacher log-probs, kl_div)": chunk_tokens * vocab * (dtype_bytes + 5 * 4),
+            "probe teacher cache": cached_tokens * vocab * dtype_bytes}
+
+
+def teacher_cached(*, windows: int, scored_positions: int, world: int, vocab: int, dtype_bytes: int,
+                   budget: int = TEACHER_CACHE_BYTES) -> bool:
+    """Whether the dense log-probs of the largest rank's share of the probe windows fit the budget
+    (the one rule RemovalScorer and the planner apply)."""
+    return math.ceil(windows / world) * scored_positions * vocab * dtype_bytes <= budget
+
+
 class RemovalScorer:
-    """What removing a set of layers costs, measured: the mean over fixed calibration windows of the
-    next-token CE of the model with those layers bypassed and every gate at 1 ("ce"), or of
-    KL(dense || pruned) over the whole next-token distribution ("kl"), which averages over every
-    possible next token instead of the one observed and so needs far fewer windows for a stable
-    ranking. `reduce` averages a score over data-parallel ranks (identity in one process)."""
+    """What removing a set of layers costs, measured: the mean over every scored token of fixed
+    calibration windows of the next-token CE of the model with those layers bypassed and every gate
+    at 1 ("ce"), or of KL(dense || pruned) over the whole next-token distribution ("kl"), which
+    averages over every possible next token instead of the one observed and so needs far fewer
+    windows for a stable ranking. Positions before `start` in each window are not scored.
 
-    def __init__(self, *, model, gates, windows: list, criterion: str = "kl",
-                 reduce: Callable[[float], float] = lambda v: v):
-        self.model, self.gates, self.windows, self.criterion, self.reduce = model, gates, windows, criterion, reduce
-        self.cost = 0  # dense-forward tokens spent (each pass runs the model over one window batch)
-        self._teacher: list | None = None
+    Data-parallel: `windows` are all the probe windows (batches of shape [b, T], b = the chunk
+    size); rank `rank` of `world` scores windows k with k % world == rank, in chunks of b, and
+    `all_reduce` sums the per-rank [score sum, token count] (identity in one process), so one
+    process and W ranks give the same score. Every rank runs the same number of forwards per call
+    (under ZeRO-3 each forward is a collective): a rank with fewer chunks runs a padding forward
+    whose result it discards. `cost` counts the dense-forward tokens of the scored windows on all
+    ranks together (the one-process figure; padding is not counted)."""
 
-    @property
-    def tokens(self) -> int:
-        return sum(w.numel() for w in self.windows)
+    def __init__(self, *, model, gates, windows: list, criterion: str = "kl", start: int = 0, rank: int = 0,
+                 world: int = 1, all_reduce: Callable[[list[float]], list[float]] | None = None,
+                 teacher_budget_bytes: int = TEACHER_CACHE_BYTES):
+        import torch
+
+        rows = torch.cat(list(windows))
+        if not 0 <= start < rows.shape[1] - (1 if criterion == "ce" else 0):
+            raise TrspError(f"probe start={start} leaves no scored position in {rows.shape[1]}-token windows")
+        self.model, self.gates, self.criterion, self.start = model, gates, criterion, start
+        self.all_reduce = all_reduce or (lambda values: values)
+        chunk = windows[0].shape[0]
+        self.chunks = list(rows[rank::world].split(chunk))
+        share = math.ceil(rows.shape[0] / world)  # the largest rank's windows
+        self.passes = math.ceil(share / chunk)  # forwards per call on every rank
+        self.padding = rows[:1]
+        self.tokens = rows.numel()  # calibration tokens of all probe windows (every rank)
+        self.cost = 0
+        head = model.get_output_embeddings().weight
+        vocab = getattr(head, "ds_shape", head.shape)[0]  # ZeRO-3 leaves an empty placeholder
+        # the same decision on every rank (it decides how many forwards each call runs)
+        self.cache_teacher = criterion == "kl" and teacher_cached(
+            windows=rows.shape[0], scored_positions=rows.shape[1] - start, world=world, vocab=vocab,
+            dtype_bytes=self._dtype().itemsize, budget=teacher_budget_bytes)
+        self._teacher: dict[int, object] = {}
+
+    def _dtype(self):
+        return self.model.get_input_embeddings().weight.dtype
 
     def _logprobs(self, batch):
         import torch
 
-        device = next(self.model.parameters()).device
-        logits = self.model(input_ids=batch.to(device), use_cache=False).logits
-        self.cost += batch.numel()
+        device = self.model.get_input_embeddings().weight.device
+        logits = self.model(input_ids=batch.to(device), use_cache=False).logits[:, self.start:]
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def _teacher_logprobs(self, k: int, batch):
-        # cached on the host (the dense model does not change in stage 1): fp32 up to 2 GiB in all,
-        # bf16 up to 4 GiB (its rounding shifts every candidate's score alike), else recomputed
-        import torch
-
-        if self._teacher is None:
-            self._teacher = [None] * len(self.windows)
-        cached = self._teacher[k]
-        if cached is not None:
-            return cached.float()
+    def _teacher_logprobs(self, k: int, chunk):
+        """The dense model's log-probs of chunk k in the model's dtype, on the device: cached when
+        they fit the budget, else recomputed (rounded alike, so every call scores the same)."""
+        if k in self._teacher:
+            return self._teacher[k]
         with self.gates.state(gated=False, bypass=[]):
-            lp = self._logprobs(batch)
-        total = lp.numel() * len(self.windows)
-        if total * 4 <= 2 ** 31:
-            self._teacher[k] = lp.to("cpu")
-        elif total * 2 <= 2 ** 32:
-            self._teacher[k] = lp.to("cpu", dtype=torch.bfloat16)
+            lp = self._logprobs(chunk).to(self._dtype())
+        if self.cache_teacher:
+            self._teacher[k] = lp
         return lp
+
+    def _chunk_sum(self, k: int, chunk) -> tuple[float, int]:
+        """(sum of the per-token score over chunk k's scored positions, their count)."""
+        import torch.nn.functional as F
+
+        if self.criterion == "kl":
+            teacher = self._teacher_logprobs(k, chunk)
+            with self.gates.state(gated=False, bypass=self._drop):
+                lp = self._logprobs(chunk)
+            total = F.kl_div(lp, teacher.float(), log_target=True, reduction="sum")
+            return total.item(), lp.shape[0] * lp.shape[1]
+        with self.gates.state(gated=False, bypass=self._drop):
+            lp = self._logprobs(chunk)[:, :-1]
+        target = chunk[:, self.start + 1:].to(lp.device)
+        total = F.cross_entropy(lp.reshape(-1, lp.shape[-1]), target.reshape(-1), reduction="sum")
+        return total.item(), target.numel()
 
     def __call__(self, drop: list[int]) -> float:
         import torch
-        import torch.nn.functional as F
 
-        total = 0.0
+        teacher_passes = 0 if self.cache_teacher and self._teacher else 1
+        self._drop = list(drop)
+        total, count = 0.0, 0
         with torch.no_grad():
-            for k, batch in enumerate(self.windows):
-                if self.criterion == "kl":
-                    teacher = self._teacher_logprobs(k, batch)
-                with self.gates.state(gated=False, bypass=drop):
-                    lp = self._logprobs(batch)
-                if self.criterion == "kl":
-                    teacher = teacher.to(lp.device)
-                    total += (teacher.exp() * (teacher - lp)).sum(-1).mean().item()
-                else:
-                    target = batch[:, 1:].to(lp.device)
-                    total += F.cross_entropy(lp[:, :-1].reshape(-1, lp.shape[-1]), target.reshape(-1)).item()
-        return self.reduce(total / len(self.windows))
+            for k in range(self.passes):
+                if k < len(self.chunks):
+                    s, n = self._chunk_sum(k, self.chunks[k])
+                    total, count = total + s, count + n
+                else:  # this rank is out of windows: keep the collectives in step, discard the result
+                    self._chunk_sum(k, self.padding)
+        self.cost += self.tokens * (1 + (teacher_passes if self.criterion == "kl" else 0))
+        total, count = self.all_reduce([total, float(count)])
+        return total / count
 
 
 def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[int], lambda1: float,

@@ -257,7 +257,7 @@ def _load(config: dict, cfg, *, rank: int, world: int):
     factory = eng.StepperFactory(ds_config=config["ds_config"], rank=rank, world=world,
                                  activation_checkpointing=cfg.distributed.activation_checkpointing)
     return SimpleNamespace(path=path, tokenizer=tokenizer, calib_ids=calib_ids, model=model, gates=gates,
-                           factory=factory, num_layers=families.num_layers(model))
+                           factory=factory, num_layers=families.num_layers(model), world=world)
 
 
 def _batches(cfg, bench, seed_offset: int):
@@ -267,16 +267,17 @@ def _batches(cfg, bench, seed_offset: int):
     return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset)
 
 
-def _mean_over_ranks(value: float) -> float:
-    import torch
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sum over the data-parallel ranks, in float64 (identity in one process): the
+    removal probes' per-rank [score sum, token count]."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return value
+        return list(values)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return t.tolist()
 
 
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
@@ -309,11 +310,11 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
 
     scorer = None
     if probes_removal(s1):
-        # every rank scores the same windows (each forward is a ZeRO-3 collective); the mean over
-        # ranks makes the scores bit-identical, so every rank drops the same layer
+        # every rank scores its share of the windows (k % world == rank); the summed scores are
+        # the same number on every rank, so every rank drops the same layer
         scorer = RemovalScorer(model=bench.model, gates=bench.gates,
                                windows=fixed_windows(_batches(cfg, bench, 200), s1.probe_windows),
-                               criterion=s1.probe_criterion, reduce=_mean_over_ranks)
+                               criterion=s1.probe_criterion, rank=rank, world=bench.world, all_reduce=sum_over_ranks)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],
                         on_round=on_round, scorer=scorer, **stage1_settings(s1))
