@@ -336,3 +336,56 @@ def test_refinement_undoes_a_myopic_greedy_choice():
     assert result.drop_order == [2, 3]
     assert result.swaps == [{"out": 1, "in": 2, "score": 0.5}]
     assert [4, 3] in calls and [2, 1] in calls  # the second pass tried the rest and found nothing better
+
+
+def test_refine_budget_bounds_the_scorer_calls():
+    """stage1.refine_budget caps refinement's scorer calls (a pass that finds nothing costs
+    n_drop x |pool|); the calls are counted, and the default keeps two whole passes at 8 of 30."""
+    from trsp_ray.config import load_config
+    from trsp_ray.errors import TrspError
+    from trsp_ray.stage1 import Stage1Result, _refine
+
+    calls = []
+
+    def scorer(drop):  # no swap ever helps: every pass is a whole pass
+        calls.append(list(drop))
+        return 2.0
+
+    def fresh():
+        result = Stage1Result(drop_order=[1, 3, 5], round1_ranking=[])
+        result.probes = [{"round": 1, "scores": {str(j): 0.1 for j in (1, 2, 4, 6, 7)}},
+                         {"round": 2, "scores": {"3": 0.2, "8": 0.3}}, {"round": 3, "scores": {"5": 0.3}}]
+        return result
+
+    unbounded = fresh()
+    _refine(unbounded, scorer=scorer, passes=2, current=1.0)
+    assert unbounded.refine_calls == len(calls) == 3 * 5  # one pass (nothing improved): n_drop x |pool|
+    for budget in (1, 7, 15, 100):
+        calls.clear()
+        result = fresh()
+        _refine(result, scorer=scorer, passes=2, current=1.0, budget=budget)
+        assert result.refine_calls == len(calls) == min(budget, 15)
+    s1 = load_config(None, []).stage1
+    # SmolLM2 at 8 of 30 (2 protected): a pool of at most 30 - 2 - 8 = 20, two whole passes
+    assert s1.refine_budget == s1.refine * 8 * (30 - 2 - 8) == 320
+    with pytest.raises(TrspError, match="stage1.refine_budget=0"):
+        load_config(None, ["stage1.refine_budget=0"])
+
+
+def test_refinement_cost_is_counted_in_the_stage1_result(trained):
+    """run_stage1 hands the budget to the refinement and records its calls and tokens."""
+    model, ids = trained
+
+    class Cost:
+        cost, tokens = 0, 64
+
+        def __call__(self, drop):
+            self.cost += 64
+            return float(sum(drop))
+
+    scorer = Cost()
+    result = run_stage1(model=model, gates=attach_gates(model), batches=Batches(ids, seqlen=32, batch_size=8, seed=1),
+                        n_drop=2, candidates=[1, 2, 3, 4], lambda1=0.01, lr=0.05, first_round_steps=2,
+                        steps_per_round=1, probe=3, scorer=scorer, refine=2, refine_budget=2)
+    assert result.refine_calls == 2 and result.refine_cost == 2 * 64
+    assert result.probe_cost == 64 * (2 * 3 + 2)  # 2 rounds of 3 probes + the 2 refinement calls

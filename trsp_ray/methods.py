@@ -70,7 +70,9 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
             _log(f"  stage 1 step {step}: loss {metrics['stage1/loss']:.4f} (CE {metrics['stage1/ce']:.4f}, "
                  f"sum|s| {metrics['stage1/penalty']:.2f})")
         if "stage1/swaps" in metrics:
-            _log(f"  stage 1 refinement: {metrics['stage1/swaps']} swap(s) lowered the measured removal cost")
+            _log(f"  stage 1 refinement: {metrics['stage1/swaps']} swap(s) lowered the measured removal cost; "
+                 f"{metrics['stage1/refine_calls']} of {s1.refine_budget} scorer calls "
+                 f"({metrics['stage1/refine_cost']:,} dense-forward tokens)")
         if "stage1/rounds_done" in metrics:
             _log(f"  stage 1 round {metrics['stage1/rounds_done']}/{rounds}: drop layer {metrics['stage1/dropped']}")
 
@@ -80,7 +82,7 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
                                criterion=s1.probe_criterion)
     return run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
                       candidates=bench.candidates(), scorer=scorer, report=progress, on_round=on_round,
-                      resume=resume, **stage1_settings(s1))
+                      resume=resume, refine_budget=s1.refine_budget, **stage1_settings(s1))
 
 
 def stage1_tokens(bench) -> int:

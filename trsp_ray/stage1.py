@@ -32,6 +32,8 @@ class Stage1Result:
     probe_tokens: int = 0  # calibration tokens of the probe windows (0 without probes)
     probe_cost: int = 0  # dense-forward tokens the probes spent (teacher passes included)
     swaps: list[dict] = field(default_factory=list)  # refinement: {"out", "in", "score"} per accepted swap
+    refine_calls: int = 0  # scorer calls refinement spent (at most its budget)
+    refine_cost: int = 0  # dense-forward tokens of those calls (part of probe_cost)
 
     def drop_for(self, method: str, n_drop: int) -> list[int]:
         """The first `n_drop` layers of this run's order for a TRSP method: one-shot takes the
@@ -177,7 +179,7 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
                lr: float, first_round_steps: int, steps_per_round: int, selection: str = "iterative",
                train_base: bool = False, base_lr: float = 2e-5, make_stepper: MakeStepper = TorchStepper,
                report: Report = null_report, resume: dict | None = None, probe: int = 0,
-               scorer: RemovalScorer | None = None, refine: int = 0,
+               scorer: RemovalScorer | None = None, refine: int = 0, refine_budget: int | None = None,
                on_round: Callable[[dict], None] | None = None) -> Stage1Result:
     """Run stage 1 on a gated model (see `gates.attach_gates`); returns the ordered drop list.
 
@@ -190,7 +192,8 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
     Greedy removal is myopic (a layer that is cheapest now can make later removals dear), so with
     probes and `refine` = n > 0 the last round ends with up to n passes of swaps: each dropped layer
     is exchanged with each probed-but-kept layer, and a swap that lowers the measured cost of the
-    whole set is kept (first improvement). It runs before the last round's checkpoint.
+    whole set is kept (first improvement), until `refine_budget` scorer calls are spent (None: no
+    cap). It runs before the last round's checkpoint.
     """
     gates.set_gated(True)
     gates.reset_gates()  # s_i = 1: the gated model starts exactly at the original model
@@ -245,9 +248,12 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
         result.drop_order = ranking[:n_drop] if selection == "oneshot" else result.drop_order + [choice]
         if selection == "iterative" and probe > 1 and scorer is not None and refine > 0 and r == total_rounds - 1:
             spent = scorer.cost
-            _refine(result, scorer=scorer, passes=refine, current=scores[choice])
-            result.probe_cost += scorer.cost - spent
-            report({"stage1/swaps": len(result.swaps)}, result.steps)
+            _refine(result, scorer=scorer, passes=refine, current=scores[choice], budget=refine_budget)
+            result.refine_cost = scorer.cost - spent
+            result.probe_cost += result.refine_cost
+            report({"stage1/swaps": len(result.swaps), "stage1/refine_calls": result.refine_calls,
+                    "stage1/refine_cost": result.refine_cost,
+                    "stage1/refine_budget": -1 if refine_budget is None else refine_budget}, result.steps)
         gates.set_bypass(result.drop_order)
         result.round_ends.append(result.steps)
         result.rounds_computed += 1
@@ -259,9 +265,12 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
     return result
 
 
-def _refine(result: Stage1Result, *, scorer: RemovalScorer, passes: int, current: float) -> None:
+def _refine(result: Stage1Result, *, scorer: RemovalScorer, passes: int, current: float,
+            budget: int | None = None) -> None:
     """Swap refinement of the final drop set (see run_stage1); the pool is every layer a probe
-    measured that is not dropped, plus any layer swapped out."""
+    measured that is not dropped, plus any layer swapped out. At most `budget` scorer calls (None:
+    no cap): a pass that finds nothing costs n_drop x |pool| of them; the calls spent are counted
+    in `result.refine_calls`."""
     pool: list[int] = []
     for p in result.probes:
         pool += [int(j) for j in p["scores"] if int(j) not in result.drop_order and int(j) not in pool]
@@ -271,9 +280,12 @@ def _refine(result: Stage1Result, *, scorer: RemovalScorer, passes: int, current
             for layer in pool:
                 if layer in result.drop_order:
                     continue
+                if budget is not None and result.refine_calls >= budget:
+                    return
                 trial = list(result.drop_order)
                 trial[pos] = layer
                 score = scorer(trial)
+                result.refine_calls += 1
                 if score < current - 1e-4:
                     out = result.drop_order[pos]
                     result.swaps.append({"out": out, "in": layer, "score": score})
@@ -290,7 +302,8 @@ def _state(result: Stage1Result, *, gates, batches: Batches, stepper) -> dict:
              "steps": result.steps, "tokens": result.tokens, "gates": gates.gate_values(),
              "batches_position": batches.position, "probes": list(result.probes),
              "grad_ema": [w.grad_ema for w in gates.wrappers],
-             "probe_tokens": result.probe_tokens, "probe_cost": result.probe_cost, "swaps": list(result.swaps)}
+             "probe_tokens": result.probe_tokens, "probe_cost": result.probe_cost, "swaps": list(result.swaps),
+             "refine_calls": result.refine_calls, "refine_cost": result.refine_cost}
     if hasattr(stepper, "state_dict"):
         import copy
 
@@ -318,4 +331,5 @@ def _restore(state: dict, *, gates, batches: Batches, stepper, result: Stage1Res
     result.probes = list(state.get("probes", []))
     result.probe_tokens, result.probe_cost = state.get("probe_tokens", 0), state.get("probe_cost", 0)
     result.swaps = list(state.get("swaps", []))
+    result.refine_calls, result.refine_cost = state.get("refine_calls", 0), state.get("refine_cost", 0)
     gates.set_bypass(result.drop_order)

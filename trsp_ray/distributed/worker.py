@@ -317,10 +317,11 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                                criterion=s1.probe_criterion, rank=rank, world=bench.world, all_reduce=sum_over_ranks)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],
-                        on_round=on_round, scorer=scorer, **stage1_settings(s1))
+                        on_round=on_round, scorer=scorer, refine_budget=s1.refine_budget, **stage1_settings(s1))
     drop = result.drop_for(cfg.method, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
-                 gates=bench.gates.gate_values(), gate_history=result.gate_history)
+                 gates=bench.gates.gate_values(), gate_history=result.gate_history, probe_cost=result.probe_cost,
+                 refine_calls=result.refine_calls, refine_budget=s1.refine_budget, refine_cost=result.refine_cost)
     return drop, last["state"]
 
 
