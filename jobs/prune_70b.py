@@ -60,6 +60,8 @@ def job_config(args: argparse.Namespace):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from trsp_ray.cli import add_entry_flags
+
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="meta-llama/Llama-2-70b-hf", help="model directory, hub id or smollm2-135m")
     p.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.TRSP_METHODS,
@@ -85,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepspeed", action="append", default=[], metavar="KEY=VALUE",
                    help="extra DeepSpeed option, e.g. zero_optimization.stage3_max_live_parameters=5e8")
     p.add_argument("--fault-round", type=int, default=None, help="test only: kill worker 1 once in this stage-1 round")
+    add_entry_flags(p)
     return p.parse_args(argv)
 
 
@@ -93,8 +96,10 @@ def main(argv=None) -> int:
     from trsp_ray.distributed.deepspeed_config import parse_options
     from trsp_ray.distributed.train import run_distributed
     from trsp_ray.errors import run_main
+    from trsp_ray.logs import quiet_libraries
 
     args = parse_args(argv)
+    quiet_libraries(verbose=args.verbose)
 
     def body() -> int:
         from trsp_ray import assets

@@ -29,19 +29,24 @@ PROG = Path(__file__).name  # what argparse calls the job; its own errors start 
 
 def job_config(argv=None) -> argparse.Namespace:
     """The job's arguments: the same flags as `trsp-ray reproduce`, defaulting to the paper preset."""
+    from trsp_ray.cli import add_entry_flags
     from trsp_ray.reproduce.cli import add_arguments
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     add_arguments(p)
+    add_entry_flags(p)
     p.set_defaults(preset="paper")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     from trsp_ray.errors import run_main
+    from trsp_ray.logs import quiet_libraries
     from trsp_ray.reproduce.cli import run_from_args
 
-    return run_main(PROG, lambda: run_from_args(job_config(argv)))
+    args = job_config(argv)
+    quiet_libraries(verbose=args.verbose)
+    return run_main(PROG, lambda: run_from_args(args))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def job_config(args: argparse.Namespace):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from trsp_ray.cli import add_entry_flags
     from trsp_ray.run_args import add_run_arguments
     from trsp_ray.search.cli import add_arguments, add_method_argument
 
@@ -46,13 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_arguments(parser)
     add_method_argument(parser)
     add_arguments(parser)
+    add_entry_flags(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     from trsp_ray.errors import run_main
+    from trsp_ray.logs import quiet_libraries
 
     args = parse_args(argv)
+    quiet_libraries(verbose=args.verbose)
 
     def body() -> int:
         from trsp_ray.search.run import run_search

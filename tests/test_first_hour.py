@@ -100,3 +100,79 @@ def test_eval_of_a_missing_model_directory_is_refused_before_the_pool(tmp_path, 
     line = _one_error_line(capsys, "trsp-ray")
     assert "/nonexistent/model" in line
     assert not (tmp_path / "res").exists()
+
+
+VERSION = re.compile(r"^(?P<prog>\S+) \d+\.\d+\.\d+\S* \(git [0-9a-f]{4,}\)$")
+
+
+def test_version_on_trsp_ray_and_every_job(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    line = capsys.readouterr().out.strip()
+    assert VERSION.match(line) and line.startswith("trsp-ray "), line  # this checkout is a git repository
+    for name, parse in (("prune_70b", "parse_args"), ("search", "parse_args"), ("reproduce", "job_config")):
+        with pytest.raises(SystemExit) as done:
+            getattr(_job(name), parse)(["--version"])
+        assert done.value.code == 0
+        line = capsys.readouterr().out.strip()
+        assert VERSION.match(line) and line.startswith(f"{name}.py "), line
+
+
+def test_verbose_on_trsp_ray_or_its_subcommand():
+    from trsp_ray.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["prune"]).verbose is False
+    assert parser.parse_args(["--verbose", "prune"]).verbose is True
+    assert parser.parse_args(["prune", "--verbose"]).verbose is True
+
+
+EXPORT = """
+import sys
+from trsp_ray.logs import quiet_libraries
+quiet_libraries(verbose=sys.argv[2] == "verbose")
+from trsp_ray.export import export_model, pruned_manifest
+from trsp_ray.tiny import tiny_model
+model = tiny_model("llama", layers=2)
+export_model(model, None, sys.argv[1], manifest=pruned_manifest(method=None, drop=[], num_layers_original=2))
+print("deepspeed imported:", "deepspeed" in sys.modules)
+"""
+THIRD_PARTY = re.compile(r"Loading weights|Writing model shards|Setting accelerator|it/s\]")
+
+
+@pytest.mark.parametrize("mode", ["quiet", "verbose"])
+def test_an_export_prints_no_third_party_bars_and_imports_no_deepspeed(tmp_path, mode):
+    """A single-process export (save, then the reload check) in a fresh interpreter, as a run does
+    it: quiet, none of transformers' bars; --verbose brings them back (so the test sees them)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL")}
+    proc = subprocess.run([sys.executable, "-c", EXPORT, str(tmp_path / "out"), mode], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "deepspeed imported: False" in proc.stdout
+    found = THIRD_PARTY.findall(proc.stdout + proc.stderr)
+    assert (found == []) if mode == "quiet" else ("Writing model shards" in found), found
+
+
+def test_deepspeed_banner_is_dropped_but_its_warnings_are_kept(monkeypatch):
+    import logging
+
+    from trsp_ray.logs import quiet_libraries
+
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL", "RAY_DEDUP_LOGS"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test: quiet_libraries sets them
+    quiet_libraries()
+    ds = logging.getLogger("DeepSpeed")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    ds.addHandler(handler)
+    try:
+        ds.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+        ds.warning("zero_optimization.stage3_max_live_parameters is large")
+    finally:
+        ds.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["zero_optimization.stage3_max_live_parameters is large"]

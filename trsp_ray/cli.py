@@ -55,8 +55,50 @@ def _benchmark(args) -> int:
     return 0
 
 
+def version_line(prog: str) -> str:
+    """`<prog> <trsp_ray version> (git <commit>)`; the commit only when trsp_ray runs from a git checkout."""
+    import importlib.metadata as md
+    import subprocess
+    from pathlib import Path
+
+    try:
+        version = md.version("trsp_ray")
+    except md.PackageNotFoundError:
+        version = "unknown"
+    root = Path(__file__).resolve().parents[1]
+    commit = ""
+    if (root / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"{prog} {version}" + (f" (git {commit})" if commit else "")
+
+
+class _Version(argparse.Action):
+    """--version, computed when asked (argparse's own takes the string when the parser is built)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line(parser.prog))
+        parser.exit()
+
+
+def add_entry_flags(parser: argparse.ArgumentParser, *, version: bool = True) -> None:
+    """--version and --verbose, on `trsp-ray`, its subcommands and the jobs (see logs.quiet_libraries)."""
+    if version:
+        parser.add_argument("--version", action=_Version, help="print the version (and git commit) and exit")
+    # a subcommand's default must not overwrite `trsp-ray --verbose <command>`: SUPPRESS leaves it alone
+    parser.add_argument("--verbose", action="store_true", default=False if version else argparse.SUPPRESS,
+                        help="keep third-party progress bars and banners (transformers, DeepSpeed, MLflow)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trsp-ray", description="TRSP layer pruning for LLMs on Ray")
+    add_entry_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prune", help="prune one model with one method and export it")
     add_run_arguments(p)
@@ -88,14 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     register_plan(sub)
     register_search(sub)
     register_reproduce(sub)
+    for command in sub.choices.values():
+        add_entry_flags(command, version=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from trsp_ray.errors import run_main
+    from trsp_ray.logs import quiet_libraries
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_libraries(verbose=args.verbose)
     return run_main(parser.prog, lambda: args.func(args))
 
 

@@ -7,9 +7,11 @@ an interrupted or failed export leaves no model directory behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -168,6 +170,28 @@ def _room_for(model, device: torch.device) -> bool:
     return free > 1.2 * need + 2**30
 
 
+@contextlib.contextmanager
+def _no_deepspeed_import():
+    """save_pretrained unwraps the model through accelerate, which imports deepspeed whenever it is
+    installed (~5 s, and its accelerator banner on CPU) only to test isinstance(model, DeepSpeedEngine).
+    A process that never imported deepspeed holds no such engine, so the test is skipped there."""
+    other = None
+    if "deepspeed" not in sys.modules:
+        try:
+            import accelerate.utils.other as other
+        except ImportError:
+            pass
+    if other is None or not hasattr(other, "is_deepspeed_available"):
+        yield
+        return
+    saved = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = saved
+
+
 def export_model(model, tokenizer, output: str, *, manifest: dict, overwrite: bool = False,
                  verify: bool = True, atol: float = 1e-5) -> Path:
     """Save `model` (+ tokenizer) to `output` through a temp dir + rename; returns the final path.
@@ -178,7 +202,8 @@ def export_model(model, tokenizer, output: str, *, manifest: dict, overwrite: bo
     """
     target = check_output_dir(output, overwrite=overwrite)
     with atomic.directory(target) as tmp:
-        model.save_pretrained(tmp)
+        with _no_deepspeed_import():
+            model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if verify:

@@ -73,3 +73,35 @@ def log(msg: str) -> None:
 def warn(msg: str) -> None:
     """A warning every rank prints."""
     logger().warning(msg)
+
+
+class _DropLine(logging.Filter):
+    """Drop records whose message starts with `prefix` (a library's banner, not its warnings)."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_libraries(*, verbose: bool = False) -> None:
+    """Third-party progress bars and banners off in trsp_ray's own runs (`--verbose` keeps them):
+    transformers' and the hub's bars ("Loading weights", "Writing model shards"), MLflow's INFO lines,
+    DeepSpeed's "Setting accelerator to CPU" banner; Ray prints each worker's lines as they are, without
+    its dedup hints. Library warnings and trsp_ray's own progress lines stay. Set through environment
+    variables where a library reads one (so processes started from this one inherit them) and on the
+    libraries already imported; a variable the user set wins."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # rank 0 alone prints progress: nothing to deduplicate
+    if verbose:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's switch
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "mlflow" in sys.modules:
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+    ds = logging.getLogger("DeepSpeed")  # deepspeed resets its level on import, but keeps filters
+    if not any(isinstance(f, _DropLine) for f in ds.filters):
+        ds.addFilter(_DropLine("Setting accelerator to CPU"))
