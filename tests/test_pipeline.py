@@ -109,6 +109,9 @@ def test_default_prune_is_trsp_selection_then_a_heal_with_stage2s_budget(tiny_di
     metrics = manifest["metrics"]
     assert manifest["method"] == "trsp+heal" and metrics["heal_steps"] == 4 and metrics["weight_tokens"] == 4 * 2 * 32
     assert "stage2_steps" not in metrics and metrics["stage1_rounds_computed"] == 2
+    # stage 1 runs before apply_method's clock; the selection's time includes it (issue 20)
+    assert metrics["select_seconds"] >= metrics["stage1_seconds"] > 0.1
+    assert metrics["seconds"] >= metrics["select_seconds"] + metrics["heal_seconds"] - 1e-6
     # the kept layers were trained: the first kept layer's weights differ from the original's
     first_kept = metrics["kept_layers"][0]
     original = load_file(str(tiny_dir / "model" / "model.safetensors"))

@@ -4,6 +4,8 @@ one device cannot hold goes to Ray Train workers (`run_on_workers`)."""
 
 from __future__ import annotations
 
+import time
+
 from trsp_ray import assets, registry, workbench
 from trsp_ray.config import RunConfig
 from trsp_ray.logs import log
@@ -62,9 +64,11 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         dense_ppl = bench.heldout_ppl()
         log(f"dense held-out PPL {dense_ppl:.2f}")
         report = lambda metrics, step: tracker.log_metrics(metrics, step)
-        stage1 = None
+        stage1, stage1_seconds = None, 0.0
         if registry.method(cfg.method).uses_stage1:
+            started = time.perf_counter()
             stage1 = run_stage1(cfg, bench, report=report)
+            stage1_seconds = time.perf_counter() - started
             tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
                                "stage1_gates.png")
         outcome = apply_method(bench, cfg.method, stage1=stage1, report=report)
@@ -78,7 +82,11 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                    "heldout_source": bench.texts.heldout_source, **{k: v for k, v in outcome.info.items()}}
         if stage1 is not None:
             results["stage1_drop_order"] = stage1.drop_order
-            results["stage1_rounds_computed"] = stage1.rounds_computed
+            results["stage1_rounds_computed"] = stage1.rounds_computed  # 0: reused from the store
+            # stage 1 is this run's selection, run before apply_method's clock starts: count it there
+            results["stage1_seconds"] = stage1_seconds
+            results["select_seconds"] = results.get("select_seconds", 0.0) + stage1_seconds
+            results["seconds"] = results.get("seconds", 0.0) + stage1_seconds
         manifest = pruned_manifest(method=cfg.method, drop=outcome.drop, num_layers_original=bench.num_layers,
                                    config=cfg.to_dict(), metrics=results)
         if cfg.output:
