@@ -46,7 +46,8 @@ def test_changing_lambda1_recomputes_stage1_in_the_search_store(tmp_path):
     assert [(e["n_drop"]) for e in computed] == [1, 2, 1]
     assert computed[0]["key"] == computed[1]["key"] != computed[2]["key"]
     records = [json.loads(p.read_text()) for p in (search / "stage1").glob("*.json")]
-    assert sorted(r["content"]["stage1"]["lambda1"] for r in records) == [1e-3, 2e-2]
+    # swap refinement is on by default: one record per n_drop (1 and 2 layers at lambda1 1e-3)
+    assert sorted(r["content"]["stage1"]["lambda1"] for r in records) == [1e-3, 1e-3, 2e-2]
     _execute(_trial_config(search, run, {"stage1.lambda1": 2e-2, "ratio": 0.25}), report=lambda metrics: None)
     assert RunLog(search).count("stage1_computed") == 3 and RunLog(search).count("stage1_reused") == 1
 
