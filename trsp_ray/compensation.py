@@ -227,13 +227,16 @@ def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: flo
     """Fold one least-squares map per removed block of `drop` into `model` (the layer-removed copy
     of `dense`, original indices in `drop`), from calibration `windows` (this rank's shard).
 
+    `reduce(t)` returns the sum of tensor `t` over ranks (float64, on the activations' device; an
+    NCCL caller moves it); every rank gets the same sums, solves the same T and folds it.
     Returns {"blocks", "tokens" (after `reduce`), "residual", "residual_identity"} (the summed
     squared boundary error with the map and without it, per block)."""
     if activations not in ACTIVATIONS:
         raise TrspError(f"compensation.activations={activations!r} is not valid; "
                         f"choose one of {', '.join(ACTIVATIONS)}")
     tokens = sum(int(w.numel()) for w in windows)
-    check_request(model=dense, method=method, tokens=int(reduce(torch.tensor(float(tokens))).item()), drop=drop)
+    total = int(round(reduce(torch.tensor(float(tokens), dtype=torch.float64)).item()))  # float32 is exact to 2^24
+    check_request(model=dense, method=method, tokens=total, drop=drop)
     if method == "none":
         return {"blocks": [], "tokens": 0, "residual": [], "residual_identity": []}
     num = families.num_layers(dense)
