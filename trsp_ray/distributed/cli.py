@@ -5,7 +5,8 @@
 
 `--model-config` is a config.json, a model directory or a hub id (read from the Hugging Face cache,
 else the hub). Prints stage 1 and stage 2 per-GPU memory, whether each fits and, if not, what
-would; then checkpoint size per save, storage for the kept ones, disk and host memory per node,
+would; stage 1's removal probes and refinement (memory per GPU, compute in dense-forward tokens,
+distributed/probe_plan.py); then checkpoint size per save, storage for the kept ones, disk and host memory per node,
 threads per worker and the export's host memory. Exit status: 0 fits, 1 does not fit, 2 refused
 (checkpoints over the disk budget, bad input).
 """
@@ -28,6 +29,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-params", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--train-base", action="store_true", help="stage 1 also trains the weights")
+    parser.add_argument("--ratio", type=float, default=None,
+                        help="fraction of layers dropped (stage-1 probe rounds; default: the config's)")
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="sets the fixed runtime overhead")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--cpus-per-node", type=int, default=96)
@@ -60,15 +63,20 @@ def setup_from_args(args: argparse.Namespace):
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from trsp_ray.config import load_config
     from trsp_ray.distributed import planner
+    from trsp_ray.distributed.probe_plan import ProbeSetup, format_probe_plan, probe_plan
     from trsp_ray.errors import TrspError
 
     result = planner.plan(planner.read_shape(args.model_config), setup_from_args(args))
     disk = result.disk_problem()
     if disk:
         raise TrspError(disk)
-    print(planner.format_plan(result))
-    return 0 if result.fits else 1
+    # the probes' settings: the config's stage1 / gates defaults (stage-1 settings are not flags)
+    cfg = load_config(None, [] if args.ratio is None else [f"ratio={args.ratio}"])
+    probes = probe_plan(result.shape, result.setup, ProbeSetup.from_config(cfg))
+    print(planner.format_plan(result, after_stages=tuple(format_probe_plan(probes, result.setup))))
+    return 0 if result.fits and probes.memory.total <= result.setup.gpu_memory_gb else 1
 
 
 def register(subparsers) -> None:

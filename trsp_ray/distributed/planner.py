@@ -389,7 +389,8 @@ def alternatives(s: Shape, st: Setup) -> list[str]:
     return out or ["nothing at this GPU size; use larger GPUs or a smaller micro batch / seqlen"]
 
 
-def format_plan(p: Plan) -> str:
+def format_plan(p: Plan, *, after_stages: tuple[str, ...] = ()) -> str:
+    """The plan as text; `after_stages`: lines printed after the stages (stage 1's probes)."""
     st = p.setup
     lines = [f"model: {p.shape.params / 1e9:.2f}B parameters, {p.shape.layers} layers; {st.workers} workers x "
              f"{st.gpu_memory_gb:g} GB, {'bf16' if st.dtype_bytes == 2 else 'fp32'}, micro batch {st.micro_batch} x "
@@ -399,6 +400,7 @@ def format_plan(p: Plan) -> str:
         host = f", host {stage.host:.1f} GB" if stage.host else ""
         lines.append(f"  {stage.name}: {stage.total:.1f} GB per worker ({verdict}{host})")
         lines += [f"      {k}: {v:.2f} GB" for k, v in stage.parts.items()]
+    lines += after_stages
     h = p.host()
     budget = f" (budget {st.disk_budget_gb:g} GB)" if st.disk_budget_gb is not None else ""
     lines += [f"  checkpoint: {h.checkpoint_gb:.1f} GB per save; storage {h.storage_gb:.1f} GB for "
@@ -578,6 +580,11 @@ def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int
     return plan
 
 
+def forward_layer_bytes(s: Shape, e: int) -> int:
+    """Bytes per token of one decoder layer's intermediates in a no-grad forward (one at a time)."""
+    return e * (3 * s.hidden + 3 * s.intermediate)
+
+
 def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: int, evaluation: bool) -> StagePlan:
     """A no-grad pass: ShortGPT, SLEB (with its per-batch layer inputs) or perplexity."""
     from trsp_ray import registry
@@ -586,8 +593,7 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     plan = StagePlan(name)
     _single_weights(plan, s, st, s.params)
     logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
-    layer = e * (3 * s.hidden + 3 * s.intermediate)  # one layer's intermediates at a time
-    plan.parts["logits + one layer"] = tokens * (logits + layer) / GB
+    plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
     if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
     return plan

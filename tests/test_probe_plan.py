@@ -1,0 +1,71 @@
+"""Stage 1's removal probes and refinement in the plan (issue 19): memory per GPU and compute, for
+Llama-2-70B (V = 32,000) and Llama-3-70B (V = 128,256) on 16 x 80 GB, printed by `trsp-ray plan`."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_distributed_hub import cached_70b  # noqa: F401  (fixture)
+
+from trsp_ray.config import load_config
+from trsp_ray.distributed import planner
+from trsp_ray.distributed.probe_plan import ProbeSetup, probe_plan, refine_calls
+
+MODELS = Path(__file__).resolve().parents[1] / "cluster" / "models"
+GiB = 2**30
+
+
+def _plan(name: str, **setup):
+    st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True, **setup)
+    return probe_plan(planner.read_shape(str(MODELS / name)), st, ProbeSetup.from_config(load_config(None, [])))
+
+
+@pytest.mark.parametrize("name, vocab", [("llama-2-70b.json", 32_000), ("llama-3-70b.json", 128_256)])
+def test_probe_memory_per_gpu_is_the_chunk_logprobs_and_the_teacher(name, vocab):
+    pp = _plan(name)
+    tokens = 2048  # 8 probe windows over 16 GPUs: one 2048-token window each
+    assert pp.windows_per_gpu == 1 and pp.teacher_cached
+    parts = pp.memory.parts
+    # student fp32 log-probs + teacher (bf16 and its fp32 upcast) + kl_div's 3 fp32 temporaries
+    assert parts["probe chunk (student + teacher log-probs, kl_div)"] == pytest.approx(tokens * vocab * 22 / GiB)
+    assert parts["probe teacher cache"] == pytest.approx(tokens * vocab * 2 / GiB)
+    assert "activations" not in parts  # a no-grad forward keeps no training activations
+    figures = {32_000: (1.34, 0.12, 15.1), 128_256: (5.38, 0.49, 19.7)}[vocab]
+    got = (parts["probe chunk (student + teacher log-probs, kl_div)"], parts["probe teacher cache"], pp.memory.total)
+    assert [round(x, 2 if i < 2 else 1) for i, x in enumerate(got)] == list(figures)
+
+
+def test_probe_and_refinement_compute_of_llama2_70b():
+    pp = _plan("llama-2-70b.json")
+    # 80 layers, 25%: 20 rounds of 4 probes; refinement: 2 passes x 20 x a pool of min(78 - 20, 20 x 3) = 2,320
+    # calls unbounded, capped at the default budget of 320
+    assert (pp.n_drop, pp.probe_calls, pp.refine_unbounded, pp.refine_calls) == (20, 80, 2320, 320)
+    assert pp.window_tokens == 8 * 2048
+    assert pp.compute == (80 + 320 + 1) * 8 * 2048  # + the cached teacher's one pass
+    assert pp.compute_per_gpu(2048) == (80 + 320 + 1) * 2048
+    assert refine_calls(candidates=28, n_drop=8, probe=4, refine=2) == 320  # SmolLM2: the default's formula
+
+
+def test_a_teacher_over_the_budget_is_recomputed_every_call():
+    st = planner.Setup(workers=1, gpu_memory_gb=80, activation_checkpointing=True)
+    s = planner.read_shape(str(MODELS / "llama-3-70b.json"))
+    pp = probe_plan(s, st, ProbeSetup.from_config(load_config(None, [])))
+    assert not pp.teacher_cached and pp.memory.parts["probe teacher cache"] == 0  # 8 x 2048 x 128k x 2 > 2 GiB
+    assert pp.compute == 2 * pp.calls * 8 * 2048
+
+
+def test_plan_command_prints_the_probes(cached_70b):  # noqa: F811
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "trsp_ray.cli", "plan", "--model-config", "meta-llama/Llama-2-70b-hf",
+                           "--workers", "16", "--gpu-memory-gb", "80", "--activation-checkpointing"],
+                          capture_output=True, text=True, env={**os.environ}, timeout=300)
+    out = done.stdout
+    assert done.returncode == 0, done.stderr
+    for figure in ("stage 1 probes: 15.1 GB per worker (fits)",
+                   "probe chunk (student + teacher log-probs, kl_div): 1.34 GB",
+                   "probe teacher cache: 0.12 GB", "80 scorer calls in 20 rounds + at most 320 refinement calls",
+                   "the passes alone allow 2320", "= 6.6M dense-forward tokens (all GPUs; 0.8M per GPU)"):
+        assert figure in out, figure
+    assert out.index("stage 1 probes") < out.index("checkpoint:")
