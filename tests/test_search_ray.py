@@ -2,6 +2,7 @@
 the registered model loading with plain transformers, Optuna multi-objective."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_grid_reuses_stage1_resumes_and_registers(assets, tmp_path, local_ray):
     version = client.get_model_version(opts.register_name, first["model_version"])
     assert "manifest" in version.tags and "config" in version.tags
     local = mlflow.artifacts.download_artifacts(version.source, tracking_uri=uri, dst_path=str(tmp_path / "dl"))
-    model = AutoModelForCausalLM.from_pretrained(local)
+    model = AutoModelForCausalLM.from_pretrained(Path(local) / "model")  # an MLflow transformers model's weights
     best = json.loads((tmp_path / "search" / "trials" / f"{first['best_trial']}.json").read_text())
     assert model.config.num_hidden_layers == 8 - len(best["drop"])
 

@@ -1,6 +1,7 @@
 """MLflow behind a small tracker, with a do-nothing version for tests and non-zero ranks.
 
-Default store: a local sqlite file (`sqlite:///<dir>/mlflow.db`); any tracking URI works.
+Default store: a local sqlite file (`sqlite:///<dir>/mlflow.db`, <dir> = $TRSP_RAY_MLFLOW_DIR or
+./runs) with the artifacts beside it in `<dir>/artifacts`; any tracking URI works.
 """
 
 from __future__ import annotations
@@ -18,6 +19,29 @@ def default_tracking_uri() -> str:
     root = Path(os.environ.get("TRSP_RAY_MLFLOW_DIR", Path.cwd() / "runs"))
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root.resolve() / 'mlflow.db'}"
+
+
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a sqlite database (`<its folder>/artifacts`),
+    not in the caller's working directory (`./mlruns`, MLflow's default); None (the server's own
+    default) for any other store."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
+    return None
+
+
+def experiment_id(client, name: str, tracking_uri: str) -> str:
+    """The id of experiment `name`, created with `artifact_location` when it does not exist yet
+    (an existing one keeps the location it was created with)."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+    except MlflowException:  # created meanwhile by another process on the same store
+        return client.get_experiment_by_name(name).experiment_id
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -61,7 +85,8 @@ class MlflowTracker:
         self._mlflow = mlflow
         self.tracking_uri = tracking_uri or default_tracking_uri()
         mlflow.set_tracking_uri(self.tracking_uri)
-        mlflow.set_experiment(experiment)
+        client = mlflow.tracking.MlflowClient(tracking_uri=self.tracking_uri)
+        mlflow.set_experiment(experiment_id=experiment_id(client, experiment, self.tracking_uri))
         self.run_id: str | None = None
 
     @contextlib.contextmanager

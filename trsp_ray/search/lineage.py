@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from trsp_ray import atomic, plots
-from trsp_ray.tracking import _flatten, default_tracking_uri
+from trsp_ray.tracking import _flatten, default_tracking_uri, experiment_id
 
 STATE = "mlflow.json"
 PARENT_TAG = "mlflow.parentRunId"
@@ -24,13 +24,7 @@ def _client(tracking_uri: str | None, experiment: str):
 
     uri = tracking_uri or default_tracking_uri()
     client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is not None:
-        return client, found.experiment_id
-    location = None
-    if uri.startswith("sqlite:///"):  # keep artifacts beside the database, not in the caller's cwd
-        location = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
-    return client, client.create_experiment(experiment, artifact_location=location)
+    return client, experiment_id(client, experiment, uri)
 
 
 def _log(client, run_id: str, *, params: dict | None = None, metrics: dict | None = None, step: int = 0) -> None:
@@ -156,10 +150,18 @@ def log_search(*, search_dir: Path, name: str, tracking_uri: str | None, experim
 
 
 def register_best(client, run_id: str, best: dict, name: str) -> str:
-    """Upload the best export to its trial run and register it; returns the model version."""
+    """Upload the best export to its trial run as an MLflow transformers model and register it, so
+    `mlflow.transformers.load_model("models:/<name>/<version>")` gives a text-generation pipeline
+    (and mlflow.pyfunc.load_model a pyfunc); returns the model version."""
+    import tempfile
+
     from mlflow.exceptions import MlflowException
 
-    client.log_artifacts(run_id, best["model_dir"], "model")
+    model_dir = Path(best["model_dir"])
+    with tempfile.TemporaryDirectory(prefix=".mlflow-", dir=model_dir.parent) as tmp:  # the exports' disk
+        staged = Path(tmp) / "model"
+        transformers_model(model_dir, staged)
+        client.log_artifacts(run_id, str(staged), "model")
     client.log_dict(run_id, best["config"], "config.json")
     manifest = json.loads((Path(best["model_dir"]) / "trsp_ray.json").read_text())
     try:
@@ -173,3 +175,33 @@ def register_best(client, run_id: str, best: dict, name: str) -> str:
               "manifest": json.dumps({k: manifest.get(k) for k in ("dropped_layers", "kept_layers",
                                       "num_layers_original", "num_layers_kept", "metrics")})[:4900]})
     return version.version
+
+
+def transformers_model(export_dir: Path, path: Path) -> None:
+    """An MLflow transformers model (MLmodel + the export's files) of an export directory at `path`,
+    written from the files: the weights are never loaded into this process."""
+    import importlib
+
+    import mlflow.transformers
+    import transformers
+    from transformers import pipelines
+
+    check_task = pipelines.check_task
+
+    def with_class(task: str):
+        # mlflow (3.17) reads the pipeline class's __name__ off check_task's "impl", which
+        # transformers 5 gives as a dotted name: hand it the class
+        name, meta, other = check_task(task)
+        if isinstance(meta.get("impl"), str):
+            module, _, cls = meta["impl"].rpartition(".")
+            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
+        return name, meta, other
+
+    # explicit requirements: inferring them would load the model in a subprocess
+    requirements = [f"transformers=={transformers.__version__}", "torch", "safetensors"]
+    pipelines.check_task = with_class
+    try:
+        mlflow.transformers.save_model(str(export_dir), str(path), task="text-generation",
+                                       pip_requirements=requirements)
+    finally:
+        pipelines.check_task = check_task
