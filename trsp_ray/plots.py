@@ -59,6 +59,8 @@ def benchmark_bars(summary: list[dict]):
     """Held-out and domain-2 perplexity per benchmark row (mean over seeds, bars = min..max), one
     panel per metric, rows grouped by budget (dense, selection only, trained)."""
     plt = _pyplot()
+    from matplotlib import ticker
+
     rows = [s for s in summary if s["group"] != "dense"]
     dense = next((s for s in summary if s["group"] == "dense"), None)
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8), sharey=True)
@@ -74,6 +76,11 @@ def benchmark_bars(summary: list[dict]):
             ax.legend(fontsize=8)
         ax.set_xlabel(f"{col} (lower is better)")
         ax.set_xscale("log")
+        # plain numbers at 1-2-5 steps, no minor labels: matplotlib's default labels every minor tick
+        # as "3x10^1", and within one decade they print on top of each other
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=8))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     axes[0].set_yticks(range(len(rows)), [f"{s['row']} ({s['group']})" for s in rows], fontsize=8)
     axes[0].invert_yaxis()
     fig.suptitle("trsp-ray benchmark: mean over seeds, bars span min..max")
