@@ -27,6 +27,23 @@ def micro_batch(*, batch_size: int, workers: int) -> int:
     return batch_size // workers
 
 
+def worker_dtype(cfg) -> str:
+    """The workers' model dtype (a torch attribute name): bf16 on GPU, fp32 on CPU, the precision
+    the DeepSpeed config enables. `dtype` other than auto or that is refused (check_worker_dtype)."""
+    return "bfloat16" if cfg.distributed.use_gpu else "float32"
+
+
+def check_worker_dtype(cfg) -> None:
+    """One line, before any worker starts, when `dtype` asks for what the workers would not run."""
+    from trsp_ray.errors import TrspError
+
+    runs = {"bfloat16": "bf16", "float32": "fp32"}[worker_dtype(cfg)]
+    if cfg.dtype not in ("auto", runs):
+        where = "GPU" if cfg.distributed.use_gpu else "CPU"
+        raise TrspError(f"dtype={cfg.dtype} is not available on Ray Train workers on {where}: they run {runs} "
+                        f"(distributed.use_gpu={str(cfg.distributed.use_gpu).lower()}); use dtype=auto or dtype={runs}")
+
+
 def build_ds_config(dist, *, batch_size: int, lr: float, extra: dict | None = None) -> dict:
     """The DeepSpeed config dict for a `DistributedConfig` `dist`.
 

@@ -458,10 +458,20 @@ def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
     return zero3_plan(cfg, read_shape(model_path), ds_config)
 
 
+def recovers_on_workers(cfg) -> bool:
+    """Whether the workers train weights after stage 1: a heal method heals with stage 2's budget
+    whatever stage2.enabled says (as one process does, methods.method_heal); TRSP's stage 2 runs
+    when enabled."""
+    from trsp_ray import registry
+
+    spec = registry.method(cfg.method)
+    return cfg.stage2.steps > 0 and (spec.heal or (spec.stage2 and cfg.stage2.enabled))
+
+
 def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
     p = plan(s, setup_for_run(cfg, ds_config))
-    if not (trains_on_workers(cfg) and cfg.stage2.enabled and cfg.stage2.steps > 0):
+    if not recovers_on_workers(cfg):
         p.stages = p.stages[:1]
     return p
 

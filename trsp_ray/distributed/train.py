@@ -86,6 +86,18 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
         raise TrspError(f"the plan does not fit: {plan.reason()}; {plan.suggestion()}")
 
 
+def check_worker_settings(cfg) -> None:
+    """Settings one process honours that the workers would not: refused in one line."""
+    from trsp_ray.distributed.deepspeed_config import check_worker_dtype
+
+    check_worker_dtype(cfg)
+    if cfg.heal.steps > 0:
+        # a heal method already heals with stage 2's budget there; an extra heal is not built
+        raise TrspError(f"heal.steps={cfg.heal.steps} is not run on Ray Train workers (heal.lr, heal.trainable "
+                        f"with it); use heal.steps=0 (a heal method such as trsp+heal heals with stage2.steps "
+                        f"at stage2.lr) or distributed.workers=0")
+
+
 def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False, resources: dict | None = None,
                 cpus: int | None = None):
     """All checks, in the driver; returns (ds_config, storage, model_path)."""
@@ -96,6 +108,7 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
     dist = cfg.distributed
     if dist.workers < 1:
         raise TrspError("distributed.workers=0 means a single-process run; use workers >= 1 for Ray Train")
+    check_worker_settings(cfg)
     ds_config = build_ds_config(dist, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=ds_options)
     validate_ds_config(ds_config)
     for name, steps in (("stage1.first_round_steps", cfg.stage1.first_round_steps),

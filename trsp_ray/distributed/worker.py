@@ -250,7 +250,9 @@ def _load(config: dict, cfg, *, rank: int, world: int):
     tokenizer = AutoTokenizer.from_pretrained(path)
     # The same training windows as the single-process path (workbench.calibration_ids).
     calib_ids, _ = calibration_ids(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
-    dtype = torch.bfloat16 if cfg.distributed.use_gpu else torch.float32
+    from trsp_ray.distributed.deepspeed_config import worker_dtype
+
+    dtype = getattr(torch, worker_dtype(cfg))
     model = eng.load_sharded(path, ds_config=config["ds_config"], dtype=dtype)
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
     eng.zero_ready_gates(gates)
@@ -329,14 +331,14 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
             engine_dir: str | None, rank: int, fault: FaultInjector):
     """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards."""
     from trsp_ray import registry
-    from trsp_ray.methods import stage2_settings
+    from trsp_ray.distributed.recovery import heal_stepper, recovery_settings
     from trsp_ray.stage2 import run_stage2
 
     s2 = cfg.stage2
-    spec = registry.method(cfg.method)
-    if not ((spec.stage2 or spec.heal) and s2.enabled and s2.steps > 0):
+    settings = recovery_settings(cfg)
+    if settings is None:
         return bench.model
-    schedule = "skip" if spec.heal else s2.schedule  # a heal: P skipped from step 1 (stage2.py)
+    heal = registry.method(cfg.method).heal
     done = meta.get("stage2_step", 0) if meta and meta["stage"] == 2 else 0
     every = cfg.distributed.checkpoint_every
 
@@ -357,9 +359,9 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     bench.factory.on_build = on_build
     reset_peak_memory()
     # a heal reads the batch stream the single-process heal reads (seed + 2), stage 2 its own (seed + 1)
-    result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 2 if spec.heal else 1),
-                        drop=drop, make_stepper=bench.factory, report=report,
-                        **stage2_settings(s2, schedule=schedule))
+    make = heal_stepper(bench.factory, gates=bench.gates, drop=drop) if heal else bench.factory
+    result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 2 if heal else 1),
+                        drop=drop, make_stepper=make, report=report, **settings)
     updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
     events.write("stage2_done", steps_computed=result.steps - done, peak_gb=peak_memory_gb(), relative_update=updates)
     return result.model
