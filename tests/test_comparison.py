@@ -6,7 +6,8 @@ import re
 import pytest
 
 from trsp_ray import registry
-from trsp_ray.comparison import check_request, plan_jobs, summarize, verdict
+from trsp_ray.comparison import check_request, plan_jobs
+from trsp_ray.comparison_stats import summarize, verdict
 from trsp_ray.config import load_config
 from trsp_ray.errors import TrspError
 
@@ -88,15 +89,71 @@ def test_summary_compares_each_row_with_its_own_groups_best_baseline():
     # selection group: ShortGPT (51) is its best baseline, not the better-looking trained rows
     assert by["trsp-no-stage2"]["best baseline"] == "shortgpt"
     assert by["trsp-no-stage2"]["vs best"] == pytest.approx(42.0 / 51.0)
-    assert by["trsp-no-stage2"]["verdicts"]["held-out PPL"] == "better"  # 9 apart, spreads 4 and 2
+    assert by["trsp-no-stage2"]["verdicts"]["held-out PPL"] == ("better", "shortgpt")  # 9 apart, spreads 4, 2
     assert not by["trsp-no-stage2"]["same drop over seeds"]
     # trained group: sleb+heal (24.25) is the best baseline; trsp is worse by more than the spreads
     assert by["trsp"]["best baseline"] == "sleb+heal"
-    assert by["trsp"]["verdicts"]["held-out PPL"] == "worse"
+    assert by["trsp"]["verdicts"]["held-out PPL"] == ("worse", "sleb+heal")
     assert by["shortgpt+heal"]["held-out PPL"]["mean"] == pytest.approx(26.0)
     assert by["shortgpt+heal"]["held-out PPL"]["spread"] == pytest.approx(2.0)
-    assert by["sleb+heal"]["verdicts"] == {}  # the best baseline is not compared with itself
+    # the best baseline is judged against the others, never itself
+    assert by["sleb+heal"]["verdicts"]["held-out PPL"] == ("tie", "shortgpt+heal")  # 1.75 apart, spread 2
     assert by["dense"]["kept %"] == pytest.approx(75.0) and "vs best" not in by["dense"]
+
+
+def test_trained_rows_are_judged_at_equal_tokens_and_at_equal_compute_on_every_column():
+    """Accuracies count beside perplexity: a row that wins PPL but loses LAMBADA beyond 2 SE is
+    told so, and the '@compute' baseline (more heal steps) is a separate comparison."""
+    rows = registry.rows(["trsp-selection+heal", "shortgpt+heal", "shortgpt+heal@compute"])
+
+    def res(row, seed, ppl, acc, cost):
+        r = _result(row, seed, ppl, weight=64)
+        r["info"].update(select_cost=cost, total_cost=cost + 192)
+        r["lambada"] = {"acc": acc, "se": 0.01, "n": 500}
+        return r
+
+    results = [res("trsp-selection+heal", s, 30.0 + s, 0.09, 900) for s in (0, 1)]
+    results += [res("shortgpt+heal", s, 33.0 + s, 0.15, 100) for s in (0, 1)]
+    results += [res("shortgpt+heal@compute", s, 29.0 + s / 10, 0.10, 100) for s in (0, 1)]
+    by = {s["row"]: s for s in summarize(results, rows, dense_params=100)}
+    v = by["trsp-selection+heal"]["verdicts"]
+    assert v["held-out PPL"] == ("better", "shortgpt+heal")  # 30.5 vs 33.5, spreads 1
+    assert v["LAMBADA acc"] == ("worse", "shortgpt+heal")  # 0.06 apart > 2 x hypot(0.01, 0.01)
+    assert "shortgpt+heal@compute" not in {b for _, b in v.values()}  # equal tokens: not the @compute row
+    c = by["trsp-selection+heal"]["verdicts at equal compute"]
+    assert c["held-out PPL"] == ("worse", "shortgpt+heal@compute")
+    assert c["LAMBADA acc"] == ("tie", "shortgpt+heal@compute")
+    assert by["trsp-selection+heal"]["total cost"] == 1092 and by["shortgpt+heal"]["LAMBADA acc"]["se"] == 0.01
+
+
+def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
+    from trsp_ray.comparison_jobs import budget_configs, equal_compute_steps
+    from trsp_ray.compute import extra_heal_steps, recovery_cost, total_cost
+
+    cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "stage2.steps=20"])
+    # TRSP's selection spent 126k dense-forward tokens, ShortGPT's 20k: 106k / (3 x 512) = 69 steps
+    steps = equal_compute_steps(cfg, {"info": {"select_cost": 20_480.0}}, {"info": {"select_cost": 126_464.0}})
+    assert steps == 69 == extra_heal_steps(106_000, tokens_per_step=512)
+    assert equal_compute_steps(cfg, {"info": {"select_cost": 9e9}}, {"info": {"select_cost": 1.0}}) == 0
+    _, heal = budget_configs(registry.ROWS["shortgpt+heal@compute"], cfg, budget=4, extra_steps=steps)
+    assert heal.steps == 20 * 4 + 69 and heal.lr == cfg.stage2.lr
+    s2, heal = budget_configs(registry.ROWS["trsp"], cfg, budget=4)
+    assert s2.steps == 80 and s2.enabled and heal.steps == 0
+    info = {"select_cost": 100.0, "weight_tokens": 10, "compensation_cost": 7.0}
+    assert recovery_cost(info) == 37.0 and total_cost(info) == 137.0
+
+
+def test_plan_runs_trained_rows_per_budget_and_needs_trsp_for_equal_compute():
+    rows = registry.rows(["dense", "shortgpt", "shortgpt+heal@compute"])
+    jobs = plan_jobs(rows, [0], (1, 4))
+    assert [(j.name, j.budget) for j in jobs if j.kind == "selection"] == [("shortgpt", 1), ("trsp", 1)]
+    assert [(j.name, j.budget) for j in jobs if j.kind == "row"] == [
+        ("dense", 1), ("shortgpt", 1), ("shortgpt+heal@compute", 1), ("shortgpt+heal@compute", 4)]
+    cfg = load_config(None, [])
+    for bad, match in (({"lambada_limit": -1}, "lambada_limit=-1"), ({"budgets": (0,)}, "budgets=.0."),
+                       ({"budgets": (1, 1)}, "distinct")):
+        with pytest.raises(TrspError, match=match):
+            check_request(cfg, ["dense"], 1, 0, **bad)
 
 
 def test_benchmark_rows_share_selections_and_budget(tiny_dir):
@@ -156,7 +213,7 @@ def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
 
 def test_report_says_when_sleb_was_cut_and_full_baselines_lifts_it(monkeypatch):
     from trsp_ray import cli
-    from trsp_ray.comparison import _sleb_note
+    from trsp_ray.comparison_report import sleb_note as _sleb_note
     from trsp_ray.config import FULL_SLEB_WINDOWS
 
     assert "CUT" in _sleb_note(load_config(None, [])) and "--full-baselines" in _sleb_note(load_config(None, []))

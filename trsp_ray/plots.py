@@ -86,3 +86,28 @@ def benchmark_bars(summary: list[dict]):
     fig.suptitle("trsp-ray benchmark: mean over seeds, bars span min..max")
     fig.tight_layout()
     return fig
+
+
+def quality_vs_compute(summary: list[dict]):
+    """What compute buys: held-out PPL and LAMBADA accuracy (where measured) of every pruned row
+    against its total compute (selection + recovery, dense-forward tokens); one line per row across
+    heal budgets, the dense model as a dashed line."""
+    plt = _pyplot()
+    rows = [s for s in summary if s["group"] != "dense"]
+    dense = next((s for s in summary if s["group"] == "dense"), None)
+    panels = [c for c in ("held-out PPL", "LAMBADA acc") if any(s.get(c) for s in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, col in zip(axes[0], panels):
+        for name in dict.fromkeys(s["row"] for s in rows):
+            pts = sorted((s["total cost"], s[col]["mean"]) for s in rows if s["row"] == name and s.get(col))
+            if pts:
+                ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], marker="o", lw=1.2, label=name)
+        if dense is not None and dense.get(col):
+            ax.axhline(dense[col]["mean"], color="0.3", ls="--", lw=1, label="dense")
+        ax.set_xlabel("total compute (thousands of dense-forward tokens)")
+        ax.set_ylabel(f"{col} ({'higher' if 'acc' in col else 'lower'} is better)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("trsp-ray benchmark: quality against total compute (mean over seeds)")
+    fig.tight_layout()
+    return fig

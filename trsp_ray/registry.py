@@ -62,7 +62,11 @@ class Row:
     method: str | None  # None = the dense model
     recovery: str  # none | stage2 | heal
     group: str  # dense | selection | trained
-    default: bool = True  # `trsp-ray benchmark` runs it unless --rows says otherwise
+    default: bool = True  # `trsp-ray benchmark --full` runs it unless --rows says otherwise
+    quick: bool = False  # the README's `trsp-ray benchmark` (15 minutes on 2 CPU cores) runs it
+    # a healed baseline that also gets the TRSP selection's extra compute as extra heal steps, so it
+    # is compared at equal *total* compute (SPEC section 5), not only at equal weight-update tokens
+    equal_compute: bool = False
 
     @property
     def is_baseline(self) -> bool:
@@ -74,20 +78,23 @@ class Row:
 
 
 ROWS: dict[str, Row] = {r.name: r for r in (
-    Row("dense", None, "none", "dense"),
-    Row("trsp-no-stage2", "trsp-no-stage2", "none", "selection"),
-    Row("shortgpt", "shortgpt", "none", "selection"),
+    Row("dense", None, "none", "dense", quick=True),
+    Row("trsp-no-stage2", "trsp-no-stage2", "none", "selection", quick=True),
+    Row("shortgpt", "shortgpt", "none", "selection", quick=True),
     Row("sleb", "sleb", "none", "selection"),
     Row("random", "random", "none", "selection"),
     Row("trsp", "trsp", "stage2", "trained"),
     Row("trsp-oneshot", "trsp-oneshot", "stage2", "trained", default=False),  # the paper's ablation
-    Row("trsp-selection+heal", "trsp+heal", "heal", "trained"),  # = the default `prune` pipeline
-    Row("shortgpt+heal", "shortgpt", "heal", "trained"),
+    Row("trsp-selection+heal", "trsp+heal", "heal", "trained", quick=True),  # = the default `prune` pipeline
+    Row("shortgpt+heal", "shortgpt", "heal", "trained", quick=True),
     Row("sleb+heal", "sleb", "heal", "trained"),
     Row("random+heal", "random", "heal", "trained"),
+    Row("shortgpt+heal@compute", "shortgpt", "heal", "trained", quick=True, equal_compute=True),
+    Row("sleb+heal@compute", "sleb", "heal", "trained", equal_compute=True),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
+QUICK_ROWS = tuple(r.name for r in ROWS.values() if r.quick)
 GROUP_TITLES = {"dense": "dense model", "selection": "selection only (no weight is trained)",
                 "trained": "trained (equal weight-update tokens, same recovery objective)"}
 
@@ -130,9 +137,11 @@ def rows(names: list[str] | tuple[str, ...]) -> list[Row]:
 
 
 def selectors_for(selected: list[Row]) -> list[str]:
-    """The selections a set of rows needs, each computed once (TRSP's serves every TRSP row)."""
+    """The selections a set of rows needs, each computed once (TRSP's serves every TRSP row; an
+    equal-compute row also needs TRSP's, whose compute it matches)."""
     needed = []
     for row in selected:
-        if row.method is not None and METHODS[row.method].selector not in needed:
-            needed.append(METHODS[row.method].selector)
+        wanted = [METHODS[row.method].selector] if row.method is not None else []
+        wanted += [TRSP_SELECTOR] if row.equal_compute else []
+        needed += [s for s in wanted if s not in needed]
     return needed

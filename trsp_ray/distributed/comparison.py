@@ -14,30 +14,31 @@ from trsp_ray.distributed import ray_session
 def _selection_task(cfg_dict: dict, selector: str, seed: int, threads: int) -> dict:
     import torch
 
-    from trsp_ray.comparison import selection_job
+    from trsp_ray.comparison_jobs import selection_job
 
     torch.set_num_threads(threads)
     return selection_job(cfg_dict, selector, seed)
 
 
 def _row_task(cfg_dict: dict, row: str, seed: int, selection: dict | None, export_dir: str | None,
-              threads: int) -> dict:
+              threads: int, options: dict, reference: dict | None) -> dict:
     import torch
 
-    from trsp_ray.comparison import row_job
+    from trsp_ray.comparison_jobs import row_job
 
     torch.set_num_threads(threads)
-    return row_job(cfg_dict, row, seed, selection, export_dir)
+    return row_job(cfg_dict, row, seed, selection, export_dir, options, reference)
 
 
 def ray_runner(workers: int):
     """A bench runner that spreads the jobs over `workers` one-CPU Ray tasks at a time. Joins the
     cluster named by RAY_ADDRESS, else starts (and stops) a local Ray instance with `workers` CPUs."""
 
-    def run(jobs, *, cfg_dict: dict, export_dir: str | None, on_done) -> None:
+    def run(jobs, *, cfg_dict: dict, export_dir: str | None, on_done, options: dict) -> None:
         import ray
 
         from trsp_ray import registry
+        from trsp_ray.comparison import job_inputs
 
         started = ray_session.connect(local_cpus=workers)
         try:
@@ -51,10 +52,10 @@ def ray_runner(workers: int):
                 if job.kind == "selection":
                     ref = selection_remote.remote(cfg_dict, job.name, job.seed, threads)
                     selections[(job.name, job.seed)] = ref
-                else:
-                    row = registry.ROWS[job.name]
-                    dep = selections[(registry.METHODS[row.method].selector, job.seed)] if row.method else None
-                    ref = row_remote.remote(cfg_dict, job.name, job.seed, dep, export_dir, threads)
+                else:  # Ray resolves the selections' ObjectRefs before the row task runs
+                    dep, reference = job_inputs(job, selections)
+                    ref = row_remote.remote(cfg_dict, job.name, job.seed, dep, export_dir, threads,
+                                            {**options, "budget": job.budget}, reference)
                 pending[ref] = job
             while pending:
                 [ref], _ = ray.wait(list(pending), num_returns=1)
@@ -66,9 +67,9 @@ def ray_runner(workers: int):
     return run
 
 
-def run_benchmark_ray(cfg, rows, *, workers: int = 2, seeds: int = 1, zeroshot_limit: int = 0) -> list[dict]:
-    """bench.run_benchmark with its jobs on Ray (the evaluation pool gets one actor per worker)."""
+def run_benchmark_ray(cfg, rows, *, workers: int = 2, **kwargs) -> list[dict]:
+    """comparison.run_benchmark (same keyword arguments) with its jobs on Ray (the evaluation pool
+    gets one actor per worker)."""
     from trsp_ray.comparison import run_benchmark
 
-    return run_benchmark(cfg, rows, seeds=seeds, zeroshot_limit=zeroshot_limit, runner=ray_runner(workers),
-                         zeroshot_actors=workers)
+    return run_benchmark(cfg, rows, runner=ray_runner(workers), zeroshot_actors=workers, **kwargs)

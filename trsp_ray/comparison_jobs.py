@@ -1,0 +1,156 @@
+"""The work units of the comparison (`trsp-ray benchmark`): one selection, one row.
+
+They take and return plain dicts so that a runner can execute them in this process
+(comparison.run_local) or as Ray tasks (distributed/comparison.py). A row is scored on held-out
+text of the calibration domain, on a text of another domain and, when asked, on LAMBADA's
+last-word accuracy through lm-eval (a passage-level task users prune for; reported, never used to
+select or tune anything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from trsp_ray import compute, registry
+from trsp_ray.config import RunConfig, from_dict, replace
+
+
+def seeded(cfg_dict: dict, seed: int) -> RunConfig:
+    return replace(from_dict(cfg_dict), seed=seed)
+
+
+def selection_job(cfg_dict: dict, selector: str, seed: int) -> dict:
+    """One selection (trsp = a stage-1 run; shortgpt, sleb, random) for one seed, as a plain dict."""
+    from trsp_ray.gates import attach_gates
+    from trsp_ray.logs import log
+    from trsp_ray.methods import run_stage1_for, select
+    from trsp_ray.workbench import prepare
+
+    bench = prepare(seeded(cfg_dict, seed))
+    t0 = time.time()
+    log(f"selection {selector} (seed {seed}): {bench.n_drop()} of {bench.num_layers} layers")
+    history: list = []
+    method = next(m.name for m in registry.METHODS.values() if m.selector == selector)
+    model = bench.fresh_model()
+    gates = attach_gates(model, gate_mode=bench.cfg.gates.gate)
+    stage1 = None
+    if selector == registry.TRSP_SELECTOR:
+        stage1 = run_stage1_for(bench, model=model, report=lambda m, s: history.append((dict(m), s)))
+    drop, info = select(bench, method, model=model, gates=gates, stage1=stage1)
+    out = {"selector": selector, "seed": seed, "seconds": time.time() - t0, "info": info, "history": history,
+           "drops": {m.name: (stage1.drop_for(m.name, bench.n_drop()) if stage1 else drop)
+                     for m in registry.METHODS.values() if m.selector == selector}}
+    if stage1 is not None:
+        out["stage1"] = dataclasses.asdict(stage1)
+    log(f"selection {selector} (seed {seed}) done in {out['seconds']:.0f}s: {drop}")
+    return out
+
+
+def export_row(model, bench, *, row_name: str, drop: list[int], target: str, metrics: dict) -> str:
+    """A row's model for the zero-shot scorers (a scratch directory of this benchmark)."""
+    from trsp_ray.export import export_model, pruned_manifest
+
+    manifest = pruned_manifest(method=row_name, drop=drop, num_layers_original=bench.num_layers,
+                               config=bench.cfg.to_dict(), metrics=metrics)
+    return str(export_model(model, bench.tokenizer, target, manifest=manifest, overwrite=True))
+
+
+def heal_steps(row: registry.Row, cfg: RunConfig, *, budget: int = 1, extra_steps: int = 0) -> int:
+    """Weight-update batches of a trained row: stage2.steps times the budget multiplier, plus the
+    extra heal steps an equal-compute row is given (what `trsp+heal` heals is methods.method_heal)."""
+    return cfg.stage2.steps * budget + extra_steps if row.group == "trained" else 0
+
+
+def budget_configs(row: registry.Row, cfg: RunConfig, *, budget: int = 1, extra_steps: int = 0):
+    """(stage-2 config, heal config) that give a row its share: trained rows all get the same
+    weight-update batches with the same objective (equal-compute rows more, see heal_steps)."""
+    no_heal = replace(cfg.heal, steps=0)
+    steps = heal_steps(row, cfg, budget=budget, extra_steps=extra_steps)
+    if row.recovery == "heal":
+        return replace(cfg.stage2, enabled=False), replace(cfg.heal, steps=steps, lr=cfg.stage2.lr,
+                                                            trainable=cfg.stage2.trainable,
+                                                            lora_rank=cfg.stage2.lora_rank)
+    if row.recovery == "stage2":
+        return replace(cfg.stage2, enabled=True, steps=steps), no_heal
+    return replace(cfg.stage2, enabled=False), no_heal
+
+
+def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None) -> int:
+    """Extra heal steps that bring a baseline's selection compute up to TRSP's (the reference)."""
+    if reference is None:
+        return 0
+    extra = reference["info"]["select_cost"] - selection["info"]["select_cost"]
+    return compute.extra_heal_steps(extra, tokens_per_step=cfg.data.batch_size * cfg.data.seqlen)
+
+
+def lambada(bench, model, *, limit: int) -> dict:
+    """LAMBADA last-word accuracy (lm-eval's lambada_openai rule) on the first `limit` test passages,
+    with its standard error, through lm-eval's offline task."""
+    from trsp_ray.evaluation.harness import run_tasks
+    from trsp_ray.evaluation.tasks import CAPABILITY_TASK
+
+    scores = run_tasks(model, bench.tokenizer, tasks=[CAPABILITY_TASK], limit=limit, batch_size=16)
+    entry = scores["tasks"][CAPABILITY_TASK]
+    acc, n = entry["acc"], entry.get("n") or limit
+    return {"acc": acc, "se": math.sqrt(acc * (1 - acc) / n), "n": n}
+
+
+def domain2_ids(bench):
+    """Token ids of the second-domain text (data.domain2_text, default: gensim's news corpus)."""
+    from trsp_ray import assets
+    from trsp_ray.workbench import encode_cached
+
+    text, _ = assets.domain2_text(bench.cfg.data.domain2_text)
+    return encode_cached(bench.tokenizer, text)
+
+
+def domain2_ppl(bench, model) -> float:
+    """Perplexity on the second-domain text, with the held-out text's windows and conventions."""
+    from trsp_ray.perplexity import perplexity
+
+    d = bench.cfg.data
+    return perplexity(model, domain2_ids(bench), seqlen=d.eval_seqlen, batch_size=4, max_windows=d.eval_max_windows,
+                      bos=bench.bos)
+
+
+def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None,
+            options: dict | None = None, reference: dict | None = None) -> dict:
+    """Prune (or not, for dense), recover as the row says and score one row for one seed.
+
+    `options`: {"budget": heal multiplier of trained rows, "lambada": passages (0 = off)};
+    `reference`: TRSP's selection of the same seed, whose compute an equal-compute row matches."""
+    from trsp_ray.logs import log
+    from trsp_ray.methods import apply_method
+    from trsp_ray.workbench import kept_parameters, prepare
+
+    options = options or {}
+    budget = options.get("budget", 1)
+    row = registry.ROWS[row_name]
+    bench = prepare(seeded(cfg_dict, seed))
+    t0 = time.time()
+    history: list = []
+    if row.method is None:  # the original on the run's device (it waits in host memory on a GPU run)
+        model, drop, info = bench.scoring_model(), [], {}
+    else:
+        extra = equal_compute_steps(bench.cfg, selection, reference) if row.equal_compute else 0
+        s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
+        out = apply_method(bench, row.method, drop=selection["drops"][row.method], stage2=row.recovery == "stage2",
+                           stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))
+        model, drop, info = out.model, out.drop, {**selection["info"], **out.info, "extra_heal_steps": extra}
+    info["recovery_cost"], info["total_cost"] = compute.recovery_cost(info), compute.total_cost(info)
+    result = {"row": row_name, "seed": seed, "budget": budget, "drop": drop, "params": kept_parameters(model),
+              "info": info, "held-out PPL": bench.heldout_ppl(model), "domain-2 PPL": domain2_ppl(bench, model),
+              "history": history}
+    if options.get("lambada"):
+        result["lambada"] = lambada(bench, model, limit=options["lambada"])
+    if export_dir is not None:
+        metrics = {k: result[k] for k in ("held-out PPL", "domain-2 PPL", "params")}
+        result["export"] = export_row(model, bench, row_name=row_name, drop=drop, metrics=metrics,
+                                      target=f"{export_dir}/{row_name}-b{budget}-s{seed}")
+    result["seconds"] = time.time() - t0 + (selection["seconds"] if selection else 0.0)
+    lamb = f", LAMBADA acc {result['lambada']['acc']:.3f}" if "lambada" in result else ""
+    log(f"row {row_name} x{budget} (seed {seed}): held-out PPL {result['held-out PPL']:.2f}, "
+        f"domain-2 PPL {result['domain-2 PPL']:.2f}{lamb} ({result['seconds']:.0f}s)")
+    return result
