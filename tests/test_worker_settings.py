@@ -94,3 +94,22 @@ def test_a_worker_heal_freezes_the_dropped_layers():
     moved = {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}
     assert moved and not [n for n in moved if any(f"layers.{i}." in n for i in drop)]
     assert any("layers.0." in n for n in moved)
+
+
+def test_the_plan_of_a_worker_heal_leaves_the_drop_set_out_of_the_optimizer():
+    """Llama-2-70B, trsp+heal at 25% on 16 workers: 20 of 80 layers frozen in the heal, so its
+    optimizer state, gradients and every save are a quarter smaller than stage 2 of trsp."""
+    from trsp_ray.distributed import planner
+
+    shape = planner.read_shape(str(LLAMA2_70B))
+    common = ["distributed.workers=16", "distributed.use_gpu=true", "data.batch_size=16", "data.seqlen=2048",
+              "distributed.activation_checkpointing=true"]
+    heal = planner.zero3_plan(_cfg("method=trsp+heal", *common), shape)
+    trsp = planner.zero3_plan(_cfg("method=trsp", *common), shape)
+    frozen = 20 * shape.layer_params
+    assert heal.setup.frozen_layers == 20 and trsp.setup.frozen_layers == 0
+    assert heal.host().checkpoint_gb == pytest.approx(planner.checkpoint_bytes(
+        shape, heal.setup, trained=shape.params - frozen) / 2**30)
+    assert round(trsp.host().checkpoint_gb, 1) == 770.9 and round(heal.host().checkpoint_gb, 1) == 579.6
+    optim = "optimizer fp32 + Adam (partition)"
+    assert round(trsp.stages[1].parts[optim], 2) == 48.18 and round(heal.stages[1].parts[optim], 2) == 36.23

@@ -197,6 +197,7 @@ class Setup:
     disk_budget_gb: float | None = None
     export_shard_gb: float = 5.0
     remote_storage: bool = True
+    frozen_layers: int = 0  # decoder layers stage 2 leaves out of the optimizer (a heal's drop set)
 
 
 @dataclass
@@ -254,7 +255,8 @@ def estimate(s: Shape, st: Setup) -> tuple[StagePlan, StagePlan]:
     if st.trainable == "lora":
         stage2 = _stage("stage 2 (lora)", s, st, trained=s.lora_params(st.lora_rank), frozen=p)
     else:
-        stage2 = _stage("stage 2 (all weights)", s, st, trained=p, frozen=0)
+        frozen = st.frozen_layers * s.layer_params
+        stage2 = _stage("stage 2 (all weights)", s, st, trained=p - frozen, frozen=frozen)
     return stage1, stage2
 
 
@@ -341,7 +343,9 @@ def host_and_disk(p: Plan) -> HostPlan:
     shards and holds about 2 x the largest shard (the shard being filled + the one being written).
     """
     s, st = p.shape, p.setup
-    trained = s.params if (len(p.stages) > 1 and st.trainable != "lora") or st.train_base else 0
+    trained = s.params if st.train_base else 0
+    if len(p.stages) > 1 and st.trainable != "lora":
+        trained = max(trained, s.params - st.frozen_layers * s.layer_params)
     if len(p.stages) > 1 and st.trainable == "lora":
         trained = s.lora_params(st.lora_rank)
     ckpt = checkpoint_bytes(s, st, trained=trained) / GB
@@ -470,7 +474,14 @@ def recovers_on_workers(cfg) -> bool:
 
 def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
-    p = plan(s, setup_for_run(cfg, ds_config))
+    from dataclasses import replace
+
+    from trsp_ray import registry
+
+    st = setup_for_run(cfg, ds_config)
+    if registry.method(cfg.method).heal:  # a worker heal freezes the drop set (recovery.heal_stepper)
+        st = replace(st, frozen_layers=round(cfg.ratio * s.layers))
+    p = plan(s, st)
     if not recovers_on_workers(cfg):
         p.stages = p.stages[:1]
     return p
