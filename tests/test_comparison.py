@@ -185,6 +185,28 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir):
     assert by["shortgpt+heal"]["held-out PPL"]["mean"] != by["shortgpt"]["held-out PPL"]["mean"]
 
 
+def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir):
+    """The '+comp' row compensates the same drop set (a different model, its fit counted as recovery
+    compute), the '@compute' row heals with TRSP's extra selection compute, and every row carries
+    LAMBADA's accuracy with its standard error."""
+    from trsp_ray.comparison import run_benchmark
+    from trsp_ray.comparison_jobs import equal_compute_steps
+
+    names = ["trsp-no-stage2", "shortgpt", "shortgpt+comp", "shortgpt+heal@compute"]
+    by = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir, "compensation.windows=4"), names, lambada_limit=3)}
+    assert by["shortgpt+comp"]["drop"] == by["shortgpt"]["drop"]
+    assert by["shortgpt+comp"]["held-out PPL"]["mean"] != pytest.approx(by["shortgpt"]["held-out PPL"]["mean"])
+    assert by["shortgpt+comp"]["recovery cost"] > 0 == by["shortgpt"]["recovery cost"]
+    cfg = _cfg(tiny_dir)
+    extra = equal_compute_steps(cfg, {"info": {"select_cost": by["shortgpt"]["select cost"]}},
+                                {"info": {"select_cost": by["trsp-no-stage2"]["select cost"]}})
+    assert extra > 0
+    assert by["shortgpt+heal@compute"]["weight tokens"] == (cfg.stage2.steps + extra) * 2 * 32
+    for s in by.values():
+        lam = s["LAMBADA acc"]
+        assert 0.0 <= lam["mean"] <= 1.0 and lam["n"] == 1 and lam["se"] >= 0.0
+
+
 @pytest.mark.ray
 def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
     from mlflow.tracking import MlflowClient
@@ -236,3 +258,25 @@ def test_bar_plot_takes_a_mean_an_ulp_outside_its_range():
                 "domain-2 PPL": {"mean": 90.0, "min": 80.0, "max": 95.0}}]
     fig = benchmark_bars(summary)
     assert len(fig.axes) == 2
+
+
+def test_quality_vs_compute_plot_draws_each_row_across_budgets():
+    from trsp_ray.plots import close, quality_vs_compute
+
+    def cell(v):
+        return {"mean": v, "min": v, "max": v, "spread": 0.0, "n": 1}
+
+    summary = [{"row": "dense", "group": "dense", "total cost": 0.0, "held-out PPL": cell(17.0),
+                "LAMBADA acc": cell(0.3)}]
+    for budget, cost in ((1, 50_000.0), (4, 140_000.0)):
+        summary += [{"row": "shortgpt+heal", "group": "trained", "total cost": cost, "held-out PPL": cell(30.0 / budget),
+                     "LAMBADA acc": cell(0.1 * budget)},
+                    {"row": "trsp-selection+heal", "group": "trained", "total cost": cost + 9e4,
+                     "held-out PPL": cell(28.0 / budget), "LAMBADA acc": cell(0.05 * budget)}]
+    fig = quality_vs_compute(summary)
+    ppl, acc = fig.axes[:2]
+    lines = {line.get_label(): line for line in ppl.get_lines()}
+    assert list(lines["shortgpt+heal"].get_xdata()) == [50.0, 140.0]  # thousands of tokens, budget order
+    assert list(lines["trsp-selection+heal"].get_ydata()) == [28.0, 7.0]
+    assert lines["dense"].get_ydata()[0] == 17.0 and len(acc.get_lines()) == 3
+    close(fig)

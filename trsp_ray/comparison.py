@@ -110,6 +110,12 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     seed_list = [cfg.seed + k for k in range(seeds)]
     methods = tuple(sorted({r.method for r in selected if r.method}))
     bench = prepare(cfg, methods=methods)  # every input check and cache warm-up before any job starts
+    if any(r.compensate for r in selected):  # a family or calibration size it cannot serve: refused now
+        from trsp_ray.compensation import check_request as check_compensation
+
+        c = cfg.compensation
+        check_compensation(model=bench.model, method=c.method if c.method != "none" else "lstsq",
+                           tokens=c.windows * cfg.data.seqlen)
     _, domain2_source = assets.domain2_text(cfg.data.domain2_text)
     domain2_ids(bench)
     if lambada_limit:

@@ -128,7 +128,10 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     options = options or {}
     budget = options.get("budget", 1)
     row = registry.ROWS[row_name]
-    bench = prepare(seeded(cfg_dict, seed))
+    cfg = seeded(cfg_dict, seed)
+    if row.compensate and cfg.compensation.method == "none":
+        cfg = replace(cfg, **{"compensation.method": "lstsq"})
+    bench = prepare(cfg)
     t0 = time.time()
     history: list = []
     if row.method is None:  # the original on the run's device (it waits in host memory on a GPU run)

@@ -87,6 +87,11 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
     if zeroshot_limit:
         parts.append(f"zero-shot: mean acc over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, {zeroshot_limit} items "
                      f"per task, ± standard error.")
+    if any(registry.ROWS[s["row"]].compensate for s in summary):
+        c = cfg.compensation
+        method = c.method if c.method != "none" else "lstsq"
+        parts.append(f"+comp rows: {method} compensation after removal ({c.activations} activations, ridge {c.ridge}, "
+                     f"{c.windows} calibration windows of {d.seqlen} tokens), folded into the weights before any heal.")
     if cut:
         parts.append(cut)
     for s in summary:

@@ -67,6 +67,9 @@ class Row:
     # a healed baseline that also gets the TRSP selection's extra compute as extra heal steps, so it
     # is compared at equal *total* compute (SPEC section 5), not only at equal weight-update tokens
     equal_compute: bool = False
+    # the drop set is compensated in closed form after removal (trsp_ray/compensation.py; the
+    # configured compensation.method, least squares when it is none), before any heal
+    compensate: bool = False
 
     @property
     def is_baseline(self) -> bool:
@@ -91,6 +94,10 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("random+heal", "random", "heal", "trained"),
     Row("shortgpt+heal@compute", "shortgpt", "heal", "trained", quick=True, equal_compute=True),
     Row("sleb+heal@compute", "sleb", "heal", "trained", equal_compute=True),
+    Row("trsp-no-stage2+comp", "trsp-no-stage2", "none", "selection", compensate=True),
+    Row("shortgpt+comp", "shortgpt", "none", "selection", compensate=True),
+    Row("trsp-selection+comp+heal", "trsp+heal", "heal", "trained", compensate=True),
+    Row("shortgpt+comp+heal", "shortgpt", "heal", "trained", compensate=True),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
