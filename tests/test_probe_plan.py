@@ -69,3 +69,24 @@ def test_plan_command_prints_the_probes(cached_70b):  # noqa: F811
                    "the passes alone allow 2320", "= 6.6M dense-forward tokens (all GPUs; 0.8M per GPU)"):
         assert figure in out, figure
     assert out.index("stage 1 probes") < out.index("checkpoint:")
+
+
+def test_a_run_whose_probes_do_not_fit_is_refused_before_any_worker(tmp_path):
+    """A vocabulary of 1M: stage 1's training fits 40 GB, its probes' logits (1 x 2048 tokens x V x
+    22 bytes = 42 GiB) do not, and check_plan says so in one line."""
+    import json
+
+    from trsp_ray.distributed.train import check_plan
+    from trsp_ray.errors import TrspError
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 1_000_000, "hidden_size": 64,
+                                "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+                                "num_key_value_heads": 2}))
+    common = ["distributed.workers=16", "distributed.use_gpu=true", "distributed.gpu_memory_gb=40",
+              "data.batch_size=16", "data.seqlen=2048", "method=trsp-no-stage2"]
+    cfg = load_config(None, common)
+    assert planner.plan_for_run(cfg, str(path)).fits
+    with pytest.raises(TrspError, match="stage 1's removal probes need 4[0-9].[0-9] GB per worker"):
+        check_plan(cfg, str(path))
+    check_plan(load_config(None, [*common, "stage1.probe=0"]), str(path))  # no probes: nothing to refuse

@@ -74,9 +74,10 @@ def check_resources(dist, resources: dict, cpus: int | None = None) -> None:
 
 
 def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
-    """Refuse a plan whose GPU memory (GPU runs) or checkpoints (`disk_budget_gb`, any run) do not
-    fit, naming what would (see planner.py)."""
+    """Refuse a plan whose GPU memory (GPU runs: the stages, then stage 1's removal probes) or
+    checkpoints (`disk_budget_gb`, any run) do not fit, naming what would (see planner.py)."""
     from trsp_ray.distributed import planner
+    from trsp_ray.distributed.probe_plan import ProbeSetup, probe_plan
 
     plan = planner.plan_for_run(cfg, model_path, ds_config)
     disk = plan.disk_problem()
@@ -84,6 +85,13 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
         raise TrspError(disk)
     if cfg.distributed.use_gpu and not plan.fits:
         raise TrspError(f"the plan does not fit: {plan.reason()}; {plan.suggestion()}")
+    probed = probe_plan(plan.shape, plan.setup, ProbeSetup.from_config(cfg))
+    probes = probed.memory
+    if cfg.distributed.use_gpu and probed.calls and probes.total > plan.setup.gpu_memory_gb:
+        raise TrspError(f"the plan does not fit: stage 1's removal probes need {probes.total:.1f} GB per worker "
+                        f"(logits over the vocabulary of each probe window), more than the "
+                        f"{plan.setup.gpu_memory_gb:g} GB available; use more workers, a shorter data.seqlen or "
+                        f"stage1.probe=0")
 
 
 def check_worker_settings(cfg) -> None:
