@@ -269,8 +269,8 @@ def test_quality_vs_compute_plot_draws_each_row_across_budgets():
     summary = [{"row": "dense", "group": "dense", "total cost": 0.0, "held-out PPL": cell(17.0),
                 "LAMBADA acc": cell(0.3)}]
     for budget, cost in ((1, 50_000.0), (4, 140_000.0)):
-        summary += [{"row": "shortgpt+heal", "group": "trained", "total cost": cost, "held-out PPL": cell(30.0 / budget),
-                     "LAMBADA acc": cell(0.1 * budget)},
+        summary += [{"row": "shortgpt+heal", "group": "trained", "total cost": cost,
+                     "held-out PPL": cell(30.0 / budget), "LAMBADA acc": cell(0.1 * budget)},
                     {"row": "trsp-selection+heal", "group": "trained", "total cost": cost + 9e4,
                      "held-out PPL": cell(28.0 / budget), "LAMBADA acc": cell(0.05 * budget)}]
     fig = quality_vs_compute(summary)
