@@ -30,7 +30,8 @@ def _pruned():
 
 
 def _exports(tmp_path, monkeypatch) -> dict[str, dict]:
-    from trsp_ray import assets, comparison
+    from trsp_ray import assets
+    from trsp_ray import comparison_jobs as comparison
     from trsp_ray.distributed.export import export_streaming
     from trsp_ray.reproduce import work
     from trsp_ray.search import trial

@@ -45,7 +45,9 @@ def test_grid_reuses_stage1_resumes_and_registers(assets, tmp_path, local_ray):
 
     from trsp_ray.search.run import SearchOptions, run_search
 
-    base = base_config(assets, tmp_path)
+    # without swap refinement a stage 1 serves every smaller ratio (one per lambda1); with it, each
+    # n_drop gets its own (tests/test_stage1_store.py), so this grid would compute all six
+    base = base_config(assets, tmp_path, ["stage1.refine=0"])
     opts = SearchOptions(search_dir=str(tmp_path / "search"), name="grid", val_every=1, val_windows=2)
     first = run_search(base, parse_space(GRID), opts)
     assert (first["stage1_computed"], first["stage2_runs"], first["trials_run"]) == (2, 6, 6)
