@@ -124,10 +124,11 @@ def _hidden(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int) -> list:
+def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int | None, mlp_output=None) -> list:
     """Forward hooks on `model` writing store[(index, 'out')] (a decoder layer's output) and
     store[(index, 'mlp')] (its MLP output projection's output), flattened to [n, d]; the pass
-    stops after decoder layer `stop_after`."""
+    stops after decoder layer `stop_after` (None: it runs to the end)."""
+    mlp_output = mlp_output or families.mlp_output
     layers = families.decoder_layers(model)
     handles = []
 
@@ -141,19 +142,19 @@ def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int) -> l
 
     for index, what in wanted.items():
         if "mlp" in what:
-            proj = families.mlp_output(layers[index], model)
+            proj = mlp_output(layers[index], model)
             handles.append(proj.register_forward_hook(saver((index, "mlp"), False)))
     for index, what in wanted.items():
         if "out" in what:
             handles.append(layers[index].register_forward_hook(saver((index, "out"), index == stop_after)))
-    if stop_after not in {i for i, w in wanted.items() if "out" in w}:
+    if stop_after is not None and stop_after not in {i for i, w in wanted.items() if "out" in w}:
         handles.append(layers[stop_after].register_forward_hook(saver((stop_after, "out"), True)))
     return handles
 
 
-def _run(model, batch, wanted: dict[int, str], *, stop_after: int) -> dict:
+def _run(model, batch, wanted: dict[int, str], *, stop_after: int | None, mlp_output=None) -> dict:
     store: dict = {}
-    handles = _record(model, wanted, store, stop_after=stop_after)
+    handles = _record(model, wanted, store, stop_after=stop_after, mlp_output=mlp_output)
     try:
         model(input_ids=batch.to(next(model.parameters()).device), use_cache=False)
     except _Stop:
@@ -177,12 +178,17 @@ def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor) -> Stats:
 
 
 @torch.no_grad()
-def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | None = None) -> list[Stats]:
-    """The sums of every block of `drop` over `windows` (batches of token ids [B, S]).
+def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | None = None, stop: bool = True,
+               mlp_output=None) -> list[Stats | None]:
+    """The sums of every block of `drop` over `windows` (batches of token ids [B, S]; None for a
+    block when `windows` is empty).
 
     With `pruned` None, everything comes from `dense` in one pass per batch ("dense" form). With
     `pruned` (the layer-removed model, earlier blocks already folded) and one `block`, M and h_mid
-    come from pruned's copy of layer a-1 and the target from dense ("sequential" form)."""
+    come from pruned's copy of layer a-1 and the target from dense ("sequential" form).
+    `stop=False` runs every pass to the end (a ZeRO-3 forward is a collective that must not stop
+    inside DeepSpeed's gather hooks); `mlp_output(layer, model)` finds the projection
+    (families.mlp_output by default; a partitioned model needs its layer gathered to look)."""
     num = families.num_layers(dense)
     spans = blocks(drop, num) if block is None else [block]
     if spans and spans[0][0] == 0:
@@ -196,7 +202,8 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
             for a, b in spans:
                 wanted[a - 1] = wanted.get(a - 1, "") + "out mlp"
                 wanted[b] = wanted.get(b, "") + "out"
-            got = _run(dense, batch, wanted, stop_after=max(b for _, b in spans))
+            got = _run(dense, batch, wanted, stop_after=max(b for _, b in spans) if stop else None,
+                       mlp_output=mlp_output)
             src = {s: (got[(s[0] - 1, "out")], got[(s[0] - 1, "mlp")], got[(s[1], "out")]) for s in spans}
         else:
             (a, b), = spans
@@ -210,14 +217,15 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
     return [stats[s] for s in spans]
 
 
-def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense") -> float:
+def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense", stops: bool = True) -> float:
     """Dense-forward tokens of `compensate` over `tokens` calibration tokens: passes stop after the
-    last layer they need and count the fraction of the dense depth they run; the solves are free."""
+    last layer they need and count the fraction of the dense depth they run (`stops=False`: whole
+    dense passes, as on ZeRO-3 workers); the solves are free."""
     spans = blocks(drop, num_layers)
     if not spans:
         return 0.0
     if activations == "dense":
-        return tokens * (spans[-1][1] + 1) / num_layers
+        return tokens * ((spans[-1][1] + 1) / num_layers if stops else 1.0)
     kept = [i for i in range(num_layers) if i not in set(drop)]
     return sum(tokens * (b + 1 + kept.index(a - 1) + 1) / num_layers for a, b in spans)
 

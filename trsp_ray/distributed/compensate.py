@@ -1,0 +1,132 @@
+"""Closed-form compensation (trsp_ray/compensation.py) on Ray Train ZeRO-3 workers (issue 21 item 3).
+
+The workers never cut the model before the streaming export: the drop set stays in the network,
+bypassed through its gates, so the map of block [a..b] is folded into the kept layer a-1 (original
+index) while P stays bypassed, and export.py writes the folded weights from the live parameters.
+
+`fit` runs on the dense model (every gate off, nothing bypassed) before any weight trains, i.e.
+right after stage 1 (which trains only the gates): rank r of W accumulates M^T M and M^T Y over
+windows k with k % W == r (the removal probes' split, stage1.RemovalScorer), the float64 sums are
+all-reduced, and every rank solves the same T per block. Under ZeRO-3 every forward is a
+collective, so a rank with fewer windows runs a padding forward it discards, and the passes run
+the whole model (compensation.accumulate's early stop would leave a pass half-way through
+DeepSpeed's gather hooks). `fold` applies the maps where one process does: after stage 2, before
+a heal. Only the "dense" activations are served here (check_for_workers refuses the rest).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from trsp_ray import compensation, families
+from trsp_ray.errors import TrspError
+
+
+def check_for_workers(cfg) -> None:
+    """Refuse, before any worker starts, a compensation the workers do not run (one line)."""
+    c = cfg.compensation
+    if c.method != "none" and cfg.stage1.train_base:
+        raise TrspError("compensation on Ray Train workers needs the dense weights after stage 1, and "
+                        "stage1.train_base=true trains them; use stage1.train_base=false or distributed.workers=0")
+    if c.method != "none" and c.activations != "dense":
+        raise TrspError(f"compensation.activations={c.activations!r} is not run on Ray Train workers (it needs "
+                        "the pruned model's activations block by block); use compensation.activations=dense or "
+                        "distributed.workers=0")
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over the data-parallel ranks in float64 (a copy; identity in one process). NCCL
+    reduces on this rank's GPU, gloo on the host; the result comes back on `t`'s device."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return t.double().clone()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = t.to(device=device, dtype=torch.float64, copy=True)
+    dist.all_reduce(out)
+    return out.to(t.device)
+
+
+def _mlp_output_resolver(model):
+    """families.mlp_output for a ZeRO-3 model: a partitioned weight is an empty 1-D placeholder,
+    so the layer is gathered (one layer, once per layer) while its projection is looked up."""
+    from trsp_ray.distributed.engine import gather_context
+
+    @functools.cache
+    def resolve(layer):
+        with gather_context(list(layer.parameters())):
+            return families.mlp_output(layer, model)
+
+    return lambda layer, _model: resolve(layer)
+
+
+def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[torch.Tensor], int]:
+    """(this rank's windows k % world == rank, in batches of the input's batch size; padding
+    forwards so that every rank runs as many forwards as the largest share)."""
+    rows = torch.cat(list(windows))
+    size = windows[0].shape[0]
+    part = rows[rank::world]
+    mine = list(part.split(size)) if part.shape[0] else []
+    passes = -(-(-(-rows.shape[0] // world)) // size)  # ceil(ceil(rows / world) / size)
+    return mine, passes - len(mine)
+
+
+@torch.no_grad()
+def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int, ridge: float,
+        reduce=all_reduce_sum) -> dict:
+    """The maps of every block of `drop`, from the dense model's activations over all `windows`
+    (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
+    float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity"}."""
+    num = families.num_layers(model)
+    layers = families.decoder_layers(model)
+    resolve = _mlp_output_resolver(model)
+    resolve(layers[0], model)  # a family the fold cannot serve fails here, before any forward
+    hidden = families.text_config(model).hidden_size
+    total = sum(int(w.numel()) for w in windows)
+    if total < hidden:
+        raise TrspError(f"compensation has {total} calibration tokens, fewer than the hidden size {hidden} "
+                        f"a {hidden} x {hidden} map needs; raise compensation.windows")
+    mine, padding = shard(windows, rank=rank, world=world)
+    with gates.state(gated=False, bypass=[]):
+        stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve)
+        device = next(model.parameters()).device
+        for _ in range(padding):  # the collective forwards of the other ranks' extra windows
+            model(input_ids=windows[0][:1].to(device), use_cache=False)
+    spans = compensation.blocks(drop, num)
+    info: dict = {"maps": [], "blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
+    for k, span in enumerate(spans):
+        if stats[k] is None:  # this rank had no window: zeros of the right shape join the sum
+            z = torch.zeros(hidden, hidden, dtype=torch.float64, device=device)
+            stats[k] = compensation.Stats(span, z, z.clone(), z.new_zeros(()), 0)
+        summed = stats[k].reduced(reduce)
+        t = compensation.solve(summed.mtm, summed.mty, ridge=ridge)
+        info["maps"].append((span, t.cpu()))
+        info["tokens"] = summed.tokens
+        info["residual"].append(summed.residual(t))
+        info["residual_identity"].append(summed.residual(torch.eye(hidden, dtype=t.dtype, device=t.device)))
+        del summed, t
+    # whole-model passes (no early stop), counted as such
+    info["cost"] = compensation.cost(drop=drop, num_layers=num, tokens=info["tokens"], stops=False)
+    return info
+
+
+@torch.no_grad()
+def fold(*, model, maps) -> None:
+    """Fold each (block, T) of `fit` into the MLP output projection of layer block[0] - 1 (original
+    index: the model is not cut), consistently on every rank's shard: the projection is gathered and
+    rank 0's folded values are re-partitioned (every rank solved the same T). The worker folds
+    when no optimizer will step this weight from an old fp32 master: under stage 1's engine (which
+    trains only the gates) before a heal's engine is built from the live weights, or after stage
+    2's last step."""
+    from trsp_ray.distributed.engine import gather_context
+
+    layers = families.decoder_layers(model)
+    resolve = _mlp_output_resolver(model)
+    for (a, _b), t in maps:
+        layer = layers[a - 1]
+        proj = resolve(layer, model)
+        params = [p for p in (proj.weight, getattr(proj, "bias", None)) if p is not None]
+        with gather_context(params):
+            compensation.fold(model=model, layer=layer, t=t)
