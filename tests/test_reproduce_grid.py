@@ -81,6 +81,23 @@ def test_paper_preset_trsp_rows_of_a_model_share_one_stage1_run():
         assert plans[f"{model}__shortgpt__r0.250"].stage1 is None
 
 
+def test_refined_stage1_is_shared_only_by_cells_of_one_n_drop():
+    """Swap refinement can reorder any position of the drop order, so a 12.5% cell may not take a
+    prefix of the 25% cell's refined order: each ratio gets its own stage 1; without refinement the
+    prefix rule holds and one stage 1 (of the larger n_drop) serves both."""
+    from trsp_ray.reproduce.run import plan_grid
+
+    model = PAPER.models[0].key
+    cells = build_grid(PAPER, models=[model], methods=["trsp", "trsp-no-stage2"], ratios=[0.125, 0.25])
+    refined = plan_grid(PAPER, cells, [])
+    small, large = (refined[f"{model}__trsp__r{r:.3f}"].stage1 for r in (0.125, 0.25))
+    assert small is not large and small is refined[f"{model}__trsp-no-stage2__r0.125"].stage1
+    assert small.n_drop < large.n_drop
+    greedy = plan_grid(PAPER, cells, ["stage1.refine=0"])
+    small, large = (greedy[f"{model}__trsp__r{r:.3f}"].stage1 for r in (0.125, 0.25))
+    assert small is large and large.n_drop == round(0.25 * greedy[f"{model}__trsp__r0.250"].route.plan.shape.layers)
+
+
 def test_paper_dry_run_prints_every_cell_with_route_and_plan_within_8x80gb(tmp_path):
     import subprocess
     import sys

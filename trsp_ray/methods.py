@@ -37,7 +37,7 @@ def stage1_settings(s1) -> dict:
     single process and the Ray Train workers, so the two cannot drift apart."""
     return {"lambda1": s1.lambda1, "lr": s1.lr, "first_round_steps": s1.first_round_steps,
             "steps_per_round": s1.steps_per_round, "selection": s1.selection, "train_base": s1.train_base,
-            "base_lr": s1.base_lr, "probe": s1.probe, "refine": s1.refine}
+            "base_lr": s1.base_lr, "probe": s1.probe, "refine": s1.refine, "refine_budget": s1.refine_budget}
 
 
 def probes_removal(s1) -> bool:
@@ -82,7 +82,7 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
                                criterion=s1.probe_criterion)
     return run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
                       candidates=bench.candidates(), scorer=scorer, report=progress, on_round=on_round,
-                      resume=resume, refine_budget=s1.refine_budget, **stage1_settings(s1))
+                      resume=resume, **stage1_settings(s1))
 
 
 def stage1_tokens(bench) -> int:

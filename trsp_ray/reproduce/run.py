@@ -75,7 +75,7 @@ class CellPlan:
 def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[str, CellPlan]:
     """Every cell's config, route and shared stage 1, from config files alone (no weights, no
     writes); a bad override, a ratio that drops nothing or a cell that fits no route fails here."""
-    from trsp_ray.stage1_store import content_key, stage1_content
+    from trsp_ray.stage1_store import content_key, prefix_serves, stage1_content
     from trsp_ray.workbench import check_inputs
 
     plans: dict[str, CellPlan] = {}
@@ -92,7 +92,10 @@ def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[s
             group = None
             if uses_stage1(cfg, cell.method):
                 n_drop = round(cfg.ratio * shape.layers)
-                token = (model, content_key(stage1_content(cfg.to_dict())))
+                content = stage1_content(cfg.to_dict())
+                # swap refinement can reorder any position: then a smaller cell needs its own stage 1,
+                # not a prefix of a larger cell's order (stage1_store.prefix_serves)
+                token = (model, content_key(content)) + (() if prefix_serves(content) else (n_drop,))
                 group = stage1.get(token)
                 if group is None:
                     group = stage1[token] = Stage1Plan(model, cfg, 0, stage1_route(preset, spec, cfg, shape=shape), [])
