@@ -55,6 +55,10 @@ def test_what_the_workers_cannot_serve_is_refused_before_they_start():
     with pytest.raises(TrspError, match="stage1.train_base=true trains them"):
         compensate.check_for_workers(load_config(overrides=["compensation.method=lstsq", "stage1.train_base=true"]))
     compensate.check_for_workers(load_config(overrides=["compensation.activations=sequential"]))  # method none
+    from trsp_ray.distributed.train import check_worker_settings  # prepare_run's refusals, before Ray starts
+
+    with pytest.raises(TrspError, match="not run on Ray Train workers"):
+        check_worker_settings(load_config(overrides=["compensation.method=lstsq", "compensation.activations=sequential"]))
 
 
 def test_whole_passes_cost_one_dense_forward_per_token():

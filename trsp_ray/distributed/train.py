@@ -96,9 +96,11 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
 
 def check_worker_settings(cfg) -> None:
     """Settings one process honours that the workers would not: refused in one line."""
+    from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.deepspeed_config import check_worker_dtype
 
     check_worker_dtype(cfg)
+    check_for_workers(cfg)
     if cfg.heal.steps > 0:
         # a heal method already heals with stage 2's budget there; an extra heal is not built
         raise TrspError(f"heal.steps={cfg.heal.steps} is not run on Ray Train workers (heal.lr, heal.trainable "

@@ -218,9 +218,17 @@ def train_loop(config: dict) -> None:
     bench = _load(config, cfg, rank=rank, world=world)
     fault = FaultInjector(config.get("fault"), rank, config.get("records"))
     drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank, fault=fault)
+    comp = _fit_compensation(cfg, bench, drop=drop, events=events, rank=rank)
+    # where one process folds (methods.apply_method): after stage 2, before a heal. A resumed heal
+    # folds again and then loads its checkpoint's (folded, healed) weights over the result.
+    heal = comp is not None and _heals(cfg)
+    if heal:
+        _fold(bench.model, comp)
     model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
                     engine_dir=engine_dir, rank=rank, fault=fault)
-    _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank)
+    if comp is not None and not heal:
+        _fold(model, comp)
+    _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank, metrics=_comp_metrics(cfg, comp))
     events.write("done", drop_order=drop)
     ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
 
@@ -319,7 +327,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                                criterion=s1.probe_criterion, rank=rank, world=bench.world, all_reduce=sum_over_ranks)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],
-                        on_round=on_round, scorer=scorer, refine_budget=s1.refine_budget, **stage1_settings(s1))
+                        on_round=on_round, scorer=scorer, **stage1_settings(s1))
     drop = result.drop_for(cfg.method, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history, probe_cost=result.probe_cost,
@@ -367,13 +375,57 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     return result.model
 
 
-def _export(config: dict, cfg, bench, *, model, drop: list[int], events: EventLog, rank: int) -> None:
+def _heals(cfg) -> bool:
+    from trsp_ray import registry
+
+    return registry.method(cfg.method).heal
+
+
+def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: int) -> dict | None:
+    """The compensation's maps (distributed/compensate.py), from the dense model before any weight
+    trains (stage 1 trains only the gates); None when compensation.method is none."""
+    from trsp_ray.distributed import compensate
+    from trsp_ray.methods import fixed_windows
+
+    c = cfg.compensation
+    if c.method == "none":
+        return None
+    t0 = time.time()
+    # the single process's windows (methods.apply_method: seed offset 300), every rank its share
+    windows = fixed_windows(_batches(cfg, bench, 300), c.windows)
+    info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
+                          world=bench.world, ridge=c.ridge)
+    info["seconds"] = time.time() - t0
+    events.write("compensation", method=c.method, blocks=info["blocks"], tokens=info["tokens"], cost=info["cost"],
+                 residual=info["residual"], residual_identity=info["residual_identity"], seconds=info["seconds"])
+    return info
+
+
+def _fold(model, comp: dict) -> None:
+    from trsp_ray.distributed import compensate
+
+    compensate.fold(model=model, maps=comp["maps"])
+
+
+def _comp_metrics(cfg, comp: dict | None) -> dict:
+    """The compensation's fields in the manifest's metrics, as one process records them."""
+    if comp is None:
+        return {}
+    return {"compensation": cfg.compensation.method, "compensation_tokens": comp["tokens"],
+            "compensation_cost": comp["cost"], "compensation_seconds": comp["seconds"]}
+
+
+def _export(config: dict, cfg, bench, *, model, drop: list[int], events: EventLog, rank: int,
+            metrics: dict | None = None) -> None:
     """Every rank streams the kept layers, one gathered at a time, into rank 0's shards (export.py)."""
     from trsp_ray.distributed.export import export_streaming
 
     if cfg.output:
         d = cfg.distributed
+        manifest = dict(config.get("manifest", {}))
+        if metrics:
+            manifest["metrics"] = {**manifest.get("metrics", {}), **metrics}
         done = export_streaming(model, tokenizer=bench.tokenizer, drop=drop, output=cfg.output,
-                                manifest=config.get("manifest", {}), max_shard_mb=d.export_shard_mb,
+                                manifest=manifest, max_shard_mb=d.export_shard_mb,
                                 reload_max_gb=d.export_reload_max_gb, timeout_s=d.export_timeout_s)
         events.write("exported", **done)
