@@ -6,7 +6,8 @@
 `--model-config` is a config.json, a model directory or a hub id (read from the Hugging Face cache,
 else the hub). Prints stage 1 and stage 2 per-GPU memory, whether each fits and, if not, what
 would; stage 1's removal probes and refinement (memory per GPU, compute in dense-forward tokens,
-distributed/probe_plan.py); then checkpoint size per save, storage for the kept ones, disk and host memory per node,
+distributed/probe_plan.py); with --compensation lstsq, the compensation's float64 sums, solve and fold
+(distributed/compensation_plan.py); then checkpoint size per save, storage for the kept ones, disk and host memory per node,
 threads per worker and the export's host memory. Exit status: 0 fits, 1 does not fit, 2 refused
 (checkpoints over the disk budget, bad input).
 """
@@ -39,6 +40,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-shard-mb", type=int, default=5000, help="safetensors shard size of the export")
     parser.add_argument("--storage", choices=("remote", "shared"), default="remote",
                         help="remote (s3://, gs://: saves staged on local disk) or a shared path (written in place)")
+    parser.add_argument("--compensation", choices=("none", "lstsq"), default="none",
+                        help="closed-form compensation after stage 1 (its float64 sums, solve and fold)")
 
 
 def setup_from_args(args: argparse.Namespace):
@@ -75,8 +78,17 @@ def run_plan(args: argparse.Namespace) -> int:
     # the probes' settings: the config's stage1 / gates defaults (stage-1 settings are not flags)
     cfg = load_config(None, [] if args.ratio is None else [f"ratio={args.ratio}"])
     probes = probe_plan(result.shape, result.setup, ProbeSetup.from_config(cfg))
-    print(planner.format_plan(result, after_stages=tuple(format_probe_plan(probes, result.setup))))
-    return 0 if result.fits and probes.memory.total <= result.setup.gpu_memory_gb else 1
+    after = format_probe_plan(probes, result.setup)
+    comp_fits = True
+    if args.compensation != "none":
+        from trsp_ray.distributed.compensation_plan import compensation_plan, format_compensation_plan
+
+        comp = compensation_plan(result.shape, result.setup, ratio=cfg.ratio, protect_head=cfg.gates.protect_head,
+                                 protect_tail=cfg.gates.protect_tail)
+        after += format_compensation_plan(comp, result.setup)
+        comp_fits = comp.memory.total <= result.setup.gpu_memory_gb
+    print(planner.format_plan(result, after_stages=tuple(after)))
+    return 0 if result.fits and probes.memory.total <= result.setup.gpu_memory_gb and comp_fits else 1
 
 
 def register(subparsers) -> None:

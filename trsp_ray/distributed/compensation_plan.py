@@ -1,0 +1,67 @@
+"""The closed-form compensation in the ZeRO-3 plan (distributed/compensate.py): memory per GPU
+and host memory per worker while the maps are fitted and folded, right after stage 1.
+
+Per GPU (d hidden, I intermediate, e dtype bytes, B blocks of the drop set, t tokens of one batch
+on one GPU): stage 1's model state without its training activations (the fit is a no-grad
+forward under stage 1's engine), one layer's forward intermediates over the batch, then
+    sums           B x 2 x d^2 x 8      M^T M and M^T Y of every block, float64, all held through
+                                        the one dense pass (512 MiB each at d = 8192)
+    batch float64  3 x t x d x 8        M, the residual and Y of one batch upcast for the sums
+    solve          6 x d^2 x 8          one block's all-reduced sums (2), the ridge term's eye and
+                                        the regularised copy, the LU factors torch.linalg.solve
+                                        works on, and T
+    fold           d x I x (e + 2 x 8)  the gathered projection and T^T W computed in float64
+Host per worker: the B maps T (d^2 x 8 each) kept from the fit to the fold (after stage 2). B is
+at most min(n_drop, candidates - n_drop + 1) (dropped layers with a kept one between each pair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trsp_ray.distributed.planner import GB, Setup, Shape, StagePlan, estimate, forward_layer_bytes
+
+F64 = 8
+
+
+@dataclass
+class CompensationPlan:
+    memory: StagePlan  # GB per GPU while the maps are fitted and folded
+    blocks: int  # the most blocks a drop set of n_drop layers can have
+    n_drop: int
+
+    @property
+    def host_gb(self) -> float:
+        return self.memory.host
+
+
+def max_blocks(*, n_drop: int, candidates: int) -> int:
+    return max(0, min(n_drop, candidates - n_drop + 1))
+
+
+def compensation_plan(s: Shape, st: Setup, *, ratio: float, protect_head: int = 0,
+                      protect_tail: int = 0) -> CompensationPlan:
+    n_drop = round(ratio * s.layers)
+    blocks = max_blocks(n_drop=n_drop, candidates=s.layers - protect_head - protect_tail)
+    d, tokens = s.hidden, st.micro_batch * st.seqlen
+    stage1 = estimate(s, st)[0]
+    maps = blocks * d * d * F64 / GB
+    memory = StagePlan("compensation", {k: v for k, v in stage1.parts.items() if k != "activations"},
+                       stage1.host + maps)
+    memory.parts.update({
+        "one layer's forward (one batch)": tokens * forward_layer_bytes(s, st.dtype_bytes) / GB,
+        f"sums M^T M, M^T Y (float64, {blocks} blocks)": blocks * 2 * d * d * F64 / GB,
+        "one batch's M, residual, Y in float64": 3 * tokens * d * F64 / GB,
+        "solve (reduced sums, eye, ridge copy, LU, T in float64)": 6 * d * d * F64 / GB,
+        "fold (gathered projection, T^T W in float64)": d * s.intermediate * (st.dtype_bytes + 2 * F64) / GB,
+    })
+    return CompensationPlan(memory=memory, blocks=blocks, n_drop=n_drop)
+
+
+def format_compensation_plan(cp: CompensationPlan, st: Setup) -> list[str]:
+    m = cp.memory
+    verdict = "fits" if m.total <= st.gpu_memory_gb else "DOES NOT FIT"
+    lines = [f"  compensation (lstsq, after stage 1): {m.total:.1f} GB per worker ({verdict}), host {m.host:.1f} GB "
+             f"(its {cp.blocks} maps T kept until the fold: at most {cp.blocks} blocks in a drop set of {cp.n_drop})"]
+    lines += [f"      {k}: {v:.2f} GB" for k, v in m.parts.items()]
+    return lines
