@@ -77,7 +77,11 @@ class Stage1Config:
     # 4 is what measured best on SmolLM2 (README "What wins"; 6 chose a worse set, greedy is myopic).
     probe: int = 4
     probe_windows: int = 8
-    probe_criterion: str = "kl"
+    probe_criterion: str = "kl"  # kl | ce | recall (kl + the CE increase where a token recurs: see stage1.py)
+    probe_seqlen: int | None = None  # tokens per probe window; None = data.seqlen
+    # the m lowest-Block-Influence candidates (ShortGPT's signal, one dense forward of the probe
+    # windows) join the gates' shortlist every round (0 = the gates alone)
+    shortlist_bi: int = 0
     # passes of swap refinement after the last round (0 = off): greedy removal is myopic; on SmolLM2
     # two swaps turned a greedy set with val PPL 52.9 into one with 47.1 (README "What wins")
     refine: int = 2
@@ -95,7 +99,10 @@ class Stage1Config:
         _positive("stage1.base_lr", self.base_lr)
         _positive("stage1.probe", self.probe, allow_zero=True)
         _positive("stage1.probe_windows", self.probe_windows)
-        _choice("stage1.probe_criterion", self.probe_criterion, ("kl", "ce"))
+        _choice("stage1.probe_criterion", self.probe_criterion, ("kl", "ce", "recall"))
+        if self.probe_seqlen is not None and self.probe_seqlen < 2:
+            raise TrspError(f"stage1.probe_seqlen={self.probe_seqlen!r} is not valid; pass an integer >= 2 or null")
+        _positive("stage1.shortlist_bi", self.shortlist_bi, allow_zero=True)
         _positive("stage1.refine", self.refine, allow_zero=True)
         _positive("stage1.refine_budget", self.refine_budget)
 

@@ -16,7 +16,7 @@ from trsp_ray import compensation, registry
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
 from trsp_ray.logs import log as _log
-from trsp_ray.stage1 import RemovalScorer, Stage1Result, run_stage1
+from trsp_ray.stage1 import RemovalScorer, Stage1Result, common_tokens, run_stage1
 from trsp_ray.stage2 import run_stage2
 from trsp_ray.surgery import remove_layers
 from trsp_ray.training import Report, null_report
@@ -37,7 +37,8 @@ def stage1_settings(s1) -> dict:
     single process and the Ray Train workers, so the two cannot drift apart."""
     return {"lambda1": s1.lambda1, "lr": s1.lr, "first_round_steps": s1.first_round_steps,
             "steps_per_round": s1.steps_per_round, "selection": s1.selection, "train_base": s1.train_base,
-            "base_lr": s1.base_lr, "probe": s1.probe, "refine": s1.refine, "refine_budget": s1.refine_budget}
+            "base_lr": s1.base_lr, "probe": s1.probe, "refine": s1.refine, "refine_budget": s1.refine_budget,
+            "shortlist_bi": s1.shortlist_bi}
 
 
 def probes_removal(s1) -> bool:
@@ -76,13 +77,31 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
         if "stage1/rounds_done" in metrics:
             _log(f"  stage 1 round {metrics['stage1/rounds_done']}/{rounds}: drop layer {metrics['stage1/dropped']}")
 
-    scorer = None
+    scorer, influence, spent = None, None, 0
     if probes_removal(s1):
-        scorer = RemovalScorer(model=model, gates=gates, windows=_windows(bench, s1.probe_windows, seed_offset=200),
-                               criterion=s1.probe_criterion)
-    return run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
-                      candidates=bench.candidates(), scorer=scorer, report=progress, on_round=on_round,
-                      resume=resume, **stage1_settings(s1))
+        windows = probe_windows(bench.calib_ids, s1=s1, data=cfg.data, seed=cfg.seed, bos=bench.bos)
+        scorer = RemovalScorer(model=model, gates=gates, windows=windows, criterion=s1.probe_criterion,
+                               common=common_tokens(bench.calib_ids) if s1.probe_criterion == "recall" else None)
+        if s1.shortlist_bi:
+            from trsp_ray.baselines import block_influence
+
+            influence, spent = block_influence(model, gates, windows), scorer.tokens
+    result = run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
+                        candidates=bench.candidates(), scorer=scorer, report=progress, on_round=on_round,
+                        resume=resume, influence=influence, **stage1_settings(s1))
+    result.probe_cost += spent  # Block Influence's dense forward of the probe windows
+    return result
+
+
+def probe_windows(ids, *, s1, data, seed: int, bos: int | None) -> list:
+    """The removal probes' fixed calibration windows (stage1.probe_windows of stage1.probe_seqlen
+    tokens, default data.seqlen), as chunks of about data.batch_size x data.seqlen tokens: one
+    definition for the single process and the Ray Train workers."""
+    from trsp_ray.training import Batches
+
+    seqlen = s1.probe_seqlen or data.seqlen
+    chunk = max(1, data.batch_size * data.seqlen // seqlen)
+    return fixed_windows(Batches(ids, seqlen=seqlen, batch_size=chunk, seed=seed + 200, bos=bos), s1.probe_windows)
 
 
 def stage1_tokens(bench) -> int:
@@ -91,8 +110,8 @@ def stage1_tokens(bench) -> int:
     s1, d = bench.cfg.stage1, bench.cfg.data
     rounds = 1 if s1.selection == "oneshot" else bench.n_drop()
     steps = s1.first_round_steps + (rounds - 1) * s1.steps_per_round
-    probes = s1.probe_windows if probes_removal(s1) else 0
-    return (steps * d.batch_size + probes) * d.seqlen
+    probes = s1.probe_windows * (s1.probe_seqlen or d.seqlen) if probes_removal(s1) else 0
+    return steps * d.batch_size * d.seqlen + probes
 
 
 def _windows(bench, count: int, seed_offset: int = 100) -> list:

@@ -80,12 +80,41 @@ def teacher_cached(*, windows: int, scored_positions: int, world: int, vocab: in
     return math.ceil(windows / world) * scored_positions * vocab * dtype_bytes <= budget
 
 
+def recall_positions(windows, *, common: set[int], min_gap: int = 16):
+    """Bool mask [n, T-1] of the positions t whose next token x[t+1] is a word piece that already
+    occurred at least `min_gap` tokens earlier in the same window and is not one of the text's
+    `common` tokens (its most frequent ones): predictions that need the passage, e.g. a name or a
+    noun coming back, the skill passage-level tasks such as LAMBADA's final words test. Built from
+    calibration text only."""
+    import torch
+
+    mask = torch.zeros(windows.shape[0], windows.shape[1] - 1, dtype=torch.bool)
+    for row, window in enumerate(windows.tolist()):
+        first: dict[int, int] = {window[0]: 0}
+        for t, tok in enumerate(window[1:]):
+            if tok not in common and tok in first and t + 1 - first[tok] >= min_gap:
+                mask[row, t] = True
+            first.setdefault(tok, t + 1)
+    return mask
+
+
+def common_tokens(ids, count: int = 200) -> set[int]:
+    """The `count` most frequent token ids of a calibration text (shape [N])."""
+    import torch
+
+    return set(torch.argsort(torch.bincount(ids), descending=True)[:count].tolist())
+
+
 class RemovalScorer:
     """What removing a set of layers costs, measured: the mean over every scored token of fixed
     calibration windows of the next-token CE of the model with those layers bypassed and every gate
     at 1 ("ce"), or of KL(dense || pruned) over the whole next-token distribution ("kl"), which
     averages over every possible next token instead of the one observed and so needs far fewer
     windows for a stable ranking. Positions before `start` in each window are not scored.
+    "recall" is "kl" plus the mean CE increase over the dense model at the windows' recall
+    positions (`recall_positions`, `common` = the calibration text's frequent tokens): KL averages
+    over every token, most of them easy and local, so it keeps what short-range prediction needs;
+    the recall term weighs what needs the passage.
 
     Data-parallel: `windows` are all the probe windows (batches of shape [b, T], b = the chunk
     size); rank `rank` of `world` scores windows k with k % world == rank, in chunks of b, and
@@ -97,16 +126,22 @@ class RemovalScorer:
 
     def __init__(self, *, model, gates, windows: list, criterion: str = "kl", start: int = 0, rank: int = 0,
                  world: int = 1, all_reduce: Callable[[list[float]], list[float]] | None = None,
-                 teacher_budget_bytes: int = TEACHER_CACHE_BYTES):
+                 teacher_budget_bytes: int = TEACHER_CACHE_BYTES, common: set[int] | None = None):
         import torch
 
         rows = torch.cat(list(windows))
+        if criterion == "recall" and start:
+            raise TrspError("probe start is not used by probe_criterion='recall' (it scores every position); "
+                            "pass start=0 or probe_criterion='kl'")
         if not 0 <= start < rows.shape[1] - (1 if criterion == "ce" else 0):
             raise TrspError(f"probe start={start} leaves no scored position in {rows.shape[1]}-token windows")
         self.model, self.gates, self.criterion, self.start = model, gates, criterion, start
         self.all_reduce = all_reduce or (lambda values: values)
         chunk = windows[0].shape[0]
         self.chunks = list(rows[rank::world].split(chunk))
+        if criterion == "recall":
+            mask = recall_positions(rows[rank::world], common=common_tokens(rows) if common is None else common)
+            self.masks = list(mask.split(chunk))
         share = math.ceil(rows.shape[0] / world)  # the largest rank's windows
         self.passes = math.ceil(share / chunk)  # forwards per call on every rank
         self.padding = rows[:1]
@@ -115,7 +150,7 @@ class RemovalScorer:
         head = model.get_output_embeddings().weight
         vocab = getattr(head, "ds_shape", head.shape)[0]  # ZeRO-3 leaves an empty placeholder
         # the same decision on every rank (it decides how many forwards each call runs)
-        self.cache_teacher = criterion == "kl" and teacher_cached(
+        self.cache_teacher = criterion in ("kl", "recall") and teacher_cached(
             windows=rows.shape[0], scored_positions=rows.shape[1] - start, world=world, vocab=vocab,
             dtype_bytes=self._dtype().itemsize, budget=teacher_budget_bytes)
         self._teacher: dict[int, object] = {}
@@ -141,38 +176,50 @@ class RemovalScorer:
             self._teacher[k] = lp
         return lp
 
-    def _chunk_sum(self, k: int, chunk) -> tuple[float, int]:
-        """(sum of the per-token score over chunk k's scored positions, their count)."""
+    def _chunk_sum(self, k: int, chunk) -> list[float]:
+        """[sum of the per-token score over chunk k's scored positions, their count] (recall: then
+        the sum of the CE increase at its recall positions and their count)."""
         import torch.nn.functional as F
 
+        if self.criterion == "recall":
+            teacher = self._teacher_logprobs(k, chunk).float()[:, :-1]
+            with self.gates.state(gated=False, bypass=self._drop):
+                lp = self._logprobs(chunk)[:, :-1]
+            kl = F.kl_div(lp, teacher, log_target=True, reduction="sum")
+            mask = self.masks[k].to(lp.device) if k < len(self.masks) else None
+            if mask is None or not mask.any():
+                return [kl.item(), lp.shape[0] * lp.shape[1], 0.0, 0.0]
+            target = chunk[:, 1:].to(lp.device)[:, :, None]
+            gap = (teacher.gather(-1, target) - lp.gather(-1, target))[..., 0][mask]  # CE(pruned) - CE(dense)
+            return [kl.item(), lp.shape[0] * lp.shape[1], gap.sum().item(), float(mask.sum())]
         if self.criterion == "kl":
             teacher = self._teacher_logprobs(k, chunk)
             with self.gates.state(gated=False, bypass=self._drop):
                 lp = self._logprobs(chunk)
             total = F.kl_div(lp, teacher.float(), log_target=True, reduction="sum")
-            return total.item(), lp.shape[0] * lp.shape[1]
+            return [total.item(), lp.shape[0] * lp.shape[1]]
         with self.gates.state(gated=False, bypass=self._drop):
             lp = self._logprobs(chunk)[:, :-1]
         target = chunk[:, self.start + 1:].to(lp.device)
         total = F.cross_entropy(lp.reshape(-1, lp.shape[-1]), target.reshape(-1), reduction="sum")
-        return total.item(), target.numel()
+        return [total.item(), target.numel()]
 
     def __call__(self, drop: list[int]) -> float:
         import torch
 
         teacher_passes = 0 if self.cache_teacher and self._teacher else 1
         self._drop = list(drop)
-        total, count = 0.0, 0
+        sums = [0.0] * (4 if self.criterion == "recall" else 2)
         with torch.no_grad():
             for k in range(self.passes):
                 if k < len(self.chunks):
-                    s, n = self._chunk_sum(k, self.chunks[k])
-                    total, count = total + s, count + n
+                    sums = [a + float(b) for a, b in zip(sums, self._chunk_sum(k, self.chunks[k]))]
                 else:  # this rank is out of windows: keep the collectives in step, discard the result
                     self._chunk_sum(k, self.padding)
-        self.cost += self.tokens * (1 + (teacher_passes if self.criterion == "kl" else 0))
-        total, count = self.all_reduce([total, float(count)])
-        return total / count
+        self.cost += self.tokens * (1 + (teacher_passes if self.criterion != "ce" else 0))
+        sums = self.all_reduce(sums)
+        score = sums[0] / sums[1]
+        return score + (sums[2] / sums[3] if self.criterion == "recall" and sums[3] else 0.0)
 
 
 def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[int], lambda1: float,
@@ -180,6 +227,7 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
                train_base: bool = False, base_lr: float = 2e-5, make_stepper: MakeStepper = TorchStepper,
                report: Report = null_report, resume: dict | None = None, probe: int = 0,
                scorer: RemovalScorer | None = None, refine: int = 0, refine_budget: int | None = None,
+               shortlist_bi: int = 0, influence: dict[int, float] | None = None,
                on_round: Callable[[dict], None] | None = None) -> Stage1Result:
     """Run stage 1 on a gated model (see `gates.attach_gates`); returns the ordered drop list.
 
@@ -194,6 +242,11 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
     is exchanged with each probed-but-kept layer, and a swap that lowers the measured cost of the
     whole set is kept (first improvement), until `refine_budget` scorer calls are spent (None: no
     cap). It runs before the last round's checkpoint.
+
+    `shortlist_bi` = m > 0 adds to each round's shortlist the m remaining candidates of lowest
+    `influence` (ShortGPT's Block Influence of the dense model, {layer: 1 - mean cos}) that the gates
+    did not already shortlist: the gates see short-window CE, Block Influence how little a layer
+    changes the stream, and the probes measure which of them removal really spares.
     """
     gates.set_gated(True)
     gates.reset_gates()  # s_i = 1: the gated model starts exactly at the original model
@@ -239,6 +292,9 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
         choice = ranking[0]
         if selection == "iterative" and probe > 1 and scorer is not None:
             shortlist, spent = ranking[:probe], scorer.cost
+            if shortlist_bi and influence:
+                by_bi = sorted((j for j in active if j not in shortlist), key=lambda j: influence[j])
+                shortlist = shortlist + by_bi[:shortlist_bi]
             scores = {j: scorer(result.drop_order + [j]) for j in shortlist}
             choice = min(shortlist, key=lambda j: scores[j])  # ties keep the gate order
             result.probes.append({"round": r + 1, "scores": {str(j): v for j, v in scores.items()}})

@@ -271,10 +271,13 @@ def _load(config: dict, cfg, *, rank: int, world: int):
 
 
 def _batches(cfg, bench, seed_offset: int):
+    from trsp_ray.perplexity import bos_token
     from trsp_ray.training import Batches
 
     d = cfg.data
-    return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset)
+    # the single process's convention (Workbench.batches): BOS first when the tokenizer adds one
+    return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset,
+                   bos=bos_token(bench.tokenizer))
 
 
 def sum_over_ranks(values: list[float]) -> list[float]:
@@ -292,9 +295,11 @@ def sum_over_ranks(values: list[float]) -> list[float]:
 
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
+    from trsp_ray.baselines import block_influence
     from trsp_ray.distributed import engine as eng
-    from trsp_ray.methods import fixed_windows, probes_removal, stage1_settings
-    from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, run_stage1
+    from trsp_ray.methods import probe_windows, probes_removal, stage1_settings
+    from trsp_ray.perplexity import bos_token
+    from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, common_tokens, run_stage1
 
     s1, g = cfg.stage1, cfg.gates
     candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
@@ -318,16 +323,21 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
         _save({"label": f"stage1-round{rounds}", "stage": 1, "rounds_done": rounds,
                "drop_order": state["drop_order"]}, state, rank=rank)
 
-    scorer = None
+    scorer, influence, spent = None, None, 0
     if probes_removal(s1):
         # every rank scores its share of the windows (k % world == rank); the summed scores are
         # the same number on every rank, so every rank drops the same layer
-        scorer = RemovalScorer(model=bench.model, gates=bench.gates,
-                               windows=fixed_windows(_batches(cfg, bench, 200), s1.probe_windows),
-                               criterion=s1.probe_criterion, rank=rank, world=bench.world, all_reduce=sum_over_ranks)
+        windows = probe_windows(bench.calib_ids, s1=s1, data=cfg.data, seed=cfg.seed,
+                                bos=bos_token(bench.tokenizer))
+        common = common_tokens(bench.calib_ids) if s1.probe_criterion == "recall" else None
+        scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=windows, criterion=s1.probe_criterion,
+                               rank=rank, world=bench.world, all_reduce=sum_over_ranks, common=common)
+        if s1.shortlist_bi:  # every rank runs every window: the same influences on every rank
+            influence, spent = block_influence(bench.model, bench.gates, windows), scorer.tokens * bench.world
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],
-                        on_round=on_round, scorer=scorer, **stage1_settings(s1))
+                        on_round=on_round, scorer=scorer, influence=influence, **stage1_settings(s1))
+    result.probe_cost += spent
     drop = result.drop_for(cfg.method, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history, probe_cost=result.probe_cost,
