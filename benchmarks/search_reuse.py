@@ -74,6 +74,8 @@ def main() -> int:
         "data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4", "threads=1",
         f"stage1.first_round_steps={args.first_round_steps}", f"stage1.steps_per_round={args.steps_per_round}",
         f"stage2.steps={args.stage2_steps}", "tracking.enabled=false",
+        # without swap refinement one stage 1 serves every smaller ratio (with it, each n_drop has its own)
+        "stage1.refine=0",
         "method=trsp"])  # the grid searches lambda2, which acts only in the paper's stage 2
     # its own temp dir: ray.init would otherwise join the latest Ray cluster started on this machine
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
