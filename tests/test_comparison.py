@@ -280,3 +280,28 @@ def test_quality_vs_compute_plot_draws_each_row_across_budgets():
     assert list(lines["trsp-selection+heal"].get_ydata()) == [28.0, 7.0]
     assert lines["dense"].get_ydata()[0] == 17.0 and len(acc.get_lines()) == 3
     close(fig)
+
+
+def test_benchmark_tasks_request_a_gpu_when_the_device_is_one():
+    from trsp_ray.distributed.comparison import task_gpus
+
+    assert task_gpus("cuda", 0) == 1 and task_gpus("auto", 2) == 1
+    assert task_gpus("auto", 0) == 0 and task_gpus("cpu", 8) == 0
+
+
+@pytest.mark.ray
+def test_benchmark_task_sees_the_gpu_it_requested_on_a_cluster_with_gpus(private_ray, monkeypatch):
+    """A local cluster started with a (fake) GPU: the runner's tasks request it, so Ray hands each
+    task a GPU id (with CPUs alone the task would see none)."""
+    import ray
+
+    from trsp_ray.distributed import comparison as dc
+
+    private_ray(num_cpus=2, num_gpus=1)
+    seen = []
+    monkeypatch.setattr(dc, "_selection_task", lambda cfg, selector, seed, threads: {
+        "gpus": ray.get_gpu_ids(), "seconds": 0.0})
+    run = dc.ray_runner(1)
+    job = type("J", (), {"kind": "selection", "name": "shortgpt", "seed": 0, "budget": 1})()
+    run([job], cfg_dict={"device": "auto"}, export_dir=None, on_done=lambda j, out: seen.append(out), options={})
+    assert seen and len(seen[0]["gpus"]) == 1

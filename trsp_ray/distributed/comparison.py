@@ -30,6 +30,13 @@ def _row_task(cfg_dict: dict, row: str, seed: int, selection: dict | None, expor
     return row_job(cfg_dict, row, seed, selection, export_dir, options, reference)
 
 
+def task_gpus(device: str, cluster_gpus: float) -> int:
+    """GPUs each benchmark task requests: one when the run's device is a GPU (cuda, or auto on a
+    cluster that has GPUs), else none; a task that asked for CPUs alone would get no visible GPU
+    and fail (cuda) or silently run on CPU (auto)."""
+    return 1 if device == "cuda" or (device == "auto" and cluster_gpus >= 1) else 0
+
+
 def ray_runner(workers: int):
     """A bench runner that spreads the jobs over `workers` one-CPU Ray tasks at a time. Joins the
     cluster named by RAY_ADDRESS, else starts (and stops) a local Ray instance with `workers` CPUs."""
@@ -44,8 +51,9 @@ def ray_runner(workers: int):
         try:
             cpus = int(ray.cluster_resources().get("CPU", workers))
             threads = max(1, cpus // max(1, workers))
-            selection_remote = ray.remote(num_cpus=1)(_selection_task)
-            row_remote = ray.remote(num_cpus=1)(_row_task)
+            gpus = task_gpus(cfg_dict["device"], ray.cluster_resources().get("GPU", 0))
+            selection_remote = ray.remote(num_cpus=1, num_gpus=gpus)(_selection_task)
+            row_remote = ray.remote(num_cpus=1, num_gpus=gpus)(_row_task)
             ordered = sorted(jobs, key=lambda j: (j.kind != "selection", j.name != registry.TRSP_SELECTOR))
             selections, pending = {}, {}
             for job in ordered:
