@@ -58,7 +58,8 @@ def test_what_the_workers_cannot_serve_is_refused_before_they_start():
     from trsp_ray.distributed.train import check_worker_settings  # prepare_run's refusals, before Ray starts
 
     with pytest.raises(TrspError, match="not run on Ray Train workers"):
-        check_worker_settings(load_config(overrides=["compensation.method=lstsq", "compensation.activations=sequential"]))
+        check_worker_settings(load_config(overrides=["compensation.method=lstsq",
+                                                     "compensation.activations=sequential"]))
 
 
 def test_whole_passes_cost_one_dense_forward_per_token():

@@ -6,10 +6,10 @@
 `--model-config` is a config.json, a model directory or a hub id (read from the Hugging Face cache,
 else the hub). Prints stage 1 and stage 2 per-GPU memory, whether each fits and, if not, what
 would; stage 1's removal probes and refinement (memory per GPU, compute in dense-forward tokens,
-distributed/probe_plan.py); with --compensation lstsq, the compensation's float64 sums, solve and fold
-(distributed/compensation_plan.py); then checkpoint size per save, storage for the kept ones, disk and host memory per node,
-threads per worker and the export's host memory. Exit status: 0 fits, 1 does not fit, 2 refused
-(checkpoints over the disk budget, bad input).
+distributed/probe_plan.py); with --compensation lstsq, the compensation's float64 sums, solve and
+fold (distributed/compensation_plan.py); then checkpoint size per save, storage for the kept ones,
+disk and host memory per node, threads per worker and the export's host memory. Exit status:
+0 fits, 1 does not fit, 2 refused (checkpoints over the disk budget, bad input).
 """
 
 from __future__ import annotations

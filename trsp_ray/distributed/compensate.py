@@ -17,6 +17,8 @@ a heal. Only the "dense" activations are served here (check_for_workers refuses 
 from __future__ import annotations
 
 import functools
+import math
+import time
 
 import torch
 
@@ -69,7 +71,7 @@ def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[t
     size = windows[0].shape[0]
     part = rows[rank::world]
     mine = list(part.split(size)) if part.shape[0] else []
-    passes = -(-(-(-rows.shape[0] // world)) // size)  # ceil(ceil(rows / world) / size)
+    passes = math.ceil(math.ceil(rows.shape[0] / world) / size)
     return mine, passes - len(mine)
 
 
@@ -78,7 +80,8 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
         reduce=all_reduce_sum) -> dict:
     """The maps of every block of `drop`, from the dense model's activations over all `windows`
     (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
-    float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity"}."""
+    float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
+    t0 = time.time()
     num = families.num_layers(model)
     layers = families.decoder_layers(model)
     resolve = _mlp_output_resolver(model)
@@ -109,7 +112,17 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
         del summed, t
     # whole-model passes (no early stop), counted as such
     info["cost"] = compensation.cost(drop=drop, num_layers=num, tokens=info["tokens"], stops=False)
+    info["seconds"] = time.time() - t0
     return info
+
+
+def manifest_metrics(method: str, info: dict | None) -> dict:
+    """The compensation's fields in the export manifest's metrics, as one process records them
+    (methods.apply_method); empty without a compensation."""
+    if info is None:
+        return {}
+    return {"compensation": method, "compensation_tokens": info["tokens"], "compensation_cost": info["cost"],
+            "compensation_seconds": info["seconds"]}
 
 
 @torch.no_grad()

@@ -200,7 +200,9 @@ def train_loop(config: dict) -> None:
     """Entry point of every Ray Train worker; `config` is the plain dict built by the driver."""
     import ray.train
 
+    from trsp_ray import registry
     from trsp_ray.config import from_dict
+    from trsp_ray.distributed import compensate
     from trsp_ray.distributed import engine as eng
 
     ctx = ray.train.get_context()
@@ -221,14 +223,15 @@ def train_loop(config: dict) -> None:
     comp = _fit_compensation(cfg, bench, drop=drop, events=events, rank=rank)
     # where one process folds (methods.apply_method): after stage 2, before a heal. A resumed heal
     # folds again and then loads its checkpoint's (folded, healed) weights over the result.
-    heal = comp is not None and _heals(cfg)
+    heal = comp is not None and registry.method(cfg.method).heal
     if heal:
-        _fold(bench.model, comp)
+        compensate.fold(model=bench.model, maps=comp["maps"])
     model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
                     engine_dir=engine_dir, rank=rank, fault=fault)
     if comp is not None and not heal:
-        _fold(model, comp)
-    _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank, metrics=_comp_metrics(cfg, comp))
+        compensate.fold(model=model, maps=comp["maps"])
+    _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank,
+            metrics=compensate.manifest_metrics(cfg.compensation.method, comp))
     events.write("done", drop_order=drop)
     ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
 
@@ -385,44 +388,20 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     return result.model
 
 
-def _heals(cfg) -> bool:
-    from trsp_ray import registry
-
-    return registry.method(cfg.method).heal
-
-
 def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: int) -> dict | None:
-    """The compensation's maps (distributed/compensate.py), from the dense model before any weight
-    trains (stage 1 trains only the gates); None when compensation.method is none."""
+    """The compensation's maps (distributed/compensate.py) from the dense model, on the single
+    process's windows (seed offset 300, methods.apply_method); None for compensation.method none."""
     from trsp_ray.distributed import compensate
     from trsp_ray.methods import fixed_windows
 
     c = cfg.compensation
     if c.method == "none":
         return None
-    t0 = time.time()
-    # the single process's windows (methods.apply_method: seed offset 300), every rank its share
     windows = fixed_windows(_batches(cfg, bench, 300), c.windows)
     info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
                           world=bench.world, ridge=c.ridge)
-    info["seconds"] = time.time() - t0
-    events.write("compensation", method=c.method, blocks=info["blocks"], tokens=info["tokens"], cost=info["cost"],
-                 residual=info["residual"], residual_identity=info["residual_identity"], seconds=info["seconds"])
+    events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
     return info
-
-
-def _fold(model, comp: dict) -> None:
-    from trsp_ray.distributed import compensate
-
-    compensate.fold(model=model, maps=comp["maps"])
-
-
-def _comp_metrics(cfg, comp: dict | None) -> dict:
-    """The compensation's fields in the manifest's metrics, as one process records them."""
-    if comp is None:
-        return {}
-    return {"compensation": cfg.compensation.method, "compensation_tokens": comp["tokens"],
-            "compensation_cost": comp["cost"], "compensation_seconds": comp["seconds"]}
 
 
 def _export(config: dict, cfg, bench, *, model, drop: list[int], events: EventLog, rank: int,
