@@ -342,3 +342,25 @@ def test_lost_nodes_in_stage1_and_stage2_resume_on_a_replacement(tiny_dir, tmp_p
     diff = (_logits(tmp_path / "out") - _logits(clean_run[1] / "out")).abs().max().item()
     print("max |logit difference| after two lost nodes vs uninterrupted:", diff)
     assert diff < 1e-4
+
+
+def test_workers_prune_from_a_handed_over_stage1(tiny_dir, tmp_path, single, local_ray):
+    """A stage 1 computed elsewhere (the shared store) reaches the Ray Train workers: they skip their
+    own stage 1 and export its drop set. The handed set here is not the one they would learn."""
+    import dataclasses
+
+    from trsp_ray.distributed.handoff import run_stage2_distributed
+
+    learned = single.drop_order
+    handed = dataclasses.replace(single, drop_order=[i for i in (4, 1, 3, 2) if i not in learned][:2])
+    assert handed.drop_order != learned
+    from trsp_ray.config import load_config
+
+    cfg = load_config(overrides=[f"model={tiny_dir}", f"distributed.storage_path={tmp_path / 'storage'}",
+                                 f"output={tmp_path / 'out'}", "method=trsp"] + OVERRIDES + ["stage2.steps=2"])
+    result, shared = run_stage2_distributed(cfg, stage1=dataclasses.asdict(handed), n_drop=2, name="handed")
+    assert shared and result.drop_order == handed.drop_order
+    stage1 = next(e for e in result.events if e["event"] == "stage1_done")
+    assert stage1["handed_over"] and not any(e["event"] == "round" for e in result.events)
+    manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
+    assert sorted(manifest["dropped_layers"]) == sorted(handed.drop_order)

@@ -122,8 +122,7 @@ def test_a_trial_runs_stage2_on_ray_train_inside_the_trial(assets, tmp_path, fak
     (record,) = [json.loads(p.read_text()) for p in (tmp_path / "search" / "trials").glob("*.json")]
     assert record["route"] == "ray-train" and record["workers"] == 1 and len(record["drop"]) == 2
     (stored,) = [Stage1Store(tmp_path / "search" / "stage1").record(record["stage1_key"])]
-    # the exported drop set is the stored stage-1 one (ZeRO-3 on gloo reproduces the single-device
-    # stage 1 when the workers still learn it themselves: see distributed/handoff.py)
+    # the exported drop set is the stored stage-1 one, handed to the workers (distributed/handoff.py)
     assert stored["drop_order"][:2] == record["drop"] and record["stage1_shared"] is True
     assert record["kept_parameters"] < record["dense_parameters"] and record["evaluation"]["layers"] == 6
     assert [e["route"] for e in RunLog(tmp_path / "search").read() if e["event"] == "stage2_run"] == ["ray-train x1"]

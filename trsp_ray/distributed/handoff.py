@@ -1,23 +1,11 @@
 """Stage 2 + export on Ray Train workers from a stage-1 result computed elsewhere (the shared,
 content-keyed store of trsp_ray/stage1_store.py), so every TRSP variant of a model - single-device
-or distributed, in a search or a reproduction - prunes from one stage-1 run.
-
-`run_distributed` takes the result as `stage1=` (a plain dict, `stage1_store.result_dict`) once
-train.py/worker.py accept it (the worker then skips its own stage 1). Until then the workers learn
-stage 1 themselves; the returned `shared` flag says whether the exported drop set is the shared
-one, so a caller can show a confounded cell instead of hiding it.
+or distributed, in a search or a reproduction - prunes from one stage-1 run: `run_distributed`
+takes the result as `stage1=` (a plain dict, `stage1_store.result_dict`) and the workers skip their
+own stage 1. The returned `shared` flag says whether the exported drop set is the shared one.
 """
 
 from __future__ import annotations
-
-import inspect
-
-
-def takes_stage1() -> bool:
-    """Whether this checkout's `run_distributed` accepts a precomputed stage-1 result."""
-    from trsp_ray.distributed.train import run_distributed
-
-    return "stage1" in inspect.signature(run_distributed).parameters
 
 
 def run_stage2_distributed(cfg, *, stage1: dict | None, n_drop: int, name: str, overwrite: bool = True):
@@ -30,8 +18,5 @@ def run_stage2_distributed(cfg, *, stage1: dict | None, n_drop: int, name: str, 
     if stage1 is None:
         return run_distributed(cfg, name=name, overwrite=overwrite), False
     expected = result_from(stage1).drop_for(cfg.method, n_drop)
-    if takes_stage1():
-        result = run_distributed(cfg, stage1=stage1, name=name, overwrite=overwrite)
-    else:
-        result = run_distributed(cfg, name=name, overwrite=overwrite)
+    result = run_distributed(cfg, stage1=stage1, name=name, overwrite=overwrite)
     return result, list(result.drop_order) == list(expected)

@@ -75,11 +75,11 @@ def check_resources(dist, resources: dict, cpus: int | None = None) -> None:
 
 def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
     """Refuse a plan whose GPU memory (GPU runs: the stages, then stage 1's removal probes) or
-    checkpoints (`disk_budget_gb`, any run) do not fit, naming what would (see planner.py)."""
-    from trsp_ray.distributed import planner
+    checkpoints (`disk_budget_gb`, any run) do not fit, naming what would (see zero3_plan.py)."""
     from trsp_ray.distributed.probe_plan import ProbeSetup, probe_plan
+    from trsp_ray.distributed.zero3_plan import plan_for_run
 
-    plan = planner.plan_for_run(cfg, model_path, ds_config)
+    plan = plan_for_run(cfg, model_path, ds_config)
     disk = plan.disk_problem()
     if disk:
         raise TrspError(disk)
@@ -126,9 +126,9 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
                         ("distributed.checkpoint_every", dist.checkpoint_every)):
         if steps % dist.grad_accum:  # a round or checkpoint must end on an optimizer step
             raise TrspError(f"{name}={steps} is not a multiple of distributed.grad_accum={dist.grad_accum}")
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.zero3_plan import trains_on_workers
 
-    if cfg.stage2.trainable == "lora" and dist.strategy == "zero3" and planner.trains_on_workers(cfg):
+    if cfg.stage2.trainable == "lora" and dist.strategy == "zero3" and trains_on_workers(cfg):
         raise TrspError("stage2.trainable=lora is not supported under distributed.strategy=zero3 yet "
                         "(peft merges into partitioned weights); use trainable=all with offload_optimizer=true")
     storage = check_storage(dist.storage_path or str(Path.cwd() / "runs" / "ray"))
@@ -142,8 +142,11 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
 
 
 def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list | None = None,
-                    overwrite: bool = False, name: str | None = None) -> DistributedResult:
+                    overwrite: bool = False, name: str | None = None, stage1: dict | None = None) -> DistributedResult:
     """Stage 1 + stage 2 + export of `cfg` on `cfg.distributed.workers` Ray Train workers.
+
+    `stage1` (a plain stage-1 result, stage1_store.result_dict): the workers take its drop set for
+    `cfg.method` instead of learning stage 1 themselves (a shared, content-keyed stage 1).
 
     `fault` (tests): one spec or a list, see worker.FaultInjector; e.g. {"round": 2} kills worker
     1 once, one step into stage-1 round 2 (needs max_failures >= 1 to recover). Connects to the
@@ -162,6 +165,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     specs = [{**spec, "marker": spec.get("marker", f"fault-{i}")} for i, spec in enumerate(specs)]
     loop_config = {"run": cfg.to_dict(), "ds_config": ds_config, "model_path": model_path,
                    "records": {"storage": storage, "run": name}, "fault": specs, "cpus_per_worker": cpus,
+                   "stage1": stage1,
                    "manifest": {"method": cfg.method, "config": cfg.to_dict(), "workers": cfg.distributed.workers}}
     _fit(cfg, loop_config, storage=storage, name=name, cpus=cpus)
     events = records.read()
