@@ -148,7 +148,8 @@ def test_an_export_prints_no_third_party_bars_and_imports_no_deepspeed(tmp_path,
     import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL", "TQDM_DISABLE")}
     proc = subprocess.run([sys.executable, "-c", EXPORT, str(tmp_path / "out"), mode], capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -162,9 +163,16 @@ def test_deepspeed_banner_is_dropped_but_its_warnings_are_kept(monkeypatch):
 
     from trsp_ray.logs import quiet_libraries
 
-    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL", "RAY_DEDUP_LOGS"):
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL", "RAY_DEDUP_LOGS", "TQDM_DISABLE"):
         monkeypatch.delenv(var, raising=False)  # restored after the test: quiet_libraries sets them
     quiet_libraries()
+    import io
+
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    list(tqdm(range(3), desc="Running loglikelihood requests", file=out))  # lm-eval's bars are plain tqdm
+    assert out.getvalue() == ""
     ds = logging.getLogger("DeepSpeed")
     records = []
     handler = logging.Handler()

@@ -97,11 +97,29 @@ def quiet_libraries(*, verbose: bool = False) -> None:
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's switch
+    os.environ.setdefault("TQDM_DISABLE", "1")  # every other tqdm bar (lm-eval's requests, datasets' maps)
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "tqdm" in sys.modules:  # imported already: tqdm read TQDM_DISABLE when it was imported
+        _default_tqdm_off(sys.modules["tqdm"].std.tqdm)
     if "mlflow" in sys.modules:
         logging.getLogger("mlflow").setLevel(logging.WARNING)
     ds = logging.getLogger("DeepSpeed")  # deepspeed resets its level on import, but keeps filters
     if not any(isinstance(f, _DropLine) for f in ds.filters):
         ds.addFilter(_DropLine("Setting accelerator to CPU"))
+
+
+def _default_tqdm_off(cls) -> None:
+    """Make `disable=True` the default of an already imported tqdm class (lm-eval and datasets build
+    plain tqdm bars and expose no switch); a caller that passes `disable` still decides."""
+    if getattr(cls.__init__, "_trsp_quiet", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("disable", True)
+        original(self, *args, **kwargs)
+
+    __init__._trsp_quiet = True
+    cls.__init__ = __init__
