@@ -22,10 +22,10 @@ def _prune(args) -> int:
 
 def _describe(chosen) -> str:
     """The route and, stage by stage, the plan it was chosen by."""
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.plan_format import format_plan
 
     if chosen.workers:
-        return f"route: {chosen.describe()}\n{planner.format_plan(chosen.plan)}"
+        return f"route: {chosen.describe()}\n{format_plan(chosen.plan)}"
     lines = [f"route: {chosen.describe()}"]
     for stage in chosen.plan.stages:
         lines.append(f"  {stage.name}: {stage.total:.2f} GB")
@@ -35,7 +35,7 @@ def _describe(chosen) -> str:
 
 # What the README's quick `trsp-ray benchmark` runs and what `--full` adds (the quick run fits 15
 # minutes on 2 CPU cores; its report says what it cut)
-QUICK = {"lambada": 200, "zeroshot": 0, "budgets": "1"}
+QUICK = {"lambada": 100, "zeroshot": 0, "budgets": "1"}
 FULL = {"lambada": 500, "zeroshot": 100, "budgets": "1,4"}
 
 
