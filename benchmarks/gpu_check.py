@@ -99,7 +99,7 @@ def part_memory(args) -> str:
     import torch
     from planner_single import run_stage
 
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.single_plan import single_plan_for_run
     from trsp_ray.workbench import device_kind, prepare
 
     rows = []
@@ -114,8 +114,8 @@ def part_memory(args) -> str:
         cfg = _cfg(args, *extra)
         bench = prepare(cfg)
         kind, memory = device_kind(cfg)
-        plan = planner.single_plan_for_run(cfg, device=kind, memory_gb=memory,
-                                           methods=("sleb",) if name == "sleb" else None)
+        plan = single_plan_for_run(cfg, device=kind, memory_gb=memory,
+                                   methods=("sleb",) if name == "sleb" else None)
         part = next((s for s in plan.stages if s.name == name), None)
         if part is None:
             raise RuntimeError(f"the plan of {cfg.method} has no stage {name!r}: {[s.name for s in plan.stages]}")
@@ -143,9 +143,10 @@ def part_zero3(args) -> str:
 
     from trsp_ray import assets
     from trsp_ray.config import replace
-    from trsp_ray.distributed import planner
     from trsp_ray.distributed.deepspeed_config import build_ds_config
+    from trsp_ray.distributed.memory import OVERHEAD_GB
     from trsp_ray.distributed.train import run_distributed
+    from trsp_ray.distributed.zero3_plan import plan_for_run
 
     gpu = args.device == "cuda"
     cfg = _cfg(args, "method=trsp", "ratio=0.07", "stage1.first_round_steps=4", "stage1.steps_per_round=2",
@@ -165,8 +166,8 @@ def part_zero3(args) -> str:
         ray.shutdown()
     peaks = {e["event"]: e.get("peak_gb") for e in result.events if e["event"] in ("stage1_done", "stage2_done")}
     ds_config = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr)
-    est = planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
-    overhead = planner.OVERHEAD_GB["gpu" if gpu else "cpu"]
+    est = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
+    overhead = OVERHEAD_GB["gpu" if gpu else "cpu"]
     for stage, key in zip(est.stages, ("stage1_done", "stage2_done")):
         got = peaks.get(key)
         print(f"  ZeRO-3 {stage.name}: planner {stage.total:.2f} GB (without the {overhead:g} GB overhead "

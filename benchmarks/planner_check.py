@@ -30,9 +30,10 @@ def main() -> None:
 
     from trsp_ray import assets
     from trsp_ray.config import load_config
-    from trsp_ray.distributed import planner
     from trsp_ray.distributed.deepspeed_config import parse_options
+    from trsp_ray.distributed.plan_format import format_plan
     from trsp_ray.distributed.train import run_distributed
+    from trsp_ray.distributed.zero3_plan import plan_for_run
 
     storage = tempfile.mkdtemp(prefix="trsp-planner-check-")
     cfg = load_config(overrides=[
@@ -51,8 +52,8 @@ def main() -> None:
 
     ds_config = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr,
                                 extra=parse_options(args.ds))
-    estimate = planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
-    print(planner.format_plan(estimate))
+    estimate = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
+    print(format_plan(estimate))
     print(f"\n{'stage':<24}{'planner GiB':>12}{'measured GiB':>14}{'error':>9}")
     for stage, key in zip(estimate.stages, ("stage1_done", "stage2_done")):
         got = measured.get(key)

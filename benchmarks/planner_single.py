@@ -10,7 +10,7 @@ allocation may or may not reuse. The process loads the model (the original, bf16
 runs one small forward to warm torch up, then resets its peak resident set (Linux VmHWM) and runs
 the stage: measured = peak - resident size just before the stage. The planner's figure for the same span is
 the stage's total minus the runtime overhead and the original model, which were resident before
-(distributed/planner.py, single_plan). Goal: within 15%.
+(distributed/single_plan.py). Goal: within 15%.
 
 SLEB scores every candidate removal on `--sleb-windows` windows of `--sleb-seqlen` tokens in
 batches of `--batch`; its memory does not depend on the number of rounds or candidates, so one round
@@ -53,7 +53,7 @@ def measure(args, stage: str) -> dict:
     import torch
 
     from trsp_ray.config import load_config
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.single_plan import single_plan_for_run
     from trsp_ray.workbench import prepare
 
     cfg = load_config(overrides=_overrides(args, stage))
@@ -62,7 +62,7 @@ def measure(args, stage: str) -> dict:
         bench.model(input_ids=bench.calib_ids[:16].view(1, 16), use_cache=False)
     gc.collect()
     name = stage.removesuffix(" +ckpt")
-    plan = planner.single_plan_for_run(cfg, device="cpu", memory_gb=24.0, methods=("sleb",) if name == "sleb" else None)
+    plan = single_plan_for_run(cfg, device="cpu", memory_gb=24.0, methods=("sleb",) if name == "sleb" else None)
     part = next(s for s in plan.stages if s.name == name)
     resident = part.parts["runtime overhead"] + part.parts["model (original, host)"]
     before = _rss_gib()

@@ -92,9 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from trsp_ray.distributed import planner
     from trsp_ray.distributed.deepspeed_config import parse_options
+    from trsp_ray.distributed.plan_format import format_plan
     from trsp_ray.distributed.train import run_distributed
+    from trsp_ray.distributed.zero3_plan import plan_for_run
     from trsp_ray.errors import run_main
     from trsp_ray.logs import quiet_libraries
 
@@ -109,9 +110,9 @@ def main(argv=None) -> int:
         cfg = job_config(args)
         options = parse_options(args.deepspeed)
         ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
-        plan = planner.plan_for_run(cfg, assets.resolve_model(cfg.model), ds)
+        plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds)
         check_export_target(cfg.output, overwrite=args.overwrite, plan=plan, ratio=cfg.ratio)  # before any worker
-        print(planner.format_plan(plan), flush=True)
+        print(format_plan(plan), flush=True)
         fault = {"round": args.fault_round} if args.fault_round else None
         result = run_distributed(cfg, ds_options=options, fault=fault, overwrite=args.overwrite)
         print(json.dumps({"drop_order": result.drop_order, "rounds_computed": result.rounds_computed(),

@@ -276,6 +276,7 @@ def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypa
     from trsp_ray import driver, workbench
     from trsp_ray.config import load_config, replace
     from trsp_ray.distributed import planner, train
+    from trsp_ray.distributed import route as routing
 
     seen = {}
 
@@ -287,7 +288,7 @@ def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypa
     monkeypatch.setattr(workbench, "prepare", lambda *a, **k: pytest.fail("single-process path taken"))
     cfg = load_config(overrides=["method=trsp", "distributed.workers=4", "tracking.enabled=false"])
     zero = planner.zero3_plan(replace(cfg, **{"distributed.workers": 2}), planner.shape_from_config(LLAMA2_7B))
-    monkeypatch.setattr(planner, "route", lambda *a, **k: planner.Route(2, "cpu", zero))
+    monkeypatch.setattr(routing, "route", lambda *a, **k: routing.Route(2, "cpu", zero))
     results = driver.run(cfg)
     assert seen["cfg"].distributed.workers == 2 and not seen["cfg"].distributed.use_gpu
     assert results["dropped_layers"] == [3, 5] and results["route"] == "2 workers"

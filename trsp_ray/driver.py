@@ -104,14 +104,14 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
 
 
 def route_for(cfg: RunConfig):
-    """The planner's route of `cfg` on this machine (planner.route), after the cheap checks: the
+    """The planner's route of `cfg` on this machine (distributed/route.py), after the cheap checks: the
     device exists, config.json and the ratio are valid. One-line TrspError when nothing fits."""
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed import route
 
     workbench.resolve_device(cfg.device)
     workbench.check_inputs(cfg)
     kind, memory = workbench.device_kind(cfg)
-    return planner.route(cfg, device=kind, memory_gb=memory)
+    return route.route(cfg, device=kind, memory_gb=memory)
 
 
 def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
@@ -119,7 +119,7 @@ def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
     `chosen.workers` Ray Train workers (distributed/train.py), then held-out PPL of the export in
     this process when an evaluation pass fits one device."""
     from trsp_ray.config import replace
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.single_plan import single_plan_for_run
     from trsp_ray.distributed.train import run_distributed
 
     cfg_w = replace(cfg, **{"distributed.workers": chosen.workers, "distributed.use_gpu": chosen.device == "gpu"})
@@ -127,7 +127,7 @@ def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
     results = {"method": cfg.method, "ratio": cfg.ratio, "route": f"{chosen.workers} workers",
                "dropped_layers": result.drop_order, "output": result.output, "storage": result.storage}
     kind, memory = workbench.device_kind(cfg)
-    evaluation = planner.single_plan_for_run(cfg, device=kind, memory_gb=memory, methods=("dense",))
+    evaluation = single_plan_for_run(cfg, device=kind, memory_gb=memory, methods=("dense",))
     if not result.output or not evaluation.fits:
         log("held-out PPL skipped: " + ("nothing was exported" if not result.output else evaluation.reason()))
         return results

@@ -77,9 +77,11 @@ EXPORT_EXTRA_BYTES = 64 * 2**20
 
 def planned_export_bytes(plan, *, ratio: float) -> float:
     """Bytes the export of a run will write, from its memory plan (planner `Plan` or `SinglePlan`):
-    the pruned model's parameters (round(ratio * layers) decoder layers fewer) in the plan's dtype."""
+    the pruned model's parameters (stage1.n_drop_for decoder layers fewer) in the plan's dtype."""
+    from trsp_ray.stage1 import n_drop_for
+
     s = plan.shape
-    return (s.params - round(ratio * s.layers) * s.layer_params) * plan.setup.dtype_bytes + EXPORT_EXTRA_BYTES
+    return (s.params - n_drop_for(ratio, s.layers) * s.layer_params) * plan.setup.dtype_bytes + EXPORT_EXTRA_BYTES
 
 
 def check_export_target(output: str | None, *, overwrite: bool, plan, ratio: float) -> Path | None:

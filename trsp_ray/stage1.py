@@ -47,6 +47,11 @@ def candidate_layers(num_layers: int, *, protect_head: int, protect_tail: int) -
     return list(range(protect_head, num_layers - protect_tail))
 
 
+def n_drop_for(ratio: float, num_layers: int) -> int:
+    """Decoder layers a `ratio` drops out of `num_layers`: round(ratio * L), the one rule every path applies."""
+    return round(ratio * num_layers)
+
+
 def check_drop_count(n_drop: int, candidates: list[int], ratio: float, num_layers: int) -> None:
     if n_drop < 1:
         raise TrspError(f"ratio={ratio} drops round({ratio}*{num_layers})=0 layers; "

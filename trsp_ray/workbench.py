@@ -14,7 +14,7 @@ from trsp_ray.config import RunConfig
 from trsp_ray.errors import TrspError
 from trsp_ray.logs import log
 from trsp_ray.perplexity import bos_token, encode, perplexity
-from trsp_ray.stage1 import candidate_layers, check_drop_count
+from trsp_ray.stage1 import candidate_layers, check_drop_count, n_drop_for
 from trsp_ray.training import Batches, set_checkpointing
 
 VALIDATION_TOKENS = 4096
@@ -84,7 +84,7 @@ class Workbench:
 
     def n_drop(self, ratio: float | None = None) -> int:
         ratio = self.cfg.ratio if ratio is None else ratio
-        n = round(ratio * self.num_layers)
+        n = n_drop_for(ratio, self.num_layers)
         check_drop_count(n, self.candidates(), ratio, self.num_layers)
         return n
 
@@ -196,7 +196,7 @@ def check_inputs(cfg: RunConfig) -> int:
     family = families.FAMILIES[config.model_type]
     num = families._get(config, family.config_path).num_hidden_layers
     g = cfg.gates
-    n_drop = round(cfg.ratio * num)
+    n_drop = n_drop_for(cfg.ratio, num)
     check_drop_count(n_drop, candidate_layers(num, protect_head=g.protect_head, protect_tail=g.protect_tail),
                      cfg.ratio, num)
     return num
@@ -249,13 +249,13 @@ def device_kind(cfg: RunConfig) -> tuple[str, float]:
 
 def check_single_plan(cfg: RunConfig, *, methods: tuple[str, ...] | None = None):
     """Refuse, in one line and before any weights load, a single-process run whose memory plan does
-    not fit this machine's device; returns the plan (see distributed/planner.py)."""
-    from trsp_ray.distributed import planner
+    not fit this machine's device; returns the plan (see distributed/single_plan.py)."""
+    from trsp_ray.distributed.single_plan import single_hint, single_plan_for_run
 
     kind, memory = device_kind(cfg)
-    plan = planner.single_plan_for_run(cfg, device=kind, memory_gb=memory, methods=methods)
+    plan = single_plan_for_run(cfg, device=kind, memory_gb=memory, methods=methods)
     if not plan.fits:
-        raise TrspError(f"the single-process plan does not fit: {plan.reason()}; {planner.single_hint(cfg, plan)}")
+        raise TrspError(f"the single-process plan does not fit: {plan.reason()}; {single_hint(cfg, plan)}")
     return plan
 
 

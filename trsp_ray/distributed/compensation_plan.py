@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trsp_ray.distributed.planner import GB, Setup, Shape, StagePlan, estimate, forward_layer_bytes
+from trsp_ray.distributed.activations import forward_layer_bytes
+from trsp_ray.distributed.memory import GB, StagePlan
+from trsp_ray.distributed.shape import Shape
+from trsp_ray.distributed.zero3_plan import estimate
+from trsp_ray.distributed.zero3_setup import Setup
 
 F64 = 8
 
@@ -41,7 +45,9 @@ def max_blocks(*, n_drop: int, candidates: int) -> int:
 
 def compensation_plan(s: Shape, st: Setup, *, ratio: float, protect_head: int = 0,
                       protect_tail: int = 0) -> CompensationPlan:
-    n_drop = round(ratio * s.layers)
+    from trsp_ray.stage1 import n_drop_for
+
+    n_drop = n_drop_for(ratio, s.layers)
     blocks = max_blocks(n_drop=n_drop, candidates=s.layers - protect_head - protect_tail)
     d, tokens = s.hidden, st.micro_batch * st.seqlen
     stage1 = estimate(s, st)[0]

@@ -20,7 +20,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trsp_ray.distributed.planner import GB, Setup, Shape, StagePlan, estimate, forward_layer_bytes
+from trsp_ray.distributed.activations import forward_layer_bytes
+from trsp_ray.distributed.memory import GB, StagePlan
+from trsp_ray.distributed.shape import Shape
+from trsp_ray.distributed.zero3_plan import estimate
+from trsp_ray.distributed.zero3_setup import Setup
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,9 @@ def refine_calls(*, candidates: int, n_drop: int, probe: int, refine: int) -> in
 
 
 def probe_plan(s: Shape, st: Setup, ps: ProbeSetup) -> ProbePlan:
-    from trsp_ray.stage1 import probe_memory_bytes, teacher_cached
+    from trsp_ray.stage1 import n_drop_for, probe_memory_bytes, teacher_cached
 
-    n_drop = round(ps.ratio * s.layers)
+    n_drop = n_drop_for(ps.ratio, s.layers)
     candidates = s.layers - ps.protect_head - ps.protect_tail
     per_gpu = math.ceil(ps.windows / st.workers)
     chunk = min(per_gpu, st.micro_batch * st.workers)  # forwards of at most data.batch_size windows

@@ -11,7 +11,7 @@ def recovery_settings(cfg) -> dict | None:
     (P bypassed from step 1) in joint mode (sequential would keep later P layers in the network
     until their segment: not a heal)."""
     from trsp_ray import registry
-    from trsp_ray.distributed.planner import recovers_on_workers
+    from trsp_ray.distributed.zero3_plan import recovers_on_workers
     from trsp_ray.methods import stage2_settings
 
     if not recovers_on_workers(cfg):

@@ -57,7 +57,7 @@ class Stage1Plan:
     model: str
     cfg: object  # RunConfig
     n_drop: int
-    route: object  # planner.Route
+    route: object  # distributed.route.Route
     cells: list  # the cell ids that prune from it
     key: str | None = None  # content key, set once the data files are fingerprinted
 
@@ -66,7 +66,7 @@ class Stage1Plan:
 class CellPlan:
     cell: Cell
     cfg: object  # RunConfig
-    route: object  # planner.Route
+    route: object  # distributed.route.Route
     stage1: Stage1Plan | None
     prune_key: str | None = None
     key: str | None = None
@@ -75,6 +75,7 @@ class CellPlan:
 def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[str, CellPlan]:
     """Every cell's config, route and shared stage 1, from config files alone (no weights, no
     writes); a bad override, a ratio that drops nothing or a cell that fits no route fails here."""
+    from trsp_ray.stage1 import n_drop_for
     from trsp_ray.stage1_store import content_key, prefix_serves, stage1_content
     from trsp_ray.workbench import check_inputs
 
@@ -91,7 +92,7 @@ def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[s
                 check_inputs(cfg)  # local models: texts readable, the ratio drops and keeps layers
             group = None
             if uses_stage1(cfg, cell.method):
-                n_drop = round(cfg.ratio * shape.layers)
+                n_drop = n_drop_for(cfg.ratio, shape.layers)
                 content = stage1_content(cfg.to_dict())
                 # swap refinement can reorder any position: then a smaller cell needs its own stage 1,
                 # not a prefix of a larger cell's order (stage1_store.prefix_serves)
@@ -260,6 +261,7 @@ def _record_pruned(store: CellStore, plans, cell: Cell, record: dict) -> None:
 def _finish_model(store, p: Preset, key: str, todo: list[Cell], plans, pending, eval_overrides, use_ray,
                   on_cell, computed) -> None:
     """Collect the model's task, run its Ray Train cells from the shared stage 1, score its cells."""
+    from trsp_ray.stage1 import n_drop_for
 
     shared: dict = {}
     if pending is not None:
@@ -277,7 +279,7 @@ def _finish_model(store, p: Preset, key: str, todo: list[Cell], plans, pending, 
             stage1 = shared.get(plan.stage1.key) if plan.stage1 else None
             record = prune_distributed(plan.cfg, cell_id=c.id, target=str(store.model_dir(c)),
                                        workers=plan.route.workers, stage1=stage1,
-                                       n_drop=round(plan.cfg.ratio * plan.route.plan.shape.layers))
+                                       n_drop=n_drop_for(plan.cfg.ratio, plan.route.plan.shape.layers))
             _record_pruned(store, plans, c, record)
     pruned = {c.id: store.pruned(c) or {} for c in todo}
     dense = next((store.pruned(c)["model_dir"] for c in plans_cells(plans, key)

@@ -63,16 +63,16 @@ def cell_key(prune: str, eval_settings: dict) -> str:
 
 def planner_shape(spec):
     """A planner Shape from a preset's config.json fields (what read_shape would read from disk)."""
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.shape import shape_from_config
 
-    return planner.shape_from_config(spec.shape, source=spec.key)
+    return shape_from_config(spec.shape, source=spec.key)
 
 
 def model_shape(spec):
     from trsp_ray import assets
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed.shape import read_shape
 
-    return planner_shape(spec) if spec.shape else planner.read_shape(assets.resolve_model(spec.model))
+    return planner_shape(spec) if spec.shape else read_shape(assets.resolve_model(spec.model))
 
 
 def _device(cfg: RunConfig) -> str:
@@ -83,29 +83,30 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
     """The planner's route of a cell: one process on one device, or N Ray Train workers (at most
     the preset's `max_workers`); a one-line TrspError when neither fits. The dense cell is only
     scored, and a TRSP cell's stage 1 is the shared one, so neither plans a stage 1 of its own."""
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed import route
+    from trsp_ray.distributed.single_plan import single_plan, single_setup_for_run
 
     shape = shape or model_shape(spec)
     device = _device(cfg)
     memory = preset.gpu_memory_gb if device == "gpu" else None
     if grid_method(method).method is None:
-        setup = planner.single_setup_for_run(cfg, device=device, memory_gb=memory or _host_gb())
-        plan = planner.single_plan(shape, setup, ("evaluation",))
+        setup = single_setup_for_run(cfg, device=device, memory_gb=memory or _host_gb())
+        plan = single_plan(shape, setup, ("evaluation",))
         if not plan.fits:
             raise TrspError(f"scoring {spec.key}: {plan.reason()}")
-        return planner.Route(0, device, plan)
-    return planner.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers)
+        return route.Route(0, device, plan)
+    return route.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers)
 
 
 def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
     """The route of a model's shared stage 1: one device, always (the store is filled by one process)."""
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed import route
 
     shape = shape or model_shape(spec)
     device = _device(cfg)
     memory = preset.gpu_memory_gb if device == "gpu" else None
     try:
-        return planner.route(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}), device=device,
+        return route.route(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}), device=device,
                              memory_gb=memory, shape=shape, max_workers=0)
     except TrspError as exc:
         raise TrspError(f"the shared stage 1 of {spec.key} must run on one device: {exc}") from None

@@ -67,11 +67,12 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
     from trsp_ray import atomic
     from trsp_ray.config import replace
     from trsp_ray.distributed.handoff import run_stage2_distributed
+    from trsp_ray.stage1 import n_drop_for
     from trsp_ray.workbench import check_inputs
 
     route, search_dir, start = config["route"], Path(config["search_dir"]), time.perf_counter()
     num_layers = check_inputs(cfg)  # config.json only: the trial never holds the model
-    n_drop = round(cfg.ratio * num_layers)
+    n_drop = n_drop_for(cfg.ratio, num_layers)
     cfg_dict = cfg.to_dict()
     stage1 = None
     if route.get("stage1_on_one_device", True):

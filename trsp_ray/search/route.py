@@ -53,7 +53,10 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
     plan fits, else the fewest Ray Train workers the cluster's GPUs allow. `cluster` is
     `ray.cluster_resources()`; explicit values override the planner."""
     from trsp_ray.config import replace
-    from trsp_ray.distributed import planner
+    from trsp_ray.distributed import route as routing
+    from trsp_ray.distributed.shape import read_shape
+    from trsp_ray.distributed.single_plan import single_plan, single_plan_for_run, single_setup_for_run
+    from trsp_ray.distributed.zero3_plan import zero3_plan
 
     _check_counts(gpus_per_trial, workers, eval_gpus)
     have = float(cluster.get("GPU", 0.0))
@@ -62,20 +65,19 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
     use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and have > 0) or bool(gpus_per_trial)
     if not use_gpu:  # CPU run: Ray Train workers (gloo) only when asked for
         return TrialRoute(use_gpu=False, gpus=0.0, workers=workers or 0, eval_gpus=0.0)
-    shape = planner.read_shape(model_path)
+    shape = read_shape(model_path)
     memory = cfg.distributed.gpu_memory_gb
     limit = workers if workers is not None else (0 if gpus_per_trial is not None else max(1, int(have)))
-    chosen = planner.route(cfg, device="gpu", memory_gb=memory, shape=shape, max_workers=limit)
-    scoring = planner.single_plan(shape, planner.single_setup_for_run(cfg, device="gpu", memory_gb=memory),
-                                  ("evaluation",)).peak
+    chosen = routing.route(cfg, device="gpu", memory_gb=memory, shape=shape, max_workers=limit)
+    scoring = single_plan(shape, single_setup_for_run(cfg, device="gpu", memory_gb=memory), ("evaluation",)).peak
     scoring = eval_gpus if eval_gpus is not None else (
         _fraction(scoring, memory) if scoring <= memory else float(math.ceil(scoring / memory)))
     if workers and not chosen.workers:  # asked for Ray Train though one GPU would do
-        chosen = planner.Route(workers, "gpu", planner.zero3_plan(
+        chosen = routing.Route(workers, "gpu", zero3_plan(
             replace(cfg, **{"distributed.workers": workers, "distributed.use_gpu": True}), shape))
     if chosen.workers:
-        stage1 = planner.single_plan_for_run(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}),
-                                             device="gpu", memory_gb=memory, shape=shape)
+        stage1 = single_plan_for_run(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}),
+                                     device="gpu", memory_gb=memory, shape=shape)
         route = TrialRoute(use_gpu=True, gpus=0.0, workers=chosen.workers, eval_gpus=scoring,
                            peak_gb=chosen.plan.peak, stage1_on_one_device=stage1.fits)
     else:

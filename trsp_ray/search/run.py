@@ -55,6 +55,7 @@ def _probe(base: dict, space: SearchSpace, points: list[dict] | None) -> dict:
 def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, dict]:
     """Checked points (None for Optuna), the model's layer count, and the stage-1 plan
     {stage-1 key: largest n_drop among the trials that share it}. Raises before any trial."""
+    from trsp_ray.stage1 import n_drop_for
     from trsp_ray.workbench import check_inputs
 
     if base.method not in registry.TRSP_METHODS:
@@ -75,7 +76,7 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None,
     for point in points or [{d.key: d.bounds()[1] for d in space.dims}]:
         cfg = apply_point(base_dict, point)
         key = stage1_key(cfg, fp)
-        n_drop[key] = max(n_drop.get(key, 0), round(cfg["ratio"] * num_layers))
+        n_drop[key] = max(n_drop.get(key, 0), n_drop_for(cfg["ratio"], num_layers))
     return points, num_layers, n_drop
 
 

@@ -25,8 +25,10 @@ class GroupedASHA(FIFOScheduler):
 
     def group(self, config: dict) -> int:
         """Layers the trial drops: its searched ratio (or the base ratio) times the layer count."""
+        from trsp_ray.stage1 import n_drop_for
+
         ratio = (config.get("point") or {}).get("ratio", self.base_ratio)
-        return round(float(ratio) * self.num_layers)
+        return n_drop_for(float(ratio), self.num_layers)
 
     def set_search_properties(self, metric, mode, **spec) -> bool:
         return not ((metric and metric != self._metric) or (mode and mode != self._mode))

@@ -153,7 +153,7 @@ def apply_point(base: dict, point: dict) -> dict:
 
 def check_points(base: RunConfig, space: SearchSpace, points: list[dict] | None, *, num_layers: int) -> None:
     """Every point (or, for ranges, both bounds) must make a valid config that drops 1..candidates layers."""
-    from trsp_ray.stage1 import candidate_layers, check_drop_count
+    from trsp_ray.stage1 import candidate_layers, check_drop_count, n_drop_for
 
     probes = points if points is not None else [
         {d.key: d.bounds()[i] for d in space.dims} for i in (0, 1)]
@@ -164,7 +164,7 @@ def check_points(base: RunConfig, space: SearchSpace, points: list[dict] | None,
             cfg = from_dict(apply_point(base.to_dict(), point))
         except TrspError as e:
             raise TrspError(f"search point {point}: {e}") from None
-        check_drop_count(round(cfg.ratio * num_layers), candidates, cfg.ratio, num_layers)
+        check_drop_count(n_drop_for(cfg.ratio, num_layers), candidates, cfg.ratio, num_layers)
 
 
 def trial_key(cfg: dict) -> str:
