@@ -148,7 +148,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     `stage1` (a plain stage-1 result, stage1_store.result_dict): the workers take its drop set for
     `cfg.method` instead of learning stage 1 themselves (a shared, content-keyed stage 1).
 
-    `fault` (tests): one spec or a list, see worker.FaultInjector; e.g. {"round": 2} kills worker
+    `fault` (tests): one spec or a list, see events.FaultInjector; e.g. {"round": 2} kills worker
     1 once, one step into stage-1 round 2 (needs max_failures >= 1 to recover). Connects to the
     running Ray cluster (RAY_ADDRESS) or starts one.
     """

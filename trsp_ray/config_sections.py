@@ -1,0 +1,249 @@
+"""The sections of a run's configuration (trsp_ray.config assembles them into RunConfig and loads
+it): one frozen dataclass per section, each checking itself in `__post_init__` with a one-line
+`TrspError` naming the bad value and what is valid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trsp_ray.errors import TrspError
+
+
+def _choice(name: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise TrspError(f"{name}={value!r} is not valid; choose one of {', '.join(map(str, valid))}")
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise TrspError(f"{name}={value!r} is not valid; it must be {bound}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    calib_text: str | None = None  # any text file; default: gensim Wikipedia calibration articles
+    eval_text: str | None = None  # any text file; default: gensim Wikipedia held-out articles
+    seqlen: int = 128  # training / calibration window (tokens)
+    batch_size: int = 4  # windows per optimizer step
+    eval_seqlen: int = 256  # perplexity window (tokens)
+    eval_max_windows: int | None = 32  # cap on held-out windows (None = whole text)
+    # a held-out text of another domain (any text file); default: gensim's Lee corpus of news stories
+    domain2_text: str | None = None
+
+    def __post_init__(self):
+        for name in ("seqlen", "batch_size", "eval_seqlen"):
+            _positive(f"data.{name}", getattr(self, name))
+        if self.eval_max_windows is not None:
+            _positive("data.eval_max_windows", self.eval_max_windows)
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    gate: str = "delta"  # delta: x + s*(f(x)-x); output: s*f(x)
+    protect_head: int = 1  # first layers never dropped
+    protect_tail: int = 1  # last layers never dropped
+
+    def __post_init__(self):
+        _choice("gates.gate", self.gate, ("delta", "output"))
+        _positive("gates.protect_head", self.protect_head, allow_zero=True)
+        _positive("gates.protect_tail", self.protect_tail, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class Stage1Config:
+    lambda1: float = 5e-3  # L1 coefficient on the candidate gates (paper's best)
+    # Gate learning rate. Adam moves each gate about lr per step whatever its gradient, so lr x steps
+    # must let gates travel to where CE and the L1 pull balance (~1.0), or the ranking is noise.
+    lr: float = 5e-2
+    first_round_steps: int = 16  # steps of round 1 (its ranking is also the one-shot selection)
+    steps_per_round: int = 3  # steps of every later round (gates are warm-started)
+    selection: str = "iterative"  # iterative | oneshot
+    train_base: bool = False  # also train the base weights, as the reference code does
+    base_lr: float = 2e-5
+    # Removal probes (iterative selection): each round measures the removal cost of the `probe`
+    # candidates with the smallest gates and drops the cheapest (0 or 1 = the smallest gate, as the
+    # paper); cost = KL(dense || pruned) ("kl") or CE ("ce") on probe_windows calibration windows.
+    # 4 is what measured best on SmolLM2 (README "What wins"; 6 chose a worse set, greedy is myopic).
+    probe: int = 4
+    probe_windows: int = 8
+    probe_criterion: str = "kl"  # kl | ce | recall (kl + the CE increase where a token recurs: see stage1.py)
+    probe_seqlen: int | None = None  # tokens per probe window; None = data.seqlen
+    # the m lowest-Block-Influence candidates (ShortGPT's signal, one dense forward of the probe
+    # windows) join the gates' shortlist every round (0 = the gates alone)
+    shortlist_bi: int = 0
+    # passes of swap refinement after the last round (0 = off): greedy removal is myopic; on SmolLM2
+    # two swaps turned a greedy set with val PPL 52.9 into one with 47.1 (README "What wins")
+    refine: int = 2
+    # scorer calls refinement may spend in all: a pass that finds nothing costs n_drop x |pool|
+    # calls (~600 at Llama-70B, 25%). 320 = 2 passes x 8 dropped x a pool of 20 (SmolLM2's 30 layers
+    # - 2 protected - 8 dropped): SmolLM2 at 8 of 30 keeps both of its passes whole.
+    refine_budget: int = 320
+
+    def __post_init__(self):
+        _positive("stage1.lambda1", self.lambda1, allow_zero=True)
+        _positive("stage1.lr", self.lr)
+        _positive("stage1.first_round_steps", self.first_round_steps)
+        _positive("stage1.steps_per_round", self.steps_per_round)
+        _choice("stage1.selection", self.selection, ("iterative", "oneshot"))
+        _positive("stage1.base_lr", self.base_lr)
+        _positive("stage1.probe", self.probe, allow_zero=True)
+        _positive("stage1.probe_windows", self.probe_windows)
+        _choice("stage1.probe_criterion", self.probe_criterion, ("kl", "ce", "recall"))
+        if self.probe_seqlen is not None and self.probe_seqlen < 2:
+            raise TrspError(f"stage1.probe_seqlen={self.probe_seqlen!r} is not valid; pass an integer >= 2 or null")
+        _positive("stage1.shortlist_bi", self.shortlist_bi, allow_zero=True)
+        _positive("stage1.refine", self.refine, allow_zero=True)
+        _positive("stage1.refine_budget", self.refine_budget)
+
+
+@dataclass(frozen=True)
+class Stage2Config:
+    enabled: bool = True
+    lambda2: float = 1e-3  # coefficient of sum_{i in P} d(x_{i+1}, x_i) (paper's best)
+    steps: int = 20  # also the weight-update budget every trained benchmark row gets
+    lr: float = 1e-4  # learning rate of the weights outside P
+    p_lr_scale: float = 1.0  # learning-rate multiplier for the weights of the layers in P
+    mode: str = "joint"  # joint: all of P at once; sequential: one layer of P per segment
+    norm: str = "l2"  # per-token distance: l2 | l1
+    trainable: str = "all"  # all | lora
+    lora_rank: int = 8
+    # constant: fixed lambda2; ramp: lambda2 grows linearly from 0; anneal: the P layers' residual
+    # contribution is scaled by a factor going 1 -> 0 over anneal_fraction of the steps, so they are
+    # exact identities (removal changes nothing) for the remaining steps.
+    schedule: str = "anneal"
+    anneal_fraction: float = 0.5
+
+    def __post_init__(self):
+        _positive("stage2.lambda2", self.lambda2, allow_zero=True)
+        _positive("stage2.steps", self.steps, allow_zero=True)
+        _positive("stage2.lr", self.lr)
+        _positive("stage2.p_lr_scale", self.p_lr_scale, allow_zero=True)
+        _choice("stage2.mode", self.mode, ("joint", "sequential"))
+        _choice("stage2.norm", self.norm, ("l2", "l1"))
+        _choice("stage2.trainable", self.trainable, ("all", "lora"))
+        _positive("stage2.lora_rank", self.lora_rank)
+        _choice("stage2.schedule", self.schedule, ("constant", "ramp", "anneal", "skip"))
+        if not 0.0 < self.anneal_fraction <= 1.0:
+            raise TrspError(f"stage2.anneal_fraction={self.anneal_fraction!r} is not valid; it must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    steps: int = 0  # CE-only fine-tuning of the pruned model; 0 = off
+    lr: float = 1e-4
+    trainable: str = "all"  # all | lora
+    lora_rank: int = 8
+
+    def __post_init__(self):
+        _positive("heal.steps", self.steps, allow_zero=True)
+        _positive("heal.lr", self.lr)
+        _choice("heal.trainable", self.trainable, ("all", "lora"))
+        _positive("heal.lora_rank", self.lora_rank)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """The objective every weight update optimises, in stage 2 and in a heal alike (so that rows that
+    train compare at the same objective): next-token cross-entropy, or distillation from the dense
+    model (KL(dense || pruned) on next-token distributions at temperature kd_temperature)."""
+
+    objective: str = "ce"  # ce | kd
+    kd_temperature: float = 1.0
+
+    def __post_init__(self):
+        _choice("recovery.objective", self.objective, ("ce", "kd"))
+        _positive("recovery.kd_temperature", self.kd_temperature)
+
+
+@dataclass(frozen=True)
+class CompensationConfig:
+    """Training-free repair of each removed block after removal and before any heal (SPEC section 7,
+    trsp_ray/compensation.py): lstsq fits ReplaceMe's least-squares map on calibration activations
+    and folds it into the MLP output projection of the layer before the block."""
+
+    method: str = "none"  # none | lstsq
+    ridge: float = 1e-4  # ridge, relative to the mean diagonal of M^T M
+    windows: int = 16  # calibration windows of data.seqlen tokens (at least the hidden size in tokens)
+    # dense: M and the residual from the dense model (one pass); sequential: from the pruned model
+    # with the earlier blocks already compensated (a pass per block); targets always dense
+    activations: str = "dense"
+
+    def __post_init__(self):
+        if self.method == "scalar":
+            raise TrspError("compensation.method='scalar' (Prune&Comp's scalar fold) is not implemented; "
+                            "choose one of none, lstsq")
+        _choice("compensation.method", self.method, ("none", "lstsq"))
+        _positive("compensation.ridge", self.ridge, allow_zero=True)
+        _positive("compensation.windows", self.windows)
+        _choice("compensation.activations", self.activations, ("dense", "sequential"))
+
+
+# SLEB's calibration windows for `trsp-ray benchmark --full-baselines`: on SmolLM2 (8 of 30 layers,
+# 128-token windows) its drop set no longer changed when the count doubled from 8 to 16.
+FULL_SLEB_WINDOWS = 16
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    # calibration windows (of data.seqlen tokens) for ShortGPT's Block Influence; None = as many
+    # tokens as TRSP's stage 1 sees (SPEC section 5: it is cheap, so it gets the same data)
+    calib_windows: int | None = None
+    # windows SLEB scores every candidate removal on; its cost is about n_drop x candidates forward
+    # passes per token, so this is the knob that trades its time for a drop set that no longer changes.
+    # The default is cut so that the README's benchmark fits 15 minutes on 2 CPU cores; the report
+    # says so. A faithful SLEB needs the count at which doubling it no longer changes its drop set.
+    sleb_windows: int = 2
+
+    def __post_init__(self):
+        if self.calib_windows is not None:
+            _positive("baselines.calib_windows", self.calib_windows)
+        _positive("baselines.sleb_windows", self.sleb_windows)
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True
+    tracking_uri: str | None = None  # default: sqlite:///./runs/mlflow.db
+    experiment: str = "trsp_ray"
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    workers: int = 0  # 0 = single process, no Ray Train
+    strategy: str = "zero3"  # zero3 | ddp
+    use_gpu: bool = False
+    # CPUs (= torch threads) per worker; 0 = auto: 1, or the node's CPUs per worker when offloading
+    cpus_per_worker: int = 0
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    grad_accum: int = 1
+    activation_checkpointing: bool = False  # recompute layer activations in backward; every route (one process too)
+    storage_path: str | None = None  # Ray Train storage; default ./runs/ray
+    max_failures: int = 0
+    checkpoint_every: int = 10  # stage-2 steps between checkpoints (stage 1: every round)
+    keep_checkpoints: int = 2  # Ray Train keeps the last K checkpoints, deletes older ones
+    disk_budget_gb: float | None = None  # storage the kept checkpoints may use; the plan refuses more
+    gpu_memory_gb: float = 80.0  # per-GPU memory the planner checks against
+    # Streaming export (distributed/export.py): max safetensors shard size in MB (10^6 bytes; a
+    # larger single tensor gets its own shard); exports up to export_reload_max_gb GiB are also
+    # reloaded on rank 0 and their logits checked; export_timeout_s 0 = sized from the bytes.
+    export_shard_mb: int = 5000
+    export_reload_max_gb: float = 16.0
+    export_timeout_s: int = 0
+
+    def __post_init__(self):
+        _positive("distributed.workers", self.workers, allow_zero=True)
+        _choice("distributed.strategy", self.strategy, ("zero3", "ddp"))
+        _positive("distributed.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        _positive("distributed.grad_accum", self.grad_accum)
+        _positive("distributed.max_failures", self.max_failures, allow_zero=True)
+        _positive("distributed.checkpoint_every", self.checkpoint_every)
+        _positive("distributed.keep_checkpoints", self.keep_checkpoints)
+        if self.disk_budget_gb is not None:
+            _positive("distributed.disk_budget_gb", self.disk_budget_gb)
+        _positive("distributed.gpu_memory_gb", self.gpu_memory_gb)
+        _positive("distributed.export_shard_mb", self.export_shard_mb)
+        _positive("distributed.export_reload_max_gb", self.export_reload_max_gb, allow_zero=True)
+        _positive("distributed.export_timeout_s", self.export_timeout_s, allow_zero=True)
