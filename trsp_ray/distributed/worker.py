@@ -240,11 +240,11 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
     from trsp_ray.distributed import engine as eng
     from trsp_ray.methods import probe_windows, probes_removal, stage1_settings
     from trsp_ray.perplexity import bos_token
-    from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, common_tokens, run_stage1
+    from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, common_tokens, n_drop_for, run_stage1
 
     s1, g = cfg.stage1, cfg.gates
     candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
-    n_drop = round(cfg.ratio * bench.num_layers)
+    n_drop = n_drop_for(cfg.ratio, bench.num_layers)
     check_drop_count(n_drop, candidates, cfg.ratio, bench.num_layers)
     reset_peak_memory()
     last = {"state": meta["stage1"] if meta else None}
