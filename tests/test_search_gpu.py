@@ -93,7 +93,8 @@ def test_trials_are_scheduled_on_a_gpu_resource_and_run_on_cpu(assets, tmp_path,
     opts = SearchOptions(search_dir=str(tmp_path / "search"), name="gpu", asha=False, val_windows=2,
                          register_name=None)
     summary = run_search(_base(assets, "device=auto"), space, opts)
-    assert summary["trials_run"] == 2 and summary["failed"] == 0 and summary["stage1_computed"] == 1
+    # two ratios, two n_drop: with swap refinement (the default) each gets its own stage 1
+    assert summary["trials_run"] == 2 and summary["failed"] == 0 and summary["stage1_computed"] == 2
     events = RunLog(tmp_path / "search").read()
     route = next(e for e in events if e["event"] == "route")
     assert (route["use_gpu"], route["gpus"], route["workers"], route["eval_gpus"]) == (True, 0.25, 0, 0.25)
