@@ -55,3 +55,19 @@ def test_search_lineage_logs_both_plots_and_closes_them(tmp_path):
     assert set(plt.get_fignums()) == open_before
     names = {a.path for a in MlflowClient(tracking_uri=uri).list_artifacts(state["parent"])}
     assert {"pareto.png", "gates_heatmap.png"} <= names
+
+
+def test_every_benchmark_row_name_is_a_valid_metric_name(tmp_path):
+    """The benchmark logs '<row>/x<budget>/...' metrics; MLflow refuses '+' and '@' in a name (the
+    README run died on 'shortgpt+heal@compute' after every row had run)."""
+    from mlflow.tracking import MlflowClient
+
+    from trsp_ray.registry import ROW_NAMES
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = make_tracker(tracking_uri=uri, experiment="names")
+    with tracker.run("names"):
+        tracker.log_metrics({f"{row}/x1/heldout_ppl": float(i) for i, row in enumerate(ROW_NAMES)})
+        run_id = tracker.run_id
+    logged = MlflowClient(tracking_uri=uri).get_run(run_id).data.metrics
+    assert len(logged) == len(ROW_NAMES) and logged["shortgpt_plus_heal_at_compute/x1/heldout_ppl"] >= 0

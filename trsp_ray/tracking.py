@@ -108,7 +108,7 @@ class MlflowTracker:
             self._mlflow.log_params(dict(items[i : i + 100]))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        clean = {k.replace("+", "_plus_"): float(v) for k, v in metrics.items() if v is not None}
+        clean = {k.replace("+", "_plus_").replace("@", "_at_"): float(v) for k, v in metrics.items() if v is not None}
         self._mlflow.log_metrics(clean, step=step)
 
     def log_dict(self, obj: Any, name: str) -> None:
