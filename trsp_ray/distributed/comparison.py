@@ -11,8 +11,21 @@ from __future__ import annotations
 from trsp_ray.distributed import ray_session
 
 
+def _quiet_like_the_driver() -> None:
+    """A Ray worker imported tqdm before it saw the driver's TQDM_DISABLE: quiet it the same way
+    when the driver runs quiet (the hub's switch, which the worker does inherit, says so)."""
+    import os
+
+    from trsp_ray.logs import quiet_libraries
+
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1":
+        quiet_libraries()
+
+
 def _selection_task(cfg_dict: dict, selector: str, seed: int, threads: int) -> dict:
     import torch
+
+    _quiet_like_the_driver()
 
     from trsp_ray.comparison_jobs import selection_job
 
@@ -23,6 +36,8 @@ def _selection_task(cfg_dict: dict, selector: str, seed: int, threads: int) -> d
 def _row_task(cfg_dict: dict, row: str, seed: int, selection: dict | None, export_dir: str | None,
               threads: int, options: dict, reference: dict | None) -> dict:
     import torch
+
+    _quiet_like_the_driver()
 
     from trsp_ray.comparison_jobs import row_job
 
