@@ -145,3 +145,24 @@ def test_lambada_accuracy_is_the_greedy_last_word_rule_on_smollm2():
             right += int(logits[n_ctx - 1:len(whole) - 1].argmax(-1).tolist() == whole[n_ctx:])
     assert 0 < right < n  # the rule is exercised both ways
     assert got["acc"] == pytest.approx(right / n) and got["n"] == n
+
+
+def test_lm_evals_request_bar_follows_the_quiet_switch(capfd, monkeypatch):
+    """lm-eval passes `disable=` to tqdm itself, so TQDM_DISABLE alone left its "Running loglikelihood
+    requests" bar in every benchmark row's log (46 lines in a README run): the harness's LM now
+    follows the switch, and without the switch the bar is still there."""
+    from trsp_ray.evaluation.harness import run_tasks
+    from trsp_ray.tiny import tiny_model
+    from trsp_ray.workbench import load_model
+
+    _, tok = load_model("smollm2-135m")
+    model = tiny_model("llama", layers=2, vocab=len(tok)).eval()
+    bar = "Running loglikelihood requests"
+    for quiet in ("1", None):
+        if quiet:
+            monkeypatch.setenv("TQDM_DISABLE", quiet)
+        else:
+            monkeypatch.delenv("TQDM_DISABLE", raising=False)
+        run_tasks(model, tok, tasks=["lambada"], limit=2, batch_size=2)
+        err = capfd.readouterr().err
+        assert (bar in err) == (quiet is None), (quiet, err[-300:])

@@ -8,6 +8,7 @@ from `tasks.write_task_dir`; lm-eval's built-in registry is indexed only when a 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from trsp_ray.errors import TrspError
@@ -43,6 +44,26 @@ def _task_manager(names: list[str], task_dir: Path | None):
     return manager
 
 
+def _quiet_lm(base):
+    """`base` (lm-eval's HFLM) whose request bars follow trsp_ray's quiet switch (logs.quiet_libraries
+    sets TQDM_DISABLE, which Ray workers inherit): lm-eval passes `disable=` to tqdm itself, so the
+    switch alone does not reach its "Running loglikelihood requests" bar."""
+    def quiet(flag: bool) -> bool:
+        return flag or os.environ.get("TQDM_DISABLE") == "1"
+
+    class QuietLM(base):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood(requests, disable_tqdm=quiet(disable_tqdm))
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood_rolling(requests, disable_tqdm=quiet(disable_tqdm))
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return super().generate_until(requests, disable_tqdm=quiet(disable_tqdm))
+
+    return QuietLM
+
+
 def evaluate_lm(model, tokenizer, *, tasks: list, limit: int | None = None, batch_size: int = 8,
                 task_manager=None, log_samples: bool = False, samples: dict | None = None) -> dict:
     """Raw `lm_eval.simple_evaluate` output for an in-memory model; `tasks` are names or config dicts.
@@ -52,7 +73,7 @@ def evaluate_lm(model, tokenizer, *, tasks: list, limit: int | None = None, batc
     from lm_eval.models.huggingface import HFLM
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines drown our progress
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+    lm = _quiet_lm(HFLM)(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     return simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=0, limit=check_limit(limit), samples=samples, task_manager=task_manager,
         bootstrap_iters=0,  # stderr by bootstrap costs minutes on CPU; we report the point estimates
