@@ -1,4 +1,9 @@
-"""Prune 25% of the layers of Llama-2-70B / Llama-3-70B with TRSP on a Ray GPU cluster.
+"""Prune 25% of the layers of Llama-2-70B / Llama-3-70B on a Ray GPU cluster (ZeRO-3 workers).
+
+The default method is shortgpt+heal (Block Influence scored data-parallel on the workers, then a
+heal with stage 2's budget): the best pipeline the comparison found on perplexity and task accuracy
+at equal total compute (README). `--method trsp+heal` selects with TRSP's stage 1 instead,
+`--method trsp` runs the paper's stage 2.
 
     ray job submit --runtime-env cluster/runtime_env.yaml -- python jobs/prune_70b.py \
         --model meta-llama/Llama-2-70b-hf --storage-path s3://my-bucket/trsp --output /shared/pruned/llama2-70b
@@ -64,9 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="meta-llama/Llama-2-70b-hf", help="model directory, hub id or smollm2-135m")
-    p.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.TRSP_METHODS,
-                   help="trsp+heal (default): stage-1 selection, then the stage-2 budget spent healing the pruned "
-                        "model (what won at equal budget, README); trsp: the paper's stage 2")
+    p.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.WORKER_METHODS,
+                   help="shortgpt+heal (default): Block-Influence selection on the workers, then the stage-2 budget "
+                        "spent healing the pruned model (best at equal total compute, README); trsp+heal: TRSP's "
+                        "stage-1 selection + the same heal; trsp: the paper's stage 2")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0)

@@ -124,6 +124,11 @@ def test_trained_rows_are_judged_at_equal_tokens_and_at_equal_compute_on_every_c
     assert c["held-out PPL"] == ("worse", "shortgpt+heal@compute")
     assert c["LAMBADA acc"] == ("tie", "shortgpt+heal@compute")
     assert by["trsp-selection+heal"]["total cost"] == 1092 and by["shortgpt+heal"]["LAMBADA acc"]["se"] == 0.01
+    # the default (shortgpt+heal) is also judged against TRSP's rows, and only it
+    d = by["shortgpt+heal"]["verdicts vs TRSP"]
+    assert d["held-out PPL"] == ("worse", "trsp-selection+heal")
+    assert d["LAMBADA acc"] == ("better", "trsp-selection+heal")
+    assert [s["row"] for s in by.values() if "verdicts vs TRSP" in s] == ["shortgpt+heal"]
 
 
 def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
@@ -156,7 +161,7 @@ def test_plan_runs_trained_rows_per_budget_and_needs_trsp_for_equal_compute():
             check_request(cfg, ["dense"], 1, 0, **bad)
 
 
-def test_benchmark_rows_share_selections_and_budget(tiny_dir):
+def test_benchmark_rows_share_selections_and_budget(tiny_dir, capsys):
     from trsp_ray.comparison import run_benchmark
 
     names = ["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal", "shortgpt",
@@ -183,6 +188,9 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir):
     # a random model: trained rows move, selection rows of different drop sets differ
     assert by["dense"]["held-out PPL"]["spread"] == 0.0  # the dense model does not depend on the seed
     assert by["shortgpt+heal"]["held-out PPL"]["mean"] != by["shortgpt"]["held-out PPL"]["mean"]
+    out = capsys.readouterr().out
+    assert "default `trsp-ray prune` (method shortgpt+heal) = row shortgpt+heal." in out
+    assert "shortgpt+heal x1 (the default) against TRSP's best row" in out
 
 
 def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir):

@@ -18,7 +18,7 @@ def test_zero3_workers_compensate_like_one_process(tiny_dir, tmp_path, method): 
     from trsp_ray.distributed.train import run_distributed
     from trsp_ray.driver import run
 
-    base = [f"model={tiny_dir}", f"method={method}"] + OVERRIDES + COMP
+    base = [f"model={tiny_dir}"] + OVERRIDES + [f"method={method}"] + COMP
     start_own_ray()
     try:
         result = run_distributed(load_config(overrides=base + [f"distributed.storage_path={tmp_path / 'storage'}",

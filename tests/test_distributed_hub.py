@@ -51,7 +51,7 @@ def test_plan_command_with_a_hub_id_prints_every_figure(cached_70b):
     import os
 
     done = subprocess.run([sys.executable, "-m", "trsp_ray.cli", "plan", "--model-config", "meta-llama/Llama-2-70b-hf",
-                           "--workers", "16", "--gpu-memory-gb", "80"],
+                           "--workers", "16", "--gpu-memory-gb", "80", "--method", "trsp"],
                           capture_output=True, text=True, env={**os.environ}, timeout=300)
     out = done.stdout
     print(out)

@@ -130,12 +130,12 @@ def test_disk_budget_refuses_on_one_line(tmp_path):
     path = str(_write(tmp_path, LLAMA2_70B))
     with pytest.raises(TrspError) as err:
         _cli(["plan", "--model-config", path, "--workers", "16", "--activation-checkpointing",
-              "--disk-budget-gb", "2000"])
+              "--disk-budget-gb", "2000", "--method", "trsp"])  # stage 2 trains (and saves) every layer
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("checkpoints need 2312.6 GB of storage (keep_checkpoints=2")
     assert "use keep_checkpoints=1 (1541.8 GB)" in str(err.value)
     assert _cli(["plan", "--model-config", path, "--workers", "16", "--activation-checkpointing",
-                 "--disk-budget-gb", "2000", "--keep-checkpoints", "1"]) == 0
+                 "--disk-budget-gb", "2000", "--keep-checkpoints", "1", "--method", "trsp"]) == 0
     # The driver refuses the same before any worker starts (CPU run: only the disk budget is checked).
     from trsp_ray.config import load_config
     from trsp_ray.distributed.train import prepare_run

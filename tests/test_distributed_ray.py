@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = ["ratio=0.34", "stage1.first_round_steps=2", "stage1.steps_per_round=2", "stage2.steps=4",
              "data.seqlen=32", "threads=1", "tracking.enabled=false", "distributed.workers=2",
-             "distributed.checkpoint_every=2"]
+             "distributed.checkpoint_every=2", "method=trsp+heal"]  # TRSP's stage 1 on the workers
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,8 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
         submit = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", f"--address={address}",
                   f"--working-dir={REPO}", "--", "python", "jobs/prune_70b.py", "--model", str(tiny_dir),
                   "--workers", "2", "--device", "cpu", "--ratio", "0.34", "--max-failures", "0",
-                  "--storage-path", str(tmp_path / "storage"), "--output", str(tmp_path / "out"),
+                  "--method", "trsp+heal", "--storage-path", str(tmp_path / "storage"),
+                  "--output", str(tmp_path / "out"),
                   "--set", "stage1.first_round_steps=2", "--set", "stage1.steps_per_round=1",
                   "--set", "stage2.steps=2", "--set", "data.seqlen=32", "--set", "threads=1"]
         for _ in range(15):
@@ -364,3 +365,34 @@ def test_workers_prune_from_a_handed_over_stage1(tiny_dir, tmp_path, single, loc
     assert stage1["handed_over"] and not any(e["event"] == "round" for e in result.events)
     manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
     assert sorted(manifest["dropped_layers"]) == sorted(handed.drop_order)
+
+
+def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path, local_ray):
+    """The default method on 2 ZeRO-3 workers: Block Influence summed over the ranks' shares of the
+    calibration windows (3 windows on 2 ranks: one rank runs a padding forward that must count
+    nowhere) chooses the single process's drop set, and the healed export gives its logits."""
+    from trsp_ray import registry
+    from trsp_ray.baselines import block_influence
+    from trsp_ray.config import load_config
+    from trsp_ray.driver import run
+    from trsp_ray.gates import attach_gates
+    from trsp_ray.methods import _windows
+    from trsp_ray.workbench import prepare
+
+    assert registry.DEFAULT_METHOD == "shortgpt+heal"
+    mine = ["method=shortgpt+heal", "baselines.calib_windows=3", "stage2.steps=2"]
+    base = [f"model={tiny_dir}"] + OVERRIDES + mine
+    result = _run(tiny_dir, tmp_path, extra=mine)
+    single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", "distributed.workers=0",
+                                               "data.eval_max_windows=2"]))
+    assert result.drop_order == single["dropped_layers"]
+    bench = prepare(load_config(overrides=base))
+    model = bench.fresh_model()
+    expected = block_influence(model, attach_gates(model), _windows(bench, 3))
+    got = next(e for e in result.events if e["event"] == "stage1_done")
+    assert got["selector"] == "shortgpt" and got["select_cost"] == 3 * 32
+    assert max(abs(got["block_influence"][str(i)] - v) for i, v in expected.items()) < 1e-5
+    assert not any(e["event"] == "round" for e in result.events)  # no TRSP stage 1 ran
+    diff = (_logits(tmp_path / "single") - _logits(tmp_path / "out")).abs().max().item()
+    print("max |logit difference| ZeRO-3 vs single process, shortgpt+heal:", diff)
+    assert diff < 1e-4

@@ -92,6 +92,7 @@ def test_prune_job_on_s3_resumes_after_a_fault_and_exits_0(s3, hub_tiny, tmp_pat
     env.pop("RAY_ADDRESS", None)
     job = [sys.executable, "jobs/prune_70b.py", "--model", "trsp-test/tiny-llama", "--workers", "2", "--device", "cpu",
            "--ratio", "0.34", "--max-failures", "1", "--fault-round", "2", "--storage-path", storage,
+           "--method", "trsp+heal",
            "--output", str(tmp_path / "out"), "--no-tracking",
            "--set", "stage1.first_round_steps=2", "--set", "stage1.steps_per_round=1", "--set", "stage2.steps=4",
            "--set", "distributed.checkpoint_every=2", "--set", "distributed.keep_checkpoints=1",

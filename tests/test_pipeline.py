@@ -94,16 +94,15 @@ def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeyp
     assert other != key and Stage1Store(tmp_path / "ck").get(other, 3) is None
 
 
-def test_default_prune_is_trsp_selection_then_a_heal_with_stage2s_budget(tiny_dir, tmp_path):
-    """The default method (trsp+heal, what won at equal budget) runs stage 1, skips stage 2 and heals
-    the pruned model for stage2.steps batches at stage2.lr."""
+def test_trsp_heal_is_trsp_selection_then_a_heal_with_stage2s_budget(tiny_dir, tmp_path):
+    """trsp+heal runs stage 1, skips stage 2 and heals the pruned model for stage2.steps batches at
+    stage2.lr."""
     import torch
     from safetensors.torch import load_file
 
-    assert load_config(None, []).method == "trsp+heal"
     out = tmp_path / "pruned"
-    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow",
-                                 "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
+    code = main(["prune", *_args(tiny_dir, "--method", "trsp+heal", "--ratio", "0.25", "--output", str(out),
+                                 "--no-mlflow", "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
     assert code == 0
     manifest = json.loads((out / "trsp_ray.json").read_text())
     metrics = manifest["metrics"]
@@ -118,3 +117,38 @@ def test_default_prune_is_trsp_selection_then_a_heal_with_stage2s_budget(tiny_di
     pruned = load_file(str(out / "model.safetensors"))
     key = "model.layers.{}.mlp.down_proj.weight"
     assert not torch.equal(pruned[key.format(0)], original[key.format(first_kept)])
+
+
+def test_default_prune_is_shortgpt_selection_then_a_heal_with_stage2s_budget(tiny_dir, tmp_path):
+    """The default method (shortgpt+heal, the best pipeline at equal total compute) drops the layers
+    whose input and output are most alike, computed here from transformers' own hidden states on
+    the same calibration windows, runs no stage 1 and heals for stage2.steps batches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trsp_ray.methods import _windows, shortgpt_windows
+    from trsp_ray.workbench import prepare
+
+    cfg = load_config(None, [])
+    assert cfg.method == "shortgpt+heal"
+    out = tmp_path / "pruned"
+    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow",
+                                 "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
+    assert code == 0
+    manifest = json.loads((out / "trsp_ray.json").read_text())
+    metrics = manifest["metrics"]
+    assert manifest["method"] == "shortgpt+heal" and metrics["heal_steps"] == 4
+    assert metrics["weight_tokens"] == 4 * 2 * 32 and "stage1_rounds_computed" not in metrics
+    bench = prepare(load_config(None, [f"model={tiny_dir / 'model'}", f"data.calib_text={tiny_dir / 'calib.txt'}",
+                                       f"data.eval_text={tiny_dir / 'eval.txt'}", *SMALL]))
+    windows = torch.cat(_windows(bench, shortgpt_windows(bench.cfg, bench.n_drop())))
+    assert windows.shape[0] == 2  # baselines.calib_windows
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model").eval()
+    with torch.no_grad():
+        hidden = model(input_ids=windows, output_hidden_states=True).hidden_states
+    # layer i maps hidden[i] to hidden[i + 1]; the last entry is after the final norm, and the last
+    # layer is protected (gates.protect_tail) anyway, as is the first (protect_head)
+    sims = {i: torch.nn.functional.cosine_similarity(hidden[i], hidden[i + 1], dim=-1).mean().item()
+            for i in range(1, 7)}
+    expected = sorted(sims, key=lambda i: -sims[i])[:2]
+    assert sorted(manifest["dropped_layers"]) == sorted(expected)

@@ -18,7 +18,8 @@ GiB = 2**30
 
 def _plan(name: str, **setup):
     st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True, **setup)
-    return probe_plan(planner.read_shape(str(MODELS / name)), st, ProbeSetup.from_config(load_config(None, [])))
+    probes = ProbeSetup.from_config(load_config(None, ["method=trsp+heal"]))
+    return probe_plan(planner.read_shape(str(MODELS / name)), st, probes)
 
 
 @pytest.mark.parametrize("name, vocab", [("llama-2-70b.json", 32_000), ("llama-3-70b.json", 128_256)])
@@ -50,7 +51,7 @@ def test_probe_and_refinement_compute_of_llama2_70b():
 def test_a_teacher_over_the_budget_is_recomputed_every_call():
     st = planner.Setup(workers=1, gpu_memory_gb=80, activation_checkpointing=True)
     s = planner.read_shape(str(MODELS / "llama-3-70b.json"))
-    pp = probe_plan(s, st, ProbeSetup.from_config(load_config(None, [])))
+    pp = probe_plan(s, st, ProbeSetup.from_config(load_config(None, ["method=trsp+heal"])))
     assert not pp.teacher_cached and pp.memory.parts["probe teacher cache"] == 0  # 8 x 2048 x 128k x 2 > 2 GiB
     assert pp.compute == 2 * pp.calls * 8 * 2048
 
@@ -59,8 +60,8 @@ def test_plan_command_prints_the_probes(cached_70b):  # noqa: F811
     import os
 
     done = subprocess.run([sys.executable, "-m", "trsp_ray.cli", "plan", "--model-config", "meta-llama/Llama-2-70b-hf",
-                           "--workers", "16", "--gpu-memory-gb", "80", "--activation-checkpointing"],
-                          capture_output=True, text=True, env={**os.environ}, timeout=300)
+                           "--workers", "16", "--gpu-memory-gb", "80", "--activation-checkpointing",
+                           "--method", "trsp+heal"], capture_output=True, text=True, env={**os.environ}, timeout=300)
     out = done.stdout
     assert done.returncode == 0, done.stderr
     for figure in ("stage 1 probes: 15.1 GB per worker (fits)",
@@ -90,3 +91,25 @@ def test_a_run_whose_probes_do_not_fit_is_refused_before_any_worker(tmp_path):
     with pytest.raises(TrspError, match="stage 1's removal probes need 4[0-9].[0-9] GB per worker"):
         check_plan(cfg, str(path))
     check_plan(load_config(None, [*common, "stage1.probe=0"]), str(path))  # no probes: nothing to refuse
+
+
+def test_plan_of_the_default_method_has_no_probes_and_freezes_the_drop_set():
+    """`trsp-ray plan` plans what the workers run: the default shortgpt+heal scores Block Influence
+    (forward-only: no probe figures, its window count and tokens instead) and its heal leaves the 20
+    dropped layers of Llama-2-70B out of the optimizer and the checkpoints (the paper's stage 2 does
+    not: 770.9 GB per save)."""
+    args = [sys.executable, "-m", "trsp_ray.cli", "plan", "--model-config", str(MODELS / "llama-2-70b.json"),
+            "--workers", "16", "--gpu-memory-gb", "80", "--activation-checkpointing"]
+    default = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert default.returncode == 0, default.stderr
+    out = default.stdout
+    assert "stage 1 probes" not in out and "probe compute" not in out
+    # as many tokens as stage 1 would see at the config's defaults (methods.shortgpt_windows)
+    from trsp_ray.config import replace
+    from trsp_ray.methods import shortgpt_windows
+
+    windows = shortgpt_windows(replace(load_config(None, []), **{"data.seqlen": 2048}), 20)
+    assert f"Block Influence, forward-only, within the stage-1 figure; {windows} windows x 2048 tokens" in out
+    assert "checkpoint: 579.6 GB per save" in out
+    paper = subprocess.run([*args, "--method", "trsp"], capture_output=True, text=True, timeout=300)
+    assert "checkpoint: 770.9 GB per save" in paper.stdout and "stage 1 probes: 15.1 GB" in paper.stdout

@@ -16,30 +16,45 @@ from trsp_ray.training import causal_lm_loss
 
 
 @torch.no_grad()
-def block_influence(model, gates, batches: list[torch.Tensor]) -> dict[int, float]:
-    """ShortGPT's Block Influence per layer: 1 - mean over tokens of cos(x_i, x_{i+1})."""
+def influence_sums(model, gates, batches: list[torch.Tensor], *, masks: list[torch.Tensor] | None = None
+                   ) -> tuple[dict[int, float], float]:
+    """({layer: sum over tokens of cos(x_i, x_{i+1})}, token count) over `batches`; `masks` (one 0/1
+    per window of each batch) leave padding windows out of both (data-parallel ranks must all run
+    as many forwards)."""
     sums = {w.index: 0.0 for w in gates.wrappers}
-    count = 0
+    count, now = 0.0, {"mask": None}
 
     def probe(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        sums[index] += torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).sum().item()
+        cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).sum(dim=-1)
+        sums[index] += (cos if now["mask"] is None else cos * now["mask"]).sum().item()
 
     for w in gates.wrappers:
         w.probe = probe
     try:
-        for batch in batches:
+        for k, batch in enumerate(batches):
+            now["mask"] = None if masks is None else masks[k].to(torch.float32)
             causal_lm_loss(model, batch)
-            count += batch.numel()
+            rows = batch.shape[0] if masks is None else masks[k].sum().item()
+            count += rows * batch.shape[-1]
     finally:
         for w in gates.wrappers:
             w.probe = None
+    return sums, count
+
+
+def block_influence(model, gates, batches: list[torch.Tensor]) -> dict[int, float]:
+    """ShortGPT's Block Influence per layer: 1 - mean over tokens of cos(x_i, x_{i+1})."""
+    sums, count = influence_sums(model, gates, batches)
     return {i: 1.0 - s / count for i, s in sums.items()}
+
+
+def lowest_influence(bi: dict[int, float], *, n_drop: int, candidates: list[int]) -> list[int]:
+    return sorted(candidates, key=lambda i: bi[i])[:n_drop]
 
 
 def shortgpt_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, candidates: list[int]) -> list[int]:
     """The n_drop candidates with the lowest Block Influence (one shot), lowest first."""
-    bi = block_influence(model, gates, batches)
-    return sorted(candidates, key=lambda i: bi[i])[:n_drop]
+    return lowest_influence(block_influence(model, gates, batches), n_drop=n_drop, candidates=candidates)
 
 
 def random_drop(*, n_drop: int, candidates: list[int], seed: int) -> list[int]:

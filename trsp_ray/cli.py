@@ -67,7 +67,8 @@ def _benchmark(args) -> int:
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
     cut = "" if args.full or args.rows else (
-        "quick run (the README's): CUT the sleb, random and trsp (paper's stage 2) rows, the zero-shot mean and "
+        f"quick run (the README's): CUT the rows {', '.join(r for r in DEFAULT_ROWS if r not in QUICK_ROWS)} "
+        f"(the README has the equal-compute rows' figures), the zero-shot mean and "
         f"the 4x heal budget, LAMBADA on {lambada} passages; --full runs every row, SLEB in full, "
         f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
         f"{FULL['budgets']}.")
@@ -129,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prune", help="prune one model with one method and export it")
     add_run_arguments(p)
     p.add_argument("--method", default=None, choices=METHODS,
-                   help="default trsp+heal: TRSP's stage-1 selection, then a heal with stage 2's budget "
-                        "(what won at equal budget, README); trsp = the paper's stage 2")
+                   help="default shortgpt+heal: ShortGPT's Block-Influence selection, then a heal with stage 2's "
+                        "budget (the best pipeline on perplexity and LAMBADA at equal total compute, README); "
+                        "trsp+heal = TRSP's stage-1 selection + the same heal; trsp = the paper's stage 2")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--dry-run", action="store_true", help="print the route and memory plan, do nothing")

@@ -1,5 +1,5 @@
 """How the comparison is shown: one terminal table per budget group, the verdicts of the TRSP rows
-column by column, and what the run cut; plots are in trsp_ray.plots."""
+and of the default row column by column, and what the run cut; plots are in trsp_ray.plots."""
 
 from __future__ import annotations
 
@@ -94,7 +94,13 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
                      f"{c.windows} calibration windows of {d.seqlen} tokens), folded into the weights before any heal.")
     if cut:
         parts.append(cut)
+    default = next((s["row"] for s in summary if registry.ROWS[s["row"]].is_default), None)
+    if default:
+        parts.append(f"default `trsp-ray prune` (method {registry.DEFAULT_METHOD}) = row {default}.")
     for s in summary:
+        line = _verdict_line(s, "verdicts vs TRSP", "(the default) against TRSP's best row, equal weight tokens")
+        if line:
+            parts.append(line)
         if registry.ROWS[s["row"]].uses_stage1:
             for key, label in (("verdicts", "at equal weight tokens"), ("verdicts at equal compute",
                                                                          "at equal total compute")):

@@ -117,4 +117,9 @@ def summarize(results: list[dict], rows: list[registry.Row], *, dense_params: in
                 s["verdicts"] = judge(s, tokens)
                 if computes and not s["is_baseline"]:
                     s["verdicts at equal compute"] = judge(s, computes)
+            trsp = [s for s in members
+                    if registry.ROWS[s["row"]].uses_stage1 and not registry.ROWS[s["row"]].compensate]
+            for s in members:
+                if registry.ROWS[s["row"]].is_default and trsp:  # the default against TRSP's own pipelines
+                    s["verdicts vs TRSP"] = judge(s, trsp)
     return out

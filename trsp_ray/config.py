@@ -37,7 +37,7 @@ METHODS = METHOD_NAMES  # the registry names them; kept here for the CLI's choic
 @dataclass(frozen=True)
 class RunConfig:
     model: str = "smollm2-135m"
-    method: str = DEFAULT_METHOD  # TRSP selection + heal: what won at equal budget (README)
+    method: str = DEFAULT_METHOD  # ShortGPT selection + heal: best at equal total compute (README)
     ratio: float = 0.25  # fraction of decoder layers to drop; n_drop = round(ratio * L)
     output: str | None = None  # export directory; None = do not export
     seed: int = 0

@@ -104,14 +104,20 @@ def probe_windows(ids, *, s1, data, seed: int, bos: int | None) -> list:
     return fixed_windows(Batches(ids, seqlen=seqlen, batch_size=chunk, seed=seed + 200, bos=bos), s1.probe_windows)
 
 
-def stage1_tokens(bench) -> int:
+def stage1_tokens_for(cfg, n_drop: int) -> int:
     """Calibration tokens stage 1 sees with the run's config, probe windows included (what ShortGPT
     is given by default)."""
-    s1, d = bench.cfg.stage1, bench.cfg.data
-    rounds = 1 if s1.selection == "oneshot" else bench.n_drop()
+    s1, d = cfg.stage1, cfg.data
+    rounds = 1 if s1.selection == "oneshot" else n_drop
     steps = s1.first_round_steps + (rounds - 1) * s1.steps_per_round
     probes = s1.probe_windows * (s1.probe_seqlen or d.seqlen) if probes_removal(s1) else 0
     return steps * d.batch_size * d.seqlen + probes
+
+
+def shortgpt_windows(cfg, n_drop: int) -> int:
+    """Calibration windows ShortGPT scores Block Influence on: baselines.calib_windows, else as many
+    tokens as stage 1 would see (one definition for the single process and the Ray Train workers)."""
+    return cfg.baselines.calib_windows or -(-stage1_tokens_for(cfg, n_drop) // cfg.data.seqlen)
 
 
 def _windows(bench, count: int, seed_offset: int = 100) -> list:
@@ -176,7 +182,7 @@ def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = No
                       "select_cost": stage1_cost(stage1, num_layers=bench.num_layers,
                                                  train_base=cfg.stage1.train_base)}
     if spec.selector == "shortgpt":
-        windows = cfg.baselines.calib_windows or -(-stage1_tokens(bench) // seqlen)
+        windows = shortgpt_windows(cfg, n_drop)
         drop = baselines.shortgpt_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates)
         return drop, {"calib_tokens": windows * seqlen, "select_cost": float(windows * seqlen)}
     if spec.selector == "sleb":

@@ -2,9 +2,12 @@
 
 A *method* is what `trsp-ray prune --method` runs: a selector (how the drop set is chosen) plus
 the recovery that follows by default: TRSP's stage 2, a heal of the pruned model, or none.
-`trsp+heal` (TRSP's stage-1 selection, then a heal with stage 2's weight-update budget) is the
-default because it won at equal budget (README, "What wins"). A *row* of the comparison is a method's drop set with one
-recovery (none, TRSP's stage 2, or a heal) in one budget group (SPEC section 5):
+`shortgpt+heal` (ShortGPT's Block-Influence selection, then a heal with stage 2's weight-update
+budget) is the default: it is the best pipeline the comparison found on perplexity *and* task
+accuracy at equal total compute (README, "What wins"; `trsp+heal` wins held-out perplexity at equal
+weight-update tokens only, at 3x the compute, and loses LAMBADA). A *row* of the comparison is a
+method's drop set with one recovery (none, TRSP's stage 2, or a heal) in one budget group (SPEC
+section 5):
 
 - ``selection``: the drop set alone, no weight is trained;
 - ``trained``: every row trains the same number of weight-update tokens with the same recovery
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from trsp_ray.errors import TrspError
 
 TRSP_SELECTOR = "trsp"  # the selector that is TRSP's stage 1
+SHORTGPT_SELECTOR = "shortgpt"  # Block Influence: the default's selector, also run on Ray Train workers
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,18 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("trsp-no-stage2", "trsp"),
     Method("trsp-oneshot", "trsp", ranking="round1", stage2=True),
     Method("shortgpt", "shortgpt"),
+    Method("shortgpt+heal", "shortgpt", heal=True),
     Method("sleb", "sleb"),
     Method("random", "random"),
 )}
 METHOD_NAMES = tuple(METHODS)
-DEFAULT_METHOD = "trsp+heal"  # what won at equal budget; config.py's default and jobs' --method default
+# the best pipeline found on every column at equal total compute; config.py's and the jobs' default
+DEFAULT_METHOD = "shortgpt+heal"
 STAGE1_ONLY = "trsp-no-stage2"  # the TRSP method that runs stage 1 alone (shared stage-1 cells and plans)
-TRSP_METHODS = tuple(m.name for m in METHODS.values() if m.uses_stage1)  # also what Ray Train workers run
+TRSP_METHODS = tuple(m.name for m in METHODS.values() if m.uses_stage1)  # what a search tunes
+# what Ray Train workers run: the TRSP methods, and ShortGPT + heal (Block Influence on the workers'
+# shards, then the workers' heal)
+WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal",)
 STAGE2_METHODS = tuple(m.name for m in METHODS.values() if m.stage2)  # the methods stage2.* settings act in
 BASELINE_SELECTORS = ("shortgpt", "sleb", "random")
 # Baselines that score layers with forward passes (memory plans size them); SLEB also keeps every
@@ -72,6 +81,12 @@ class Row:
     compensate: bool = False
 
     @property
+    def is_default(self) -> bool:
+        """The row that is what `trsp-ray prune` runs with no --method (DEFAULT_METHOD)."""
+        return (self.method is not None and recipe(self.name) == recipe(DEFAULT_METHOD)
+                and not self.equal_compute and not self.compensate)
+
+    @property
     def is_baseline(self) -> bool:
         return self.method is not None and METHODS[self.method].selector in BASELINE_SELECTORS
 
@@ -88,11 +103,12 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("random", "random", "none", "selection"),
     Row("trsp", "trsp", "stage2", "trained"),
     Row("trsp-oneshot", "trsp-oneshot", "stage2", "trained", default=False),  # the paper's ablation
-    Row("trsp-selection+heal", "trsp+heal", "heal", "trained", quick=True),  # = the default `prune` pipeline
-    Row("shortgpt+heal", "shortgpt", "heal", "trained", quick=True),
+    Row("trsp-selection+heal", "trsp+heal", "heal", "trained", quick=True),  # = `prune --method trsp+heal`
+    Row("shortgpt+heal", "shortgpt", "heal", "trained", quick=True),  # = the default `prune` pipeline
     Row("sleb+heal", "sleb", "heal", "trained"),
     Row("random+heal", "random", "heal", "trained"),
-    Row("shortgpt+heal@compute", "shortgpt", "heal", "trained", quick=True, equal_compute=True),
+    # (not quick: its 89 heal steps alone take longer than the README job's 15 minutes on 2 cores)
+    Row("shortgpt+heal@compute", "shortgpt", "heal", "trained", equal_compute=True),
     Row("sleb+heal@compute", "sleb", "heal", "trained", equal_compute=True),
     Row("trsp-no-stage2+comp", "trsp-no-stage2", "none", "selection", compensate=True),
     Row("shortgpt+comp", "shortgpt", "none", "selection", compensate=True),

@@ -40,6 +40,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-shard-mb", type=int, default=5000, help="safetensors shard size of the export")
     parser.add_argument("--storage", choices=("remote", "shared"), default="remote",
                         help="remote (s3://, gs://: saves staged on local disk) or a shared path (written in place)")
+    from trsp_ray import registry
+
+    parser.add_argument("--method", choices=registry.WORKER_METHODS, default=registry.DEFAULT_METHOD,
+                        help="what the workers run (default %(default)s: no stage-1 probes; the TRSP methods "
+                             "add stage 1's removal probes and refinement)")
     parser.add_argument("--compensation", choices=("none", "lstsq"), default="none",
                         help="closed-form compensation after stage 1 (its float64 sums, solve and fold)")
 
@@ -65,20 +70,43 @@ def setup_from_args(args: argparse.Namespace):
                  remote_storage=args.storage == "remote")
 
 
+def _shortgpt_lines(cfg, result) -> list[str]:
+    """What ShortGPT's selection costs on the workers: forward passes only (no optimizer, no vocabulary
+    logits kept), within the memory of the "stage 1" figure above, which also holds the gates' state."""
+    from trsp_ray.config import replace
+    from trsp_ray.methods import shortgpt_windows
+    from trsp_ray.stage1 import n_drop_for
+
+    seqlen = result.setup.seqlen
+    windows = shortgpt_windows(replace(cfg, **{"data.seqlen": seqlen}), n_drop_for(cfg.ratio, result.shape.layers))
+    per_gpu = -(-windows // result.setup.workers)
+    return [f"  selection ({cfg.method}): Block Influence, forward-only, within the stage-1 figure; {windows} "
+            f"windows x {seqlen} tokens = {windows * seqlen / 1e6:,.2f}M dense-forward tokens (all GPUs; "
+            f"{per_gpu} windows per GPU)"]
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from trsp_ray import registry
     from trsp_ray.config import load_config
     from trsp_ray.distributed import planner
     from trsp_ray.distributed.probe_plan import ProbeSetup, format_probe_plan, probe_plan
     from trsp_ray.errors import TrspError
+    from trsp_ray.stage1 import n_drop_for
 
-    result = planner.plan(planner.read_shape(args.model_config), setup_from_args(args))
+    # the probes' settings: the config's stage1 / gates defaults (stage-1 settings are not flags)
+    cfg = load_config(None, [f"method={args.method}"] + ([] if args.ratio is None else [f"ratio={args.ratio}"]))
+    shape, setup = planner.read_shape(args.model_config), setup_from_args(args)
+    if registry.method(cfg.method).heal:  # a worker heal leaves the drop set out of the optimizer (as a run plans)
+        setup = replace(setup, frozen_layers=n_drop_for(cfg.ratio, shape.layers))
+    result = planner.plan(shape, setup)
     disk = result.disk_problem()
     if disk:
         raise TrspError(disk)
-    # the probes' settings: the config's stage1 / gates defaults (stage-1 settings are not flags)
-    cfg = load_config(None, [] if args.ratio is None else [f"ratio={args.ratio}"])
     probes = probe_plan(result.shape, result.setup, ProbeSetup.from_config(cfg))
-    after = format_probe_plan(probes, result.setup)
+    after = format_probe_plan(probes, result.setup) if registry.method(cfg.method).uses_stage1 else \
+        _shortgpt_lines(cfg, result)
     comp_fits = True
     if args.compensation != "none":
         from trsp_ray.distributed.compensation_plan import compensation_plan, format_compensation_plan

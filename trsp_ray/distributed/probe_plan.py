@@ -42,8 +42,11 @@ class ProbeSetup:
 
     @classmethod
     def from_config(cls, cfg) -> "ProbeSetup":
+        from trsp_ray import registry
+
         s1, g = cfg.stage1, cfg.gates
-        return cls(ratio=cfg.ratio, windows=s1.probe_windows, probe=s1.probe if s1.selection == "iterative" else 0,
+        probes = s1.selection == "iterative" and registry.method(cfg.method).uses_stage1  # ShortGPT probes nothing
+        return cls(ratio=cfg.ratio, windows=s1.probe_windows, probe=s1.probe if probes else 0,
                    refine=s1.refine, refine_budget=s1.refine_budget, protect_head=g.protect_head,
                    protect_tail=g.protect_tail, criterion=s1.probe_criterion)
 

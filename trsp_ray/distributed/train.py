@@ -96,15 +96,19 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
 
 def check_worker_settings(cfg) -> None:
     """Settings one process honours that the workers would not: refused in one line."""
+    from trsp_ray import registry
     from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.deepspeed_config import check_worker_dtype
 
+    if cfg.method not in registry.WORKER_METHODS:
+        raise TrspError(f"method={cfg.method!r} is not run on Ray Train workers; use one of "
+                        f"{', '.join(registry.WORKER_METHODS)} or distributed.workers=0")
     check_worker_dtype(cfg)
     check_for_workers(cfg)
     if cfg.heal.steps > 0:
         # a heal method already heals with stage 2's budget there; an extra heal is not built
         raise TrspError(f"heal.steps={cfg.heal.steps} is not run on Ray Train workers (heal.lr, heal.trainable "
-                        f"with it); use heal.steps=0 (a heal method such as trsp+heal heals with stage2.steps "
+                        f"with it); use heal.steps=0 (a heal method such as shortgpt+heal heals with stage2.steps "
                         f"at stage2.lr) or distributed.workers=0")
 
 

@@ -156,6 +156,8 @@ def train_loop(config: dict) -> None:
         drop = result_from(config["stage1"]).drop_for(cfg.method, n_drop_for(cfg.ratio, bench.num_layers))
         s1_state = {"handed_over": True}
         events.write("stage1_done", drop_order=drop, handed_over=True, rounds_computed=0)
+    elif registry.method(cfg.method).selector == registry.SHORTGPT_SELECTOR:
+        drop, s1_state = _shortgpt(cfg, bench, events=events, rank=rank), {}
     else:
         drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank, fault=fault)
     comp = _fit_compensation(cfg, bench, drop=drop, events=events, rank=rank)
@@ -236,7 +238,6 @@ def sum_over_ranks(values: list[float]) -> list[float]:
 
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
-    from trsp_ray.baselines import block_influence
     from trsp_ray.distributed import engine as eng
     from trsp_ray.methods import probe_windows, probes_removal, stage1_settings
     from trsp_ray.perplexity import bos_token
@@ -273,8 +274,8 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
         common = common_tokens(bench.calib_ids) if s1.probe_criterion == "recall" else None
         scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=windows, criterion=s1.probe_criterion,
                                rank=rank, world=bench.world, all_reduce=sum_over_ranks, common=common)
-        if s1.shortlist_bi:  # every rank runs every window: the same influences on every rank
-            influence, spent = block_influence(bench.model, bench.gates, windows), scorer.tokens * bench.world
+        if s1.shortlist_bi:  # data-parallel, the same influences on every rank
+            influence, spent = block_influence_on_ranks(cfg, bench, windows, rank=rank)
     result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
                         candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],
                         on_round=on_round, scorer=scorer, influence=influence, **stage1_settings(s1))
@@ -284,6 +285,55 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                  gates=bench.gates.gate_values(), gate_history=result.gate_history, probe_cost=result.probe_cost,
                  refine_calls=result.refine_calls, refine_budget=s1.refine_budget, refine_cost=result.refine_cost)
     return drop, last["state"]
+
+
+def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
+    """ShortGPT's drop set on the single process's windows (methods.select), Block Influence scored
+    data-parallel (block_influence_on_ranks). Forward-only and cheap: a resumed run recomputes it
+    rather than checkpointing it."""
+    from trsp_ray.baselines import lowest_influence
+    from trsp_ray.methods import fixed_windows, shortgpt_windows
+    from trsp_ray.stage1 import candidate_layers, check_drop_count, n_drop_for
+
+    g = cfg.gates
+    candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+    n_drop = n_drop_for(cfg.ratio, bench.num_layers)
+    check_drop_count(n_drop, candidates, cfg.ratio, bench.num_layers)
+    windows = fixed_windows(_batches(cfg, bench, 100), shortgpt_windows(cfg, n_drop))
+    reset_peak_memory()
+    bi, tokens = block_influence_on_ranks(cfg, bench, windows, rank=rank)
+    drop = lowest_influence(bi, n_drop=n_drop, candidates=candidates)
+    from trsp_ray import registry
+
+    events.write("stage1_done", drop_order=drop, selector=registry.SHORTGPT_SELECTOR, block_influence=bi,
+                 rounds_computed=0, select_cost=tokens, peak_gb=peak_memory_gb())
+    return drop
+
+
+def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[dict[int, float], float]:
+    """(Block Influence per layer, tokens scored) over `windows` (every rank passes the same list):
+    each rank scores its share (rows k % world == rank; a rank short of one runs a padding row that
+    counts nowhere, so every rank runs as many ZeRO-3 forwards) and the sums are summed over the
+    ranks, so every rank gets the same figures, equal to one process's on all the windows."""
+    from trsp_ray.baselines import influence_sums
+
+    rows = torch.cat(list(windows))
+    mine = rows[rank::bench.world]
+    share = -(-rows.shape[0] // bench.world)
+    padded = torch.cat([mine, rows[: share - mine.shape[0]]])
+    mask = torch.arange(share) < mine.shape[0]
+    size = cfg.data.batch_size  # the single process's forward size: the same activation memory
+    # a ZeRO-3 forward needs an engine's hooks to gather each layer's partitions: one over the
+    # gates (never stepped); the next stage's build closes it
+    bench.factory(bench.model, [{"params": bench.gates.gate_params(), "lr": 0.0}])
+    training = bench.model.training
+    bench.model.eval()  # no dropout (OPT) in a selection forward, whatever activation checkpointing set
+    with torch.no_grad():
+        sums, tokens = influence_sums(bench.model, bench.gates, list(padded.split(size)), masks=list(mask.split(size)))
+    bench.model.train(training)
+    layers = sorted(sums)
+    total = sum_over_ranks([sums[i] for i in layers] + [tokens])
+    return {i: 1.0 - total[k] / total[-1] for k, i in enumerate(layers)}, float(total[-1])
 
 
 def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
@@ -301,8 +351,10 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     done = meta.get("stage2_step", 0) if meta and meta["stage"] == 2 else 0
     every = cfg.distributed.checkpoint_every
 
+    first = len(bench.factory.built)  # engines before this one: stage 1's (none after ShortGPT)
+
     def on_build(stepper, index: int) -> None:
-        if index == 1 and done:  # index 1 = the stage-2 engine (0 was stage 1's)
+        if index == first and done:  # the stage-2 (or heal) engine
             stepper.engine.load_checkpoint(engine_dir, tag="stage2", load_optimizer_states=True,
                                            load_lr_scheduler_states=False)
             stepper.skip = done  # the loop replays the batch stream and schedule without compute

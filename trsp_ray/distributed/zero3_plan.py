@@ -124,10 +124,10 @@ def alternatives(s: Shape, st: Setup) -> list[str]:
 
 
 def method_on_workers(method: str) -> bool:
-    """Whether the Ray Train path can run `method` (stage 1, stage 2 or a heal, export)."""
+    """Whether the Ray Train path can run `method` (stage 1 or ShortGPT, stage 2 or a heal, export)."""
     from trsp_ray import registry
 
-    return registry.method(method).uses_stage1
+    return registry.method(method).name in registry.WORKER_METHODS
 
 
 def trains_on_workers(cfg) -> bool:
