@@ -166,3 +166,34 @@ def test_lm_evals_request_bar_follows_the_quiet_switch(capfd, monkeypatch):
         run_tasks(model, tok, tasks=["lambada"], limit=2, batch_size=2)
         err = capfd.readouterr().err
         assert (bar in err) == (quiet is None), (quiet, err[-300:])
+
+
+def test_lm_evals_notes_on_our_intended_use_are_dropped_its_warnings_kept(caplog, monkeypatch):
+    """Three lm-eval lines per evaluated model ("Passed an already-initialized model ...") said
+    nothing to a user in every benchmark row's log: quiet_libraries drops those, and only those."""
+    import logging
+
+    from trsp_ray.evaluation.harness import run_tasks
+    from trsp_ray.logs import LM_EVAL_NOTES, quiet_libraries
+    from trsp_ray.tiny import tiny_model
+    from trsp_ray.workbench import load_model
+
+    _, tok = load_model("smollm2-135m")
+    model = tiny_model("llama", layers=2, vocab=len(tok)).eval()
+    for name in LM_EVAL_NOTES:  # as a fresh process has them (restored after the test)
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL", "RAY_DEDUP_LOGS", "TQDM_DISABLE"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test: quiet_libraries sets them
+    notes = [p for prefixes in LM_EVAL_NOTES.values() for p in prefixes]
+
+    def seen() -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            run_tasks(model, tok, tasks=["lambada"], limit=2, batch_size=2)
+        return [p for p in notes if any(m.startswith(p) for m in caplog.messages)]
+
+    assert seen() == notes  # lm-eval still says all three: the filter has something to drop
+    quiet_libraries()
+    assert seen() == []
+    logging.getLogger("lm_eval.evaluator").warning("a real warning")
+    assert "a real warning" in caplog.messages

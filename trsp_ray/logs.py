@@ -108,6 +108,20 @@ def quiet_libraries(*, verbose: bool = False) -> None:
     ds = logging.getLogger("DeepSpeed")  # deepspeed resets its level on import, but keeps filters
     if not any(isinstance(f, _DropLine) for f in ds.filters):
         ds.addFilter(_DropLine("Setting accelerator to CPU"))
+    # lm-eval's notes on how trsp_ray calls it on purpose (an in-memory model, zero-shot), three
+    # lines per evaluated model; its other warnings stay
+    for name, prefixes in LM_EVAL_NOTES.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropLine) for f in target.filters):
+            for prefix in prefixes:
+                target.addFilter(_DropLine(prefix))
+
+
+LM_EVAL_NOTES = {
+    "lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",
+                                   "Passed an already-initialized model through `pretrained`"),
+    "lm_eval.evaluator": ("Overwriting default num_fewshot of",),
+}
 
 
 def _default_tqdm_off(cls) -> None:
