@@ -365,6 +365,11 @@ def test_refine_budget_bounds_the_scorer_calls():
         result = fresh()
         _refine(result, scorer=scorer, passes=2, current=1.0, budget=budget)
         assert result.refine_calls == len(calls) == min(budget, 15)
+    # progress every 20 calls (a pass can take minutes of probes): a pool of 7 makes 21 calls
+    wide, seen = fresh(), []
+    wide.probes[0]["scores"].update({str(j): 0.1 for j in (9, 10)})
+    _refine(wide, scorer=scorer, passes=2, current=1.0, report=seen.append)
+    assert wide.refine_calls == 21 and seen == [{"stage1/refine_calls_so_far": 20, "stage1/swaps_so_far": 0}]
     s1 = load_config(None, []).stage1
     # SmolLM2 at 8 of 30 (2 protected): a pool of at most 30 - 2 - 8 = 20, two whole passes
     assert s1.refine_budget == s1.refine * 8 * (30 - 2 - 8) == 320

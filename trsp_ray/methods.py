@@ -70,6 +70,9 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
         if "stage1/loss" in metrics:
             _log(f"  stage 1 step {step}: loss {metrics['stage1/loss']:.4f} (CE {metrics['stage1/ce']:.4f}, "
                  f"sum|s| {metrics['stage1/penalty']:.2f})")
+        if "stage1/refine_calls_so_far" in metrics:
+            _log(f"  stage 1 refinement: {metrics['stage1/refine_calls_so_far']} of at most {s1.refine_budget} "
+                 f"scorer calls, {metrics['stage1/swaps_so_far']} swap(s) so far")
         if "stage1/swaps" in metrics:
             _log(f"  stage 1 refinement: {metrics['stage1/swaps']} swap(s) lowered the measured removal cost; "
                  f"{metrics['stage1/refine_calls']} of {s1.refine_budget} scorer calls "

@@ -309,7 +309,8 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
         result.drop_order = ranking[:n_drop] if selection == "oneshot" else result.drop_order + [choice]
         if selection == "iterative" and probe > 1 and scorer is not None and refine > 0 and r == total_rounds - 1:
             spent = scorer.cost
-            _refine(result, scorer=scorer, passes=refine, current=scores[choice], budget=refine_budget)
+            _refine(result, scorer=scorer, passes=refine, current=scores[choice], budget=refine_budget,
+                    report=lambda m: report(m, result.steps))
             result.refine_cost = scorer.cost - spent
             result.probe_cost += result.refine_cost
             report({"stage1/swaps": len(result.swaps), "stage1/refine_calls": result.refine_calls,
@@ -327,7 +328,7 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
 
 
 def _refine(result: Stage1Result, *, scorer: RemovalScorer, passes: int, current: float,
-            budget: int | None = None) -> None:
+            budget: int | None = None, report=lambda metrics: None) -> None:
     """Swap refinement of the final drop set (see run_stage1); the pool is every layer a probe
     measured that is not dropped, plus any layer swapped out. At most `budget` scorer calls (None:
     no cap): a pass that finds nothing costs n_drop x |pool| of them; the calls spent are counted
@@ -347,6 +348,9 @@ def _refine(result: Stage1Result, *, scorer: RemovalScorer, passes: int, current
                 trial[pos] = layer
                 score = scorer(trial)
                 result.refine_calls += 1
+                if result.refine_calls % 20 == 0:  # progress: up to minutes of probes per pass
+                    report({"stage1/refine_calls_so_far": result.refine_calls,
+                            "stage1/swaps_so_far": len(result.swaps)})
                 if score < current - 1e-4:
                     out = result.drop_order[pos]
                     result.swaps.append({"out": out, "in": layer, "score": score})
