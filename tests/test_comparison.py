@@ -191,9 +191,10 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "default `trsp-ray prune` (method shortgpt+heal) = row shortgpt+heal." in out
     assert "shortgpt+heal x1 (the default) against TRSP's best row" in out
+    assert "SLEB scored its removals on 2 calibration windows" in out  # a SLEB row ran
 
 
-def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir):
+def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
     """The '+comp' row compensates the same drop set (a different model, its fit counted as recovery
     compute), the '@compute' row heals with TRSP's extra selection compute, and every row carries
     LAMBADA's accuracy with its standard error."""
@@ -213,6 +214,7 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir):
     for s in by.values():
         lam = s["LAMBADA acc"]
         assert 0.0 <= lam["mean"] <= 1.0 and lam["n"] == 1 and lam["se"] >= 0.0
+    assert "SLEB scored" not in capsys.readouterr().out  # no SLEB row: no note about SLEB's windows
 
 
 @pytest.mark.ray
