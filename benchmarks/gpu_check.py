@@ -109,7 +109,7 @@ def part_memory(args) -> str:
                  "stage1.first_round_steps=2", "stage1.steps_per_round=1", "ratio=0.07", "stage2.steps=2"]
         if name == "sleb":
             extra += ["method=sleb", "data.seqlen=512", "data.batch_size=4", "baselines.sleb_windows=32"]
-        else:  # the paper's method plans a "stage 2"; the default (trsp+heal) plans a "heal" instead
+        else:  # the paper's method plans a "stage 2"; the heal methods plan a "heal" instead
             extra += ["method=trsp"]
         cfg = _cfg(args, *extra)
         bench = prepare(cfg)

@@ -33,7 +33,7 @@ class GridMethod:
 
 
 # The paper compares TRSP with baselines healed after pruning; the +heal rows give the baselines
-# (and TRSP's selection, trsp+heal: the default `prune`) the same weight-update budget as stage 2.
+# (and TRSP's selection, trsp+heal) the same weight-update budget as stage 2.
 GRID = tuple(GridMethod(name, method, heal=heal) for name, method, heal in registry.GRID_ROWS)
 GRID_METHODS = tuple(m.name for m in GRID)  # also the tables' row order
 
