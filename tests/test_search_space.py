@@ -78,10 +78,11 @@ def test_bad_values_and_methods_fail_before_any_trial(config_dir):
         plan_trials(base, parse_space({"params": {"stage1.lambda1": [1e-3, -1]}}))
     with pytest.raises(TrspError, match="has no lambda1/lambda2 to search"):
         plan_trials(load_config(overrides=[f"model={config_dir}", "method=shortgpt"]), parse_space(GRID))
-    # the default method heals after stage 1: lambda2 would be a dimension that changes nothing
+    # trsp+heal heals after stage 1: lambda2 would be a dimension that changes nothing
+    heal = load_config(overrides=[f"model={config_dir}", "method=trsp+heal"])
     with pytest.raises(TrspError, match="stage2.lambda2 acts only in stage 2, which method='trsp\\+heal' does not run"):
-        plan_trials(load_config(overrides=[f"model={config_dir}"]), parse_space(GRID))
-    points, _, _ = plan_trials(load_config(overrides=[f"model={config_dir}"]),
+        plan_trials(heal, parse_space(GRID))
+    points, _, _ = plan_trials(heal,
                                parse_space({"params": {"ratio": [0.25, 0.375]}}))
     assert len(points) == 2
 

@@ -81,7 +81,8 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         f"per budget unit, objective {cfg.recovery.objective}; '@compute' rows also heal with the TRSP selection's "
         "extra compute.\ncompute in thousands of dense-forward tokens (a forward token 1, a trained token 3): "
         "select = choosing the drop set, recover = stage 2 / heal / compensation, total = both.")
-    if any(registry.ROWS[s["row"]].method and registry.recipe(s["row"])[0] == "sleb" for s in summary):
+    if any(registry.ROWS[s["row"]].method and registry.recipe(s["row"])[0] == registry.SLEB_SELECTOR
+           for s in summary):
         parts.append(sleb_note(cfg))  # only where a SLEB row ran
     if lambada_limit:
         parts.append(f"LAMBADA: last-word accuracy (lm-eval lambada_openai rule) on the first {lambada_limit} test "

@@ -24,6 +24,7 @@ from trsp_ray.errors import TrspError
 
 TRSP_SELECTOR = "trsp"  # the selector that is TRSP's stage 1
 SHORTGPT_SELECTOR = "shortgpt"  # Block Influence: the default's selector, also run on Ray Train workers
+SLEB_SELECTOR = "sleb"  # the report notes how many windows it scored
 
 
 @dataclass(frozen=True)
