@@ -322,7 +322,9 @@ def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[d
     share = -(-rows.shape[0] // bench.world)
     padded = torch.cat([mine, rows[: share - mine.shape[0]]])
     mask = torch.arange(share) < mine.shape[0]
-    size = cfg.data.batch_size  # the single process's forward size: the same activation memory
+    # a stage-1 step's rows per rank (its micro batch): the activations and logits the plan's
+    # stage-1 figure holds, at any world size
+    size = max(1, cfg.data.batch_size // bench.world)
     # a ZeRO-3 forward needs an engine's hooks to gather each layer's partitions: one over the
     # gates (never stepped); the next stage's build closes it
     bench.factory(bench.model, [{"params": bench.gates.gate_params(), "lr": 0.0}])
