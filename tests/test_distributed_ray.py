@@ -369,8 +369,8 @@ def test_workers_prune_from_a_handed_over_stage1(tiny_dir, tmp_path, single, loc
 
 def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path, local_ray):
     """The default method on 2 ZeRO-3 workers: Block Influence summed over the ranks' shares of the
-    calibration windows (3 windows on 2 ranks: one rank runs a padding forward that must count
-    nowhere) chooses the single process's drop set, and the healed export gives its logits."""
+    calibration windows (5 windows in forwards of 2 on 2 ranks: rank 1 runs a padding forward that
+    must count nowhere) chooses the single process's drop set, and the healed export gives its logits."""
     from trsp_ray import registry
     from trsp_ray.baselines import block_influence
     from trsp_ray.config import load_config
@@ -380,7 +380,7 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     from trsp_ray.workbench import prepare
 
     assert registry.DEFAULT_METHOD == "shortgpt+heal"
-    mine = ["method=shortgpt+heal", "baselines.calib_windows=3", "stage2.steps=2"]
+    mine = ["method=shortgpt+heal", "baselines.calib_windows=5", "stage2.steps=2"]
     base = [f"model={tiny_dir}"] + OVERRIDES + mine
     result = _run(tiny_dir, tmp_path, extra=mine)
     single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", "distributed.workers=0",
@@ -388,9 +388,9 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     assert result.drop_order == single["dropped_layers"]
     bench = prepare(load_config(overrides=base))
     model = bench.fresh_model()
-    expected = block_influence(model, attach_gates(model), _windows(bench, 3))
+    expected = block_influence(model, attach_gates(model), _windows(bench, 5))
     got = next(e for e in result.events if e["event"] == "stage1_done")
-    assert got["selector"] == "shortgpt" and got["select_cost"] == 3 * 32
+    assert got["selector"] == "shortgpt" and got["select_cost"] == 5 * 32
     assert max(abs(got["block_influence"][str(i)] - v) for i, v in expected.items()) < 1e-5
     assert not any(e["event"] == "round" for e in result.events)  # no TRSP stage 1 ran
     diff = (_logits(tmp_path / "single") - _logits(tmp_path / "out")).abs().max().item()

@@ -316,22 +316,22 @@ def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[d
     counts nowhere, so every rank runs as many ZeRO-3 forwards) and the sums are summed over the
     ranks, so every rank gets the same figures, equal to one process's on all the windows."""
     from trsp_ray.baselines import influence_sums
+    from trsp_ray.distributed.compensate import shard
 
-    rows = torch.cat(list(windows))
-    mine = rows[rank::bench.world]
-    share = -(-rows.shape[0] // bench.world)
-    padded = torch.cat([mine, rows[: share - mine.shape[0]]])
-    mask = torch.arange(share) < mine.shape[0]
     # a stage-1 step's rows per rank (its micro batch): the activations and logits the plan's
     # stage-1 figure holds, at any world size
     size = max(1, cfg.data.batch_size // bench.world)
+    rows = torch.cat(list(windows))
+    mine, padding = shard(list(rows.split(size)), rank=rank, world=bench.world)
+    batches = mine + [rows[:1]] * padding  # padding forwards keep the ranks' collectives in step
+    masks = [torch.ones(len(b)) for b in mine] + [torch.zeros(1)] * padding
     # a ZeRO-3 forward needs an engine's hooks to gather each layer's partitions: one over the
     # gates (never stepped); the next stage's build closes it
     bench.factory(bench.model, [{"params": bench.gates.gate_params(), "lr": 0.0}])
     training = bench.model.training
     bench.model.eval()  # no dropout (OPT) in a selection forward, whatever activation checkpointing set
     with torch.no_grad():
-        sums, tokens = influence_sums(bench.model, bench.gates, list(padded.split(size)), masks=list(mask.split(size)))
+        sums, tokens = influence_sums(bench.model, bench.gates, batches, masks=masks)
     bench.model.train(training)
     layers = sorted(sums)
     total = sum_over_ranks([sums[i] for i in layers] + [tokens])
