@@ -291,6 +291,7 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     """ShortGPT's drop set on the single process's windows (methods.select), Block Influence scored
     data-parallel (block_influence_on_ranks). Forward-only and cheap: a resumed run recomputes it
     rather than checkpointing it."""
+    from trsp_ray import registry
     from trsp_ray.baselines import lowest_influence
     from trsp_ray.methods import fixed_windows, shortgpt_windows
     from trsp_ray.stage1 import candidate_layers, check_drop_count, n_drop_for
@@ -303,8 +304,6 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     reset_peak_memory()
     bi, tokens = block_influence_on_ranks(cfg, bench, windows, rank=rank)
     drop = lowest_influence(bi, n_drop=n_drop, candidates=candidates)
-    from trsp_ray import registry
-
     events.write("stage1_done", drop_order=drop, selector=registry.SHORTGPT_SELECTOR, block_influence=bi,
                  rounds_computed=0, select_cost=tokens, peak_gb=peak_memory_gb())
     return drop
