@@ -86,21 +86,18 @@ def _shortgpt_lines(cfg, result) -> list[str]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from trsp_ray import registry
     from trsp_ray.config import load_config
     from trsp_ray.distributed import planner
     from trsp_ray.distributed.probe_plan import ProbeSetup, format_probe_plan, probe_plan
     from trsp_ray.errors import TrspError
-    from trsp_ray.stage1 import n_drop_for
 
     # the probes' settings: the config's stage1 / gates defaults (stage-1 settings are not flags)
     cfg = load_config(None, [f"method={args.method}"] + ([] if args.ratio is None else [f"ratio={args.ratio}"]))
-    shape, setup = planner.read_shape(args.model_config), setup_from_args(args)
-    if registry.method(cfg.method).heal:  # a worker heal leaves the drop set out of the optimizer (as a run plans)
-        setup = replace(setup, frozen_layers=n_drop_for(cfg.ratio, shape.layers))
-    result = planner.plan(shape, setup)
+    from trsp_ray.distributed.zero3_plan import with_frozen_drop_set
+
+    shape = planner.read_shape(args.model_config)
+    result = planner.plan(shape, with_frozen_drop_set(cfg, setup_from_args(args), shape))  # as a run plans
     disk = result.disk_problem()
     if disk:
         raise TrspError(disk)

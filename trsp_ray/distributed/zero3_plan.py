@@ -154,14 +154,17 @@ def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
     return zero3_plan(cfg, read_shape(model_path), ds_config)
 
 
-def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
-    """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
+def with_frozen_drop_set(cfg, st: Setup, s: Shape) -> Setup:
+    """`st` with a heal method's drop set frozen (recovery.heal_stepper keeps it out of the optimizer)."""
     from trsp_ray import registry
     from trsp_ray.stage1 import n_drop_for
 
-    st = setup_for_run(cfg, ds_config)
-    if registry.method(cfg.method).heal:  # a worker heal freezes the drop set (recovery.heal_stepper)
-        st = replace(st, frozen_layers=n_drop_for(cfg.ratio, s.layers))
+    return replace(st, frozen_layers=n_drop_for(cfg.ratio, s.layers)) if registry.method(cfg.method).heal else st
+
+
+def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
+    """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
+    st = with_frozen_drop_set(cfg, setup_for_run(cfg, ds_config), s)
     p = plan(s, st)
     if not recovers_on_workers(cfg):
         p.stages = p.stages[:1]
