@@ -119,8 +119,9 @@ def test_a_non_contiguous_drop_set_is_repaired_block_by_block(activations):
 FOLDABLE = [f for f, fam in families.FAMILIES.items() if not fam.mlp_fold_refusal]
 
 
+@pytest.mark.parametrize("method", ["lstsq", "scalar"])
 @pytest.mark.parametrize("family", sorted(families.FAMILIES))
-def test_compensated_model_exports_and_reloads_with_plain_transformers(family, tmp_path):
+def test_compensated_model_exports_and_reloads_with_plain_transformers(family, method, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from trsp_ray.config import load_config
@@ -130,14 +131,15 @@ def test_compensated_model_exports_and_reloads_with_plain_transformers(family, t
     model = _pruned(dense, drop)
     if family not in FOLDABLE:
         with pytest.raises(TrspError, match="post_feedforward_layernorm") as err:
-            compensation.compensate(model=model, dense=dense, drop=drop, windows=windows)
+            compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method=method)
         assert "\n" not in str(err.value)
         return
-    proj = families.mlp_output(families.decoder_layers(model)[1], model)
+    # lstsq folds into layer 1 (before the block), the scalar fold into layer 2 (original 4, after it)
+    proj = families.mlp_output(families.decoder_layers(model)[1 if method == "lstsq" else 2], model)
     weight = proj.weight.clone()
-    compensation.compensate(model=model, dense=dense, drop=drop, windows=windows)
+    compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method=method)
     assert not torch.equal(weight, proj.weight)
-    cfg = load_config(overrides=["compensation.method=lstsq", "tracking.enabled=false"])
+    cfg = load_config(overrides=[f"compensation.method={method}", "tracking.enabled=false"])
     manifest = pruned_manifest(method="random", drop=drop, num_layers_original=6, config=cfg.to_dict())
     path = export_model(model, None, str(tmp_path / "out"), manifest=manifest)
     reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -150,7 +152,7 @@ def test_compensated_model_exports_and_reloads_with_plain_transformers(family, t
         type(m).__name__ == "Linear" for m in model.modules())  # no new modules
     import json
     written = json.loads((path / "trsp_ray.json").read_text())
-    assert written["config"]["compensation"]["method"] == "lstsq"
+    assert written["config"]["compensation"]["method"] == method
 
 
 def test_post_ln_opt_is_refused_in_one_line():
@@ -171,7 +173,7 @@ def test_bad_requests_fail_in_one_line_before_any_forward():
     cases = [(dict(windows=_windows(count=1, batch=1, seqlen=32)), "fewer than the hidden size 64"),
              (dict(drop=[0, 1]), "removes layer 0"),
              (dict(method="foo"), "compensation.method='foo' is not valid"),
-             (dict(method="scalar"), "scalar fold of Prune&Comp is not implemented"),
+             (dict(method="scalar", activations="sequential"), "not used by the scalar fold"),
              (dict(activations="both"), "compensation.activations='both' is not valid")]
     for change, message in cases:
         kwargs = {"model": _pruned(dense, change.get("drop", [2, 3])), "dense": dense, "drop": [2, 3],
@@ -180,12 +182,12 @@ def test_bad_requests_fail_in_one_line_before_any_forward():
             compensation.compensate(**kwargs)
         assert "\n" not in str(err.value)
     assert not calls and torch.equal(weight, dense.model.layers[1].mlp.down_proj.weight)
-    for override, message in (("compensation.method=scalar", "not implemented"),
-                              ("compensation.method=full", "choose one of none, lstsq"),
+    for override, message in (("compensation.activations=sequential compensation.method=scalar", "scalar fold"),
+                              ("compensation.method=full", "choose one of none, lstsq, scalar"),
                               ("compensation.windows=0", "must be > 0"),
                               ("compensation.ridge=-1", "must be >= 0")):
         with pytest.raises(TrspError, match=message):
-            load_config(overrides=[override])
+            load_config(overrides=override.split())
 
 
 def test_two_shards_summed_give_the_one_process_solve():
@@ -269,3 +271,81 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path):
                                                   "activations": "dense"}
     assert manifest["metrics"]["compensation_tokens"] == 4 * 32
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
+
+
+SCALAR_FAMILIES = ["llama", "opt", "gpt_neox", "qwen3"]  # RMSNorm and LayerNorm, biases, parallel residual
+
+
+@torch.no_grad()
+def _stream_scaled_logits(model, kept, drop, scales, ids):
+    """Logits of the plain pruned `model` with the stream entering the first kept layer after each
+    block multiplied by that block's scale (forward pre-hooks of the test's own): what the scalar
+    fold claims to compute without any hook."""
+    layers, handles = families.decoder_layers(model), []
+    for (_a, b), s in zip(compensation.blocks(drop, len(kept) + len(drop)), scales):
+        after = [k for k, original in enumerate(kept) if original > b]
+        if not after:
+            continue
+
+        def scale(_module, args, kwargs, s=s):
+            if args:
+                return (args[0] * s, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * s}
+        handles.append(layers[after[0]].register_forward_pre_hook(scale, with_kwargs=True))
+    try:
+        return model(input_ids=ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("family", SCALAR_FAMILIES)
+def test_the_scalar_fold_scales_the_stream_at_each_cut_by_the_dense_norm_ratio(family):
+    dense, windows, drop = tiny_model(family, layers=7), _windows(), [1, 2, 4]
+    for module in dense.modules():  # the norms' eps is the only term that sees a scale: made negligible
+        for name in ("eps", "variance_epsilon"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 1e-12)
+    kept = [0, 3, 5, 6]
+    model, plain = _pruned(dense, drop), _pruned(dense, drop)
+    info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method="scalar")
+    # the scales from hidden states transformers reports: entering layer a, leaving layer b
+    with torch.no_grad():
+        states = [dense(input_ids=w, output_hidden_states=True, use_cache=False).hidden_states for w in windows]
+    for (a, b), s in zip(info["blocks"], info["scales"]):
+        h = torch.cat([st[a].flatten(0, -2) for st in states]).double()
+        y = torch.cat([st[b + 1].flatten(0, -2) for st in states]).double()
+        assert s == pytest.approx((y.norm(dim=1).sum() / h.norm(dim=1).sum()).item(), rel=1e-6)
+        assert info["residual"][info["blocks"].index((a, b))] == pytest.approx(((s * h - y) ** 2).sum().item(),
+                                                                               rel=1e-5)
+    assert info["tokens"] == 4 * 4 * 32 and all(abs(s - 1) > 1e-3 for s in info["scales"])
+    ids = _windows(count=1, batch=2, seqlen=16, seed=9)[0]
+    with torch.no_grad():
+        folded = model(input_ids=ids, use_cache=False).logits
+        untouched = plain(input_ids=ids, use_cache=False).logits
+    expected = _stream_scaled_logits(plain, kept, drop, info["scales"], ids)
+    assert torch.allclose(folded, expected, rtol=1e-4, atol=1e-4)
+    assert (folded - untouched).abs().max() > 100 * (folded - expected).abs().max()
+
+
+def test_a_block_at_either_end_gets_the_right_scalar():
+    dense, windows = tiny_model("llama", layers=6), _windows()
+    # a block ending at the last layer feeds only the final norm: scale 1, nothing folded
+    model = _pruned(dense, [4, 5])
+    weights = [p.clone() for p in model.parameters()]
+    info = compensation.compensate(model=model, dense=dense, drop=[4, 5], windows=windows, method="scalar")
+    assert info["scales"] == [1.0] and all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    # a block at layer 0 (which lstsq refuses): the stream at the cut is the embeddings
+    model = _pruned(dense, [0, 1])
+    info = compensation.compensate(model=model, dense=dense, drop=[0, 1], windows=windows, method="scalar")
+    assert info["blocks"] == [(0, 1)] and abs(info["scales"][0] - 1) > 1e-3
+
+
+def test_two_shards_summed_give_the_one_process_scales():
+    dense, windows, drop = tiny_model("llama", layers=6), _windows(count=6), [1, 2, 4]
+    whole = compensation.scalar_sums(dense=dense, windows=windows, drop=drop)
+    halves = [compensation.scalar_sums(dense=dense, windows=windows[r::2], drop=drop) for r in range(2)]
+    for one, rank0, rank1 in zip(whole, *halves):
+        summed = rank0.sums + rank1.sums
+        assert torch.allclose(summed, one.sums, rtol=1e-10)
+        assert int(summed[5]) == 6 * 4 * 32

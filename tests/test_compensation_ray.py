@@ -1,6 +1,7 @@
-"""Issue 21 item 3 end to end: a 2-worker Ray Train ZeRO-3 run with compensation.method=lstsq
-exports the model one process exports (the fold before a heal, or after TRSP's stage 2), and records the compensation's
-tokens and cost in its manifest and records. Starts and stops its own Ray head."""
+"""Issue 21 item 3 end to end: a 2-worker Ray Train ZeRO-3 run with compensation.method=lstsq (or
+the scalar fold) exports the model one process exports (the fold before a heal, or after TRSP's
+stage 2), and records the compensation's tokens and cost in its manifest and records.
+Starts and stops its own Ray head."""
 
 import json
 
@@ -8,17 +9,18 @@ import pytest
 from test_distributed_ray import OVERRIDES, _logits, start_own_ray, stop_own_ray, tiny_dir  # noqa: F401
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-COMP = ["compensation.method=lstsq", "compensation.windows=4"]  # 4 x 32 tokens >= hidden size 64
+COMP = ["compensation.windows=4"]  # 4 x 32 tokens >= hidden size 64
 
 
-@pytest.mark.parametrize("method", ["trsp+heal", "trsp"])  # folded before the heal / after stage 2
-def test_zero3_workers_compensate_like_one_process(tiny_dir, tmp_path, method):  # noqa: F811
+# folded before the heal / after stage 2; the scalar fold after the default's selection, before its heal
+@pytest.mark.parametrize("method,comp", [("trsp+heal", "lstsq"), ("trsp", "lstsq"), ("shortgpt+heal", "scalar")])
+def test_zero3_workers_compensate_like_one_process(tiny_dir, tmp_path, method, comp):  # noqa: F811
     from trsp_ray import compensation
     from trsp_ray.config import load_config
     from trsp_ray.distributed.train import run_distributed
     from trsp_ray.driver import run
 
-    base = [f"model={tiny_dir}"] + OVERRIDES + [f"method={method}"] + COMP
+    base = [f"model={tiny_dir}"] + OVERRIDES + [f"method={method}", f"compensation.method={comp}"] + COMP
     start_own_ray()
     try:
         result = run_distributed(load_config(overrides=base + [f"distributed.storage_path={tmp_path / 'storage'}",
@@ -31,8 +33,10 @@ def test_zero3_workers_compensate_like_one_process(tiny_dir, tmp_path, method): 
     record = next(e for e in result.events if e["event"] == "compensation")
     metrics = json.loads((tmp_path / "ray" / "trsp_ray.json").read_text())["metrics"]
     assert record["tokens"] == metrics["compensation_tokens"] == single["compensation_tokens"] == 4 * 32
-    assert metrics["compensation"] == "lstsq" and metrics["compensation_cost"] == 4 * 32  # whole dense passes
+    assert metrics["compensation"] == comp and metrics["compensation_cost"] == 4 * 32  # whole dense passes
     assert record["blocks"] == [list(b) for b in compensation.blocks(result.drop_order, 6)]
+    if comp == "scalar":  # the scales all ranks computed from the all-reduced sums, one per block
+        assert len(record["scales"]) == len(record["blocks"]) and any(abs(s - 1) > 1e-3 for s in record["scales"])
     diff = (_logits(tmp_path / "single") - _logits(tmp_path / "ray")).abs().max().item()
     print("max |logit difference| ZeRO-3 vs single process, stage 2 + compensation:", diff)
     assert diff < 1e-4

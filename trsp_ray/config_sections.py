@@ -161,9 +161,11 @@ class RecoveryConfig:
 class CompensationConfig:
     """Training-free repair of each removed block after removal and before any heal (SPEC section 7,
     trsp_ray/compensation.py): lstsq fits ReplaceMe's least-squares map on calibration activations
-    and folds it into the MLP output projection of the layer before the block."""
+    and folds it into the MLP output projection of the layer before the block; scalar (Prune&Comp's
+    form) rescales the stream at each cut by the ratio of dense token norms, folded into the output
+    projections of the layers after it."""
 
-    method: str = "none"  # none | lstsq
+    method: str = "none"  # none | lstsq | scalar
     ridge: float = 1e-4  # ridge, relative to the mean diagonal of M^T M
     windows: int = 16  # calibration windows of data.seqlen tokens (at least the hidden size in tokens)
     # dense: M and the residual from the dense model (one pass); sequential: from the pruned model
@@ -171,13 +173,13 @@ class CompensationConfig:
     activations: str = "dense"
 
     def __post_init__(self):
-        if self.method == "scalar":
-            raise TrspError("compensation.method='scalar' (Prune&Comp's scalar fold) is not implemented; "
-                            "choose one of none, lstsq")
-        _choice("compensation.method", self.method, ("none", "lstsq"))
+        _choice("compensation.method", self.method, ("none", "lstsq", "scalar"))
         _positive("compensation.ridge", self.ridge, allow_zero=True)
         _positive("compensation.windows", self.windows)
         _choice("compensation.activations", self.activations, ("dense", "sequential"))
+        if self.method == "scalar" and self.activations != "dense":
+            raise TrspError(f"compensation.activations={self.activations!r} is not used by the scalar fold (its "
+                            "scales come from the dense model); use compensation.activations=dense")
 
 
 # SLEB's calibration windows for `trsp-ray benchmark --full-baselines`: on SmolLM2 (8 of 30 layers,

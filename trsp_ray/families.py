@@ -19,6 +19,8 @@ class Family:
     # dotted path from a decoder layer to the linear whose output (bias included) the layer adds to
     # its residual stream as the MLP's contribution: a closed-form compensation folds its map there
     mlp_out_path: str = "mlp.down_proj"
+    # the same for the attention's contribution (the scalar fold rescales both)
+    attn_out_path: str = "self_attn.o_proj"
     # why a map folded into that linear would not reach the residual stream ("" = it does)
     mlp_fold_refusal: str = ""
 
@@ -35,10 +37,11 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("gemma3_text", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM),
     "phi3": Family("phi3", _DEFAULT),
     # OPTDecoderLayer adds fc2's output straight to the residual (its LayerNorm comes first)
-    "opt": Family("opt", "model.decoder.layers", mlp_out_path="fc2"),
+    "opt": Family("opt", "model.decoder.layers", mlp_out_path="fc2", attn_out_path="self_attn.out_proj"),
     # with use_parallel_residual the layer writes x + attn + mlp, without it (x + attn) + mlp: either
     # way the layer's output minus the projection's output is the stream the MLP output joins
-    "gpt_neox": Family("gpt_neox", "gpt_neox.layers", mlp_out_path="mlp.dense_4h_to_h"),
+    "gpt_neox": Family("gpt_neox", "gpt_neox.layers", mlp_out_path="mlp.dense_4h_to_h",
+                       attn_out_path="attention.dense"),
 }
 
 
@@ -69,24 +72,45 @@ def set_decoder_layers(model, layers) -> None:
     setattr(_get(model, parent_path), leaf, layers)
 
 
-def mlp_output(layer, model):
-    """The nn.Linear of decoder `layer` (of `model`) whose output is the MLP's contribution to the
-    residual stream, unchanged up to the add: right-multiplying that output by a d x d map can be
-    folded into the linear's weight and bias. Families where it cannot get a one-line error."""
+def _refuse_fold(model) -> None:
+    """A one-line error for a family whose layer outputs a fold cannot reach (a norm after them)."""
     family = family_of(model)
     reason = family.mlp_fold_refusal
     if not reason and family.name == "opt" and not getattr(text_config(model), "do_layer_norm_before", True):
         reason = "with do_layer_norm_before=False its final_layer_norm follows the residual add"
     if reason:
         raise TrspError(f"compensation cannot fold into family {family.name!r}: {reason}; use compensation.method=none")
+
+
+def _linear(layer, path: str, family: Family, what: str):
     try:
-        module = _get(layer, family.mlp_out_path)
+        module = _get(layer, path)
     except AttributeError:
         module = None
     if getattr(getattr(module, "weight", None), "dim", lambda: 0)() != 2:
-        raise TrspError(f"family {family.name!r} has no separate MLP output projection at "
-                        f"{family.mlp_out_path!r}; use compensation.method=none")
+        raise TrspError(f"family {family.name!r} has no separate {what} output projection at "
+                        f"{path!r}; use compensation.method=none")
     return module
+
+
+def residual_writers(layer, model) -> list:
+    """The nn.Linears of decoder `layer` whose outputs (bias included) are everything the layer adds
+    to its residual stream: the attention's and the MLP's output projections. Scaling both by s
+    scales the layer's contribution by s (the scalar fold); families where a norm sits between
+    them and the add get a one-line error."""
+    family = family_of(model)
+    _refuse_fold(model)
+    return [_linear(layer, family.attn_out_path, family, "attention"),
+            _linear(layer, family.mlp_out_path, family, "MLP")]
+
+
+def mlp_output(layer, model):
+    """The nn.Linear of decoder `layer` (of `model`) whose output is the MLP's contribution to the
+    residual stream, unchanged up to the add: right-multiplying that output by a d x d map can be
+    folded into the linear's weight and bias. Families where it cannot get a one-line error."""
+    family = family_of(model)
+    _refuse_fold(model)
+    return _linear(layer, family.mlp_out_path, family, "MLP")
 
 
 def text_config(model):

@@ -12,6 +12,11 @@ collective, so a rank with fewer windows runs a padding forward it discards, and
 the whole model (compensation.accumulate's early stop would leave a pass half-way through
 DeepSpeed's gather hooks). `fold` applies the maps where one process does: after stage 2, before
 a heal. Only the "dense" activations are served here (check_for_workers refuses the rest).
+
+The scalar fold (`compensation.method=scalar`) shards the same way: each rank sums its windows'
+token norms and inner products (compensation.scalar_sums), the six float64 sums are all-reduced,
+every rank computes the same scales, and `apply` scales the output projections of the kept layers
+after each block (original indices; the bypassed drop set is left as it is).
 """
 
 from __future__ import annotations
@@ -73,6 +78,56 @@ def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[t
     mine = list(part.split(size)) if part.shape[0] else []
     passes = math.ceil(math.ceil(rows.shape[0] / world) / size)
     return mine, passes - len(mine)
+
+
+@torch.no_grad()
+def fit_scalar(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int,
+               reduce=all_reduce_sum) -> dict:
+    """The scalar fold's scales of every block of `drop` from this rank's shard of `windows`,
+    all-reduced. Returns {"scales", "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
+    t0 = time.time()
+    num = families.num_layers(model)
+    layers = families.decoder_layers(model)
+    with gather_layer(layers[0]):
+        families.residual_writers(layers[0], model)  # a family the fold cannot serve fails before any forward
+    mine, padding = shard(windows, rank=rank, world=world)
+    with gates.state(gated=False, bypass=[]):
+        sums = compensation.scalar_sums(dense=model, windows=mine, drop=drop, stop=False)
+        device = next(model.parameters()).device
+        for _ in range(padding):  # the collective forwards of the other ranks' extra windows
+            model(input_ids=windows[0][:1].to(device), use_cache=False)
+    for acc in sums:
+        acc.sums = reduce(acc.sums).cpu()
+    scales = [acc.scale(num) for acc in sums]
+    tokens = sums[0].tokens if sums else 0
+    return {"scales": scales, "blocks": [acc.block for acc in sums], "tokens": tokens,
+            "residual": [acc.residual(x) for acc, x in zip(sums, scales)],
+            "residual_identity": [acc.residual(1.0) for acc in sums],
+            "cost": compensation.cost(drop=drop, num_layers=num, tokens=tokens, stops=False),
+            "seconds": time.time() - t0}
+
+
+def gather_layer(layer):
+    """Every parameter of one decoder layer gathered (ZeRO-3) while the block runs."""
+    from trsp_ray.distributed.engine import gather_context
+
+    return gather_context(list(layer.parameters()))
+
+
+@torch.no_grad()
+def apply(*, model, drop: list[int], info: dict) -> None:
+    """Fold `info` (from `fit` or `fit_scalar`) into `model`, which still holds every layer."""
+    if "scales" not in info:
+        fold(model=model, maps=info["maps"])
+        return
+    layers = families.decoder_layers(model)
+    num = len(layers)
+    for index, layer in enumerate(layers):
+        if index in set(drop):
+            continue
+        with gather_layer(layer):
+            compensation.fold_scales(model=model, drop=drop, scales=info["scales"], num_layers=num,
+                                     layers={index: layer})
 
 
 @torch.no_grad()

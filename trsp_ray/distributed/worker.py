@@ -165,11 +165,11 @@ def train_loop(config: dict) -> None:
     # folds again and then loads its checkpoint's (folded, healed) weights over the result.
     heal = comp is not None and registry.method(cfg.method).heal
     if heal:
-        compensate.fold(model=bench.model, maps=comp["maps"])
+        compensate.apply(model=bench.model, drop=drop, info=comp)
     model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
                     engine_dir=engine_dir, rank=rank, fault=fault)
     if comp is not None and not heal:
-        compensate.fold(model=model, maps=comp["maps"])
+        compensate.apply(model=model, drop=drop, info=comp)
     _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank,
             metrics=compensate.manifest_metrics(cfg.compensation.method, comp))
     events.write("done", drop_order=drop)
@@ -389,8 +389,12 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
     if c.method == "none":
         return None
     windows = fixed_windows(_batches(cfg, bench, 300), c.windows)
-    info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
-                          world=bench.world, ridge=c.ridge)
+    if c.method == "scalar":
+        info = compensate.fit_scalar(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
+                                     world=bench.world)
+    else:
+        info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
+                              world=bench.world, ridge=c.ridge)
     events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
     return info
 
