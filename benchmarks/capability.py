@@ -85,6 +85,20 @@ def late_kl(model, gates, windows, *, drop, start: int, teacher=None):
     return total / count, (out if teacher is None else teacher)
 
 
+def model_kl(model, windows, teacher) -> float:
+    """Mean KL(dense || model) over every position of the probe windows (calibration only), for a
+    model already cut (and compensated or healed): the calibration proxy a form is chosen on."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for w, t in zip(windows, teacher):
+            s = torch.log_softmax(model(input_ids=w, use_cache=False).logits.float(), -1)
+            total += (t.exp() * (t - s)).sum().item()
+            count += t.shape[0] * t.shape[1]
+    return total / count
+
+
 def recall_positions(window, *, common: set, min_gap: int = 16):
     """Positions t of a 1-D window whose next token x[t+1] is a word piece seen at least `min_gap`
     tokens earlier in the window and not one of the calibration text's `common` tokens: where a
@@ -131,7 +145,8 @@ def main() -> None:
     p.add_argument("--lambada", type=int, default=500)
     p.add_argument("--heal", type=int, default=0, help="heal steps (stage2.lr, batch x seqlen of the config)")
     p.add_argument("--comp", nargs="*", default=[], metavar="FORM:RIDGE",
-                   help="also score each set with least-squares compensation, e.g. dense:1e-4 sequential:1e-2")
+                   help="also score each set compensated: least squares FORM:RIDGE (dense:1e-4, sequential:1e-2) "
+                        "or the scalar fold (scalar)")
     p.add_argument("--comp-windows", type=int, default=32, help="calibration windows (data.seqlen) of the fit")
     p.add_argument("--no-plain", action="store_true", help="score only the compensated variants")
     p.add_argument("--threads", type=int, default=2)
@@ -223,21 +238,26 @@ def main() -> None:
         for variant in variants:
             model = bench.fresh_model()
             remove_layers(model, drop)
-            if variant is not None:
+            if variant == ("scalar",):
+                compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="scalar")
+            elif variant is not None:
                 compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="lstsq",
                            ridge=float(variant[1]), activations=variant[0])
             if args.heal:
                 model = run_heal(model=model, batches=bench.batches(seed_offset=2), steps=args.heal,
                                  lr=cfg.stage2.lr).model.eval()
             acc = lambada_accuracy(model, bench.tokenizer, passages, bos=bench.bos)
-            name = ("healed " if args.heal else "") + ("+".join(variant) if variant else "plain")
+            name = ("healed " if args.heal else "") + (":".join(variant) if variant else "plain")
+            if variant is not None or args.heal:  # the scored model's own calibration KL
+                kl_all = model_kl(model, probe_batches, teacher)
             rows.append((name, " ".join(map(str, sorted(drop))), kl_all, kl_late, bench.heldout_ppl(model),
                          domain2_ppl(bench, model), acc))
             print(rows[-1], flush=True)
     print(f"\n{'row':22} {'drop set':28} {'KL all':>7} {'KL late':>7} {'held PPL':>9} {'news PPL':>9} LAMBADA acc")
     for name, d, ka, kl, hp, np_, (acc, se) in rows:
         print(f"{name:22} {d:28} {ka:7.4f} {kl:7.4f} {hp:9.2f} {np_:9.2f} {acc:.3f} ±{se:.3f}")
-    print(f"\nprobe: {args.probe_windows} x {args.probe_seqlen} calibration tokens, late = positions >= {args.start}; "
+    print(f"\nprobe: {args.probe_windows} x {args.probe_seqlen} calibration tokens, late = positions >= {args.start} "
+          "(KL all: the scored model's own; KL late: its plain drop set's); "
           f"LAMBADA: first {len(passages)} test passages; heal {args.heal} steps; "
           f"wall {time.time() - t0:.0f}s at load {os.getloadavg()[0]:.1f}")
 

@@ -10,14 +10,31 @@ from trsp_ray.run_args import add_run_arguments, run_config
 
 
 def _prune(args) -> int:
-    from trsp_ray.driver import route_for, run
+    from trsp_ray.driver import route_for, run, with_budget
 
     cfg = run_config(args, method=args.method, output=args.output)
+    if args.compute_budget is not None:
+        from trsp_ray.config import replace
+
+        cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
     if args.dry_run:
+        cfg = with_budget(cfg)
         print(_describe(route_for(cfg)))
         return 0
     run(cfg, overwrite=args.overwrite)
     return 0
+
+
+def _tokens(text: str) -> float:
+    """A token count such as 200000, 200k or 1.5M (argparse type)."""
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(text[-1:].lower(), 1.0)
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; pass e.g. 200000, 200k or 1.5M") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count > 0")
+    return value
 
 
 def _describe(chosen) -> str:
@@ -134,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "budget (the best pipeline on perplexity and LAMBADA at equal total compute, README); "
                         "trsp+heal = TRSP's stage-1 selection + the same heal; trsp = the paper's stage 2")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
+    p.add_argument("--compute-budget", type=_tokens, default=None, metavar="TOKENS",
+                   help="total dense-forward tokens (e.g. 200k, 1.5M) for selection + compensation + heal: the "
+                        "heal gets what the selection leaves (heal.compute_budget; heal methods)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--dry-run", action="store_true", help="print the route and memory plan, do nothing")
     p.set_defaults(func=_prune)

@@ -47,6 +47,9 @@ def check_request(cfg: RunConfig, row_names, seeds: int, zeroshot_limit: int, *,
             or len(set(budgets)) != len(budgets):
         raise TrspError(f"budgets={list(budgets)!r} is not valid; pass distinct integers >= 1 (multiples of "
                         "stage2.steps), e.g. 1,4")
+    if cfg.heal.compute_budget:
+        raise TrspError(f"heal.compute_budget={cfg.heal.compute_budget:g} is a prune setting; the benchmark gives "
+                        "its trained rows heal budgets with --budgets and equal-compute rows with '@compute'")
     rows = registry.rows(list(row_names))
     if any(r.group == "trained" for r in rows) and cfg.stage2.steps < 1:
         raise TrspError("stage2.steps=0 leaves the trained rows no weight-update budget; set stage2.steps >= 1 "

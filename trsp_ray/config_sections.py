@@ -135,9 +135,13 @@ class HealConfig:
     lr: float = 1e-4
     trainable: str = "all"  # all | lora
     lora_rank: int = 8
+    # total dense-forward tokens (selection + compensation + heal, SPEC section 5) a heal method may
+    # spend: its heal gets the steps the budget leaves (trsp_ray/budget.py); 0 = off (stage2.steps)
+    compute_budget: float = 0.0
 
     def __post_init__(self):
         _positive("heal.steps", self.steps, allow_zero=True)
+        _positive("heal.compute_budget", self.compute_budget, allow_zero=True)
         _positive("heal.lr", self.lr)
         _choice("heal.trainable", self.trainable, ("all", "lora"))
         _positive("heal.lora_rank", self.lora_rank)

@@ -47,6 +47,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     from trsp_ray.table import render
     from trsp_ray.tracking import make_tracker
 
+    cfg = with_budget(cfg)
     chosen = route_for(cfg)  # config.json only: no weights are read before the output is checked
     check_export_target(cfg.output, overwrite=overwrite, plan=chosen.plan, ratio=cfg.ratio)
     log(f"route: {chosen.describe()}")
@@ -101,6 +102,18 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                    "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
     print(f"(held-out text: {bench.texts.heldout_source})")
     return results
+
+
+def with_budget(cfg: RunConfig) -> RunConfig:
+    """`cfg` with heal.compute_budget resolved into heal steps (budget.py; config.json only), logged."""
+    if not cfg.heal.compute_budget:
+        return cfg
+    from trsp_ray import budget
+
+    layers = workbench.check_inputs(cfg)
+    cfg = budget.resolve(cfg, num_layers=layers)
+    log(budget.describe(cfg, num_layers=layers))
+    return cfg
 
 
 def route_for(cfg: RunConfig):

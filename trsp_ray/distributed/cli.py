@@ -45,7 +45,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=registry.WORKER_METHODS, default=registry.DEFAULT_METHOD,
                         help="what the workers run (default %(default)s: no stage-1 probes; the TRSP methods "
                              "add stage 1's removal probes and refinement)")
-    parser.add_argument("--compensation", choices=("none", "lstsq"), default="none",
+    parser.add_argument("--compensation", choices=("none", "lstsq", "scalar"), default="none",
                         help="closed-form compensation after stage 1 (its float64 sums, solve and fold)")
 
 
@@ -105,7 +105,10 @@ def run_plan(args: argparse.Namespace) -> int:
     after = format_probe_plan(probes, result.setup) if registry.method(cfg.method).uses_stage1 else \
         _shortgpt_lines(cfg, result)
     comp_fits = True
-    if args.compensation != "none":
+    if args.compensation == "scalar":
+        after += ["  compensation (scalar, after stage 1): six float64 sums per block and one layer's output "
+                  "projections gathered at a time to scale: within stage 1's memory"]
+    elif args.compensation != "none":
         from trsp_ray.distributed.compensation_plan import compensation_plan, format_compensation_plan
 
         comp = compensation_plan(result.shape, result.setup, ratio=cfg.ratio, protect_head=cfg.gates.protect_head,

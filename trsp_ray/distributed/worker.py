@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from trsp_ray.distributed.events import EventLog, FaultInjector
+from trsp_ray.distributed.ranks import block_influence_on_ranks, sum_over_ranks
 
 STATE = "state-rank{rank}.pt"  # stage-1 state (+ this rank's optimizer partition)
 ENGINE_DIR = "engine"  # stage-2 DeepSpeed checkpoint (model + optimizer partitions)
@@ -223,19 +224,6 @@ def _batches(cfg, bench, seed_offset: int):
                    bos=bos_token(bench.tokenizer))
 
 
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """Element-wise sum over the data-parallel ranks, in float64 (identity in one process): the
-    removal probes' per-rank [score sum, token count]."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return list(values)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
     from trsp_ray.distributed import engine as eng
@@ -307,34 +295,6 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     events.write("stage1_done", drop_order=drop, selector=registry.SHORTGPT_SELECTOR, block_influence=bi,
                  rounds_computed=0, select_cost=tokens, peak_gb=peak_memory_gb())
     return drop
-
-
-def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[dict[int, float], float]:
-    """(Block Influence per layer, tokens scored) over `windows` (every rank passes the same list):
-    each rank scores its share (rows k % world == rank; a rank short of one runs a padding row that
-    counts nowhere, so every rank runs as many ZeRO-3 forwards) and the sums are summed over the
-    ranks, so every rank gets the same figures, equal to one process's on all the windows."""
-    from trsp_ray.baselines import influence_sums
-    from trsp_ray.distributed.compensate import shard
-
-    # a stage-1 step's rows per rank (its micro batch): the activations and logits the plan's
-    # stage-1 figure holds, at any world size
-    size = max(1, cfg.data.batch_size // bench.world)
-    rows = torch.cat(list(windows))
-    mine, padding = shard(list(rows.split(size)), rank=rank, world=bench.world)
-    batches = mine + [rows[:1]] * padding  # padding forwards keep the ranks' collectives in step
-    masks = [torch.ones(len(b)) for b in mine] + [torch.zeros(1)] * padding
-    # a ZeRO-3 forward needs an engine's hooks to gather each layer's partitions: one over the
-    # gates (never stepped); the next stage's build closes it
-    bench.factory(bench.model, [{"params": bench.gates.gate_params(), "lr": 0.0}])
-    training = bench.model.training
-    bench.model.eval()  # no dropout (OPT) in a selection forward, whatever activation checkpointing set
-    with torch.no_grad():
-        sums, tokens = influence_sums(bench.model, bench.gates, batches, masks=masks)
-    bench.model.train(training)
-    layers = sorted(sums)
-    total = sum_over_ranks([sums[i] for i in layers] + [tokens])
-    return {i: 1.0 - total[k] / total[-1] for k, i in enumerate(layers)}, float(total[-1])
 
 
 def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,

@@ -61,6 +61,9 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None,
     if base.method not in registry.TRSP_METHODS:
         raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; "
                         f"use one of {', '.join(registry.TRSP_METHODS)}")
+    if base.heal.compute_budget:
+        raise TrspError(f"heal.compute_budget={base.heal.compute_budget:g} is a prune setting; a search trains "
+                        "every trial with stage2.steps (set that, or search stage2.steps)")
     if any(d.key == "stage2.lambda2" for d in space.dims) and base.method not in registry.STAGE2_METHODS:
         raise TrspError(f"stage2.lambda2 acts only in stage 2, which method={base.method!r} does not run; "
                         f"search it with method={' or '.join(registry.STAGE2_METHODS)}, or drop it from the space")

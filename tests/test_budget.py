@@ -1,0 +1,60 @@
+"""Issue 18: a total compute budget for `prune` (heal.compute_budget, dense-forward tokens): the heal
+of a heal method gets what the budget leaves after the planned selection, and a budget the
+selection cannot meet is refused in one line before any model is loaded."""
+
+import json
+
+import pytest
+from test_first_hour import _one_error_line, no_work  # noqa: F401
+from test_pipeline import SMALL, _args, tiny_dir  # noqa: F401
+
+from trsp_ray.cli import main
+
+# SMALL: ShortGPT scores baselines.calib_windows=2 windows of 32 tokens; a heal step is 2 x 32 tokens
+SELECT, STEP = 2 * 32, 3 * 2 * 32
+
+
+def test_the_budget_buys_the_heal_steps_the_selection_leaves(tiny_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "pruned"
+    budget = SELECT + 5 * STEP + STEP - 1  # one token short of a sixth step
+    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow",
+                                 "--compute-budget", str(budget), "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
+    assert code == 0
+    manifest = json.loads((out / "trsp_ray.json").read_text())
+    metrics = manifest["metrics"]
+    assert manifest["method"] == "shortgpt+heal" and metrics["heal_steps"] == 5  # stage2.steps=4 is replaced
+    assert metrics["select_cost"] == SELECT and metrics["weight_tokens"] == 5 * 2 * 32
+    assert metrics["select_cost"] + 3 * metrics["weight_tokens"] <= budget
+    assert manifest["config"]["heal"]["compute_budget"] == budget
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--compute-budget", str(SELECT + STEP - 1)], f"raise it to at least {SELECT + STEP}"),
+    (["--compute-budget", "1M", "--method", "trsp+heal"], "known only after it runs"),
+    (["--compute-budget", "1M", "--method", "shortgpt"], "does not heal"),
+])
+def test_a_budget_that_cannot_be_met_is_one_line_before_any_work(tiny_dir, tmp_path, capsys, no_work,  # noqa: F811
+                                                                  argv, message):
+    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(tmp_path / "out"), "--no-mlflow",
+                                 *argv)])
+    assert code == 2
+    line = _one_error_line(capsys, "trsp-ray")
+    assert message in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_budget_that_is_not_a_token_count_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["prune", "--compute-budget", "lots"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "argument --compute-budget: 'lots' is not a token count; pass e.g. 200000, 200k or 1.5M")
+
+
+def test_the_benchmark_refuses_a_prune_budget():
+    from trsp_ray.comparison import check_request
+    from trsp_ray.config import load_config
+    from trsp_ray.errors import TrspError
+
+    with pytest.raises(TrspError, match="--budgets"):
+        check_request(load_config(None, ["heal.compute_budget=1e6"]), ["dense"], 1, 0)

@@ -1,0 +1,49 @@
+"""Data-parallel sums on the Ray Train ranks: the removal probes' all-reduce and ShortGPT's Block
+Influence scored over every rank's share of the selection windows (the default method's
+selection on the workers, and stage 1's Block-Influence shortlist)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sum over the data-parallel ranks, in float64 (identity in one process): the
+    removal probes' per-rank [score sum, token count]."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+
+def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[dict[int, float], float]:
+    """(Block Influence per layer, tokens scored) over `windows` (every rank passes the same list):
+    each rank scores its share (rows k % world == rank; a rank short of one runs a padding row that
+    counts nowhere, so every rank runs as many ZeRO-3 forwards) and the sums are summed over the
+    ranks, so every rank gets the same figures, equal to one process's on all the windows."""
+    from trsp_ray.baselines import influence_sums
+    from trsp_ray.distributed.compensate import shard
+
+    # a stage-1 step's rows per rank (its micro batch): the activations and logits the plan's
+    # stage-1 figure holds, at any world size
+    size = max(1, cfg.data.batch_size // bench.world)
+    rows = torch.cat(list(windows))
+    mine, padding = shard(list(rows.split(size)), rank=rank, world=bench.world)
+    batches = mine + [rows[:1]] * padding  # padding forwards keep the ranks' collectives in step
+    masks = [torch.ones(len(b)) for b in mine] + [torch.zeros(1)] * padding
+    # a ZeRO-3 forward needs an engine's hooks to gather each layer's partitions: one over the
+    # gates (never stepped); the next stage's build closes it
+    bench.factory(bench.model, [{"params": bench.gates.gate_params(), "lr": 0.0}])
+    training = bench.model.training
+    bench.model.eval()  # no dropout (OPT) in a selection forward, whatever activation checkpointing set
+    with torch.no_grad():
+        sums, tokens = influence_sums(bench.model, bench.gates, batches, masks=masks)
+    bench.model.train(training)
+    layers = sorted(sums)
+    total = sum_over_ranks([sums[i] for i in layers] + [tokens])
+    return {i: 1.0 - total[k] / total[-1] for k, i in enumerate(layers)}, float(total[-1])
