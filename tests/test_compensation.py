@@ -80,6 +80,23 @@ def test_accumulated_sums_give_the_least_squares_solution_of_the_gathered_activa
     assert stats.residual(t) == pytest.approx(((m @ t - y) ** 2).sum().item(), rel=1e-6)
 
 
+def test_the_ridge_shrinks_the_map_towards_the_identity_not_towards_zero():
+    """A large ridge leaves the model uncompensated (T -> I); between, the fit trades residual for
+    distance from I: each ridge's T minimises ||M T - Y||^2 + r ||T - I||^2 over its neighbours."""
+    dense, windows = tiny_model("llama", layers=6), _windows()
+    stats, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3])
+    eye = torch.eye(stats.mtm.shape[0], dtype=torch.float64)
+    far = compensation.solve(stats.mtm, stats.mty, ridge=1e6)
+    assert (far - eye).abs().max() < 1e-4
+    r = 1e-2 * stats.mtm.diagonal().mean().item()
+    t = compensation.solve(stats.mtm, stats.mty, ridge=1e-2)
+    objective = lambda x: stats.residual(x) + r * ((x - eye) ** 2).sum().item()
+    for scale in (0.99, 1.01):
+        assert objective(t) < objective(eye + scale * (t - eye))
+    assert objective(t) < objective(compensation.solve(stats.mtm, stats.mty, ridge=0.0))
+    assert stats.residual(eye) > stats.residual(t) > stats.residual(compensation.solve(stats.mtm, stats.mty, ridge=0.0))
+
+
 @pytest.mark.parametrize("ridge", [0.0, 1e-4])
 def test_the_fold_reproduces_the_solve_residual_in_the_compensated_model(ridge):
     dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
