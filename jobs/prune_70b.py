@@ -111,9 +111,10 @@ def main(argv=None) -> int:
     def body() -> int:
         from trsp_ray import assets
         from trsp_ray.distributed.deepspeed_config import build_ds_config
+        from trsp_ray.driver import with_budget
         from trsp_ray.export import check_export_target
 
-        cfg = job_config(args)
+        cfg = with_budget(job_config(args))  # --set heal.compute_budget=N: the heal steps it buys
         options = parse_options(args.deepspeed)
         ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
         plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds)

@@ -367,7 +367,10 @@ def test_workers_prune_from_a_handed_over_stage1(tiny_dir, tmp_path, single, loc
     assert sorted(manifest["dropped_layers"]) == sorted(handed.drop_order)
 
 
-def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path, local_ray):
+# with activation checkpointing the workers recompute each layer the single process's way (no
+# training mode, so no dropout): the same logits again (slow tier: a second 2-worker run)
+@pytest.mark.parametrize("checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path, local_ray, checkpointing):
     """The default method on 2 ZeRO-3 workers: Block Influence summed over the ranks' shares of the
     calibration windows (5 windows in forwards of 2 on 2 ranks: rank 1 runs a padding forward that
     must count nowhere) chooses the single process's drop set, and the healed export gives its logits."""
@@ -380,7 +383,8 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     from trsp_ray.workbench import prepare
 
     assert registry.DEFAULT_METHOD == "shortgpt+heal"
-    mine = ["method=shortgpt+heal", "baselines.calib_windows=5", "stage2.steps=2"]
+    mine = ["method=shortgpt+heal", "baselines.calib_windows=5", "stage2.steps=2",
+            f"distributed.activation_checkpointing={str(checkpointing).lower()}"]
     base = [f"model={tiny_dir}"] + OVERRIDES + mine
     result = _run(tiny_dir, tmp_path, extra=mine)
     single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", "distributed.workers=0",

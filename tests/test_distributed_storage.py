@@ -88,7 +88,10 @@ def hub_tiny(tmp_path_factory):
 @pytest.mark.ray
 def test_prune_job_on_s3_resumes_after_a_fault_and_exits_0(s3, hub_tiny, tmp_path, own_ray_tmpdir):
     storage = f"s3://trsp/ray?{s3['query']}"
-    env = {**os.environ, **AWS, "HF_HOME": str(hub_tiny), "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    local_tmp = tmp_path / "tmp"  # where the workers fetch the remote checkpoint they resume from
+    local_tmp.mkdir()
+    env = {**os.environ, **AWS, "HF_HOME": str(hub_tiny), "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled",
+           "TMPDIR": str(local_tmp)}
     env.pop("RAY_ADDRESS", None)
     job = [sys.executable, "jobs/prune_70b.py", "--model", "trsp-test/tiny-llama", "--workers", "2", "--device", "cpu",
            "--ratio", "0.34", "--max-failures", "1", "--fault-round", "2", "--storage-path", storage,
@@ -116,6 +119,11 @@ def test_prune_job_on_s3_resumes_after_a_fault_and_exits_0(s3, hub_tiny, tmp_pat
     records = RunRecords(storage, run).read()
     assert [r["round"] for r in records if r["event"] == "round"] == [1, 2]  # no round recomputed
     assert [r["resumed_from"] for r in records if r["event"] == "start"] == [None, "stage1-round1"]
+    # each resumed rank fetched its files into a local folder and deleted it once read (rank 0
+    # records where; no rank's folder is left)
+    fetched = [r["downloaded"] for r in records if r["event"] == "start" and r["resumed_from"]]
+    assert len(fetched) == 1 and all(Path(f).parent == local_tmp for f in fetched), fetched
+    assert not any(Path(f).exists() for f in fetched) and not list(local_tmp.glob("trsp-restore-*"))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

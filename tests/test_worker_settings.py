@@ -113,3 +113,22 @@ def test_the_plan_of_a_worker_heal_leaves_the_drop_set_out_of_the_optimizer():
     assert round(trsp.host().checkpoint_gb, 1) == 770.9 and round(heal.host().checkpoint_gb, 1) == 579.6
     optim = "optimizer fp32 + Adam (partition)"
     assert round(trsp.stages[1].parts[optim], 2) == 48.18 and round(heal.stages[1].parts[optim], 2) == 36.23
+
+
+def test_worker_activation_checkpointing_keeps_dropout_off(monkeypatch):
+    """OPT has dropout 0.1, off in one process (eval mode); the workers' stepper factory used to
+    switch training mode on for HF's gradient checkpointing, so worker training ran with dropout."""
+    from trsp_ray.distributed import engine
+    from trsp_ray.training import checkpointing_enabled
+
+    monkeypatch.setattr(engine, "DeepSpeedStepper", lambda model, groups, **_: ("stepper", model.training))
+    model = tiny_model("opt", layers=4).eval()
+    assert model.config.dropout > 0
+    factory = engine.StepperFactory(ds_config={}, rank=0, world=1, activation_checkpointing=True)
+    assert factory(model, [{"params": list(model.parameters())}]) == ("stepper", False)
+    assert checkpointing_enabled(model) and not model.training
+    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    first, second = (model(input_ids=ids, labels=ids).loss for _ in range(2))  # with gradients: recomputed
+    assert torch.equal(first, second)  # no dropout: the same loss twice
+    first.backward()
+    assert all(p.grad is not None for p in model.model.decoder.layers[0].parameters())

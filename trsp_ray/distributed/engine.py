@@ -238,10 +238,14 @@ class StepperFactory:
     def __call__(self, model, param_groups: list[dict]) -> DeepSpeedStepper:
         if self.built:
             self.built[-1].close()
-        if self.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            # Recompute each decoder layer in backward: activations drop from O(layers) to O(1) layers.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.train()  # HF only checkpoints in training mode; these models have no dropout
+        if self.activation_checkpointing:
+            # Recompute each decoder layer in backward: activations drop from O(layers) to O(1)
+            # layers. The single process's rule (training.set_checkpointing): unlike HF's
+            # gradient_checkpointing_enable it needs no training mode, which would switch on
+            # dropout (OPT's 0.1) that the one-process run does not have.
+            from trsp_ray.training import set_checkpointing
+
+            set_checkpointing(model, True)
         stepper = DeepSpeedStepper(model, param_groups, ds_config=self.ds_config, rank=self.rank, world=self.world)
         if self.on_build is not None:
             self.on_build(stepper, len(self.built))

@@ -71,7 +71,9 @@ def _own_file(rank: int):
 
 def _restore_point(rank: int) -> tuple[dict | None, str | None]:
     """(meta + this rank's stage-1 state, engine dir or None) of the last Ray checkpoint. A local or
-    shared checkpoint is read in place; a remote one is fetched, this rank's files only."""
+    shared checkpoint is read in place; a remote one is fetched, this rank's files only, into a
+    local folder (meta["downloaded"]) that is deleted as soon as it has been read: here when no
+    engine state is in it, else right after the engine loads it (_discard_download)."""
     import ray.train
 
     from trsp_ray.distributed.engine import load_safely
@@ -89,7 +91,18 @@ def _restore_point(rank: int) -> tuple[dict | None, str | None]:
     meta = json.loads((Path(where) / "meta.json").read_text())
     meta["stage1"] = load_safely(Path(where) / STATE.format(rank=rank))
     engine_dir = str(Path(where) / ENGINE_DIR) if (Path(where) / ENGINE_DIR).exists() else None
+    if not local:
+        meta["downloaded"] = where
+        if engine_dir is None or meta["stage"] != 2:  # nothing left to read from it
+            _discard_download(meta)
+            engine_dir = None
     return meta, engine_dir
+
+
+def _discard_download(meta: dict | None) -> None:
+    """Delete a remote checkpoint's local copy (up to a 70B rank's ~48 GB of partitions)."""
+    if meta and meta.get("downloaded"):
+        shutil.rmtree(meta["downloaded"], ignore_errors=True)
 
 
 def _same_on_all_ranks(value):
@@ -147,7 +160,7 @@ def train_loop(config: dict) -> None:
     events = EventLog(config.get("records"), rank)
     meta, engine_dir = _restore_point(rank)
     events.write("start", world=world, resumed_from=None if meta is None else meta["label"], nodes=_nodes(world),
-                 threads=torch.get_num_threads())
+                 threads=torch.get_num_threads(), downloaded=None if meta is None else meta.get("downloaded"))
     bench = _load(config, cfg, rank=rank, world=world)
     fault = FaultInjector(config.get("fault"), rank, config.get("records"))
     if config.get("stage1") is not None:  # a stage 1 computed elsewhere (distributed/handoff.py)
@@ -318,6 +331,7 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
         if index == first and done:  # the stage-2 (or heal) engine
             stepper.engine.load_checkpoint(engine_dir, tag="stage2", load_optimizer_states=True,
                                            load_lr_scheduler_states=False)
+            _discard_download(meta)
             stepper.skip = done  # the loop replays the batch stream and schedule without compute
 
     def report(metrics: dict, step: int) -> None:
