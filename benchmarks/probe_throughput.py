@@ -35,7 +35,7 @@ def _score(rank: int, world: int, args, all_reduce=None) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     rows = torch.randint(10, vocab, (args.windows, args.seqlen), generator=torch.Generator().manual_seed(1))
     scorer = RemovalScorer(model=model, gates=attach_gates(model), windows=list(rows.split(args.chunk)), rank=rank,
