@@ -184,3 +184,27 @@ def test_deepspeed_banner_is_dropped_but_its_warnings_are_kept(monkeypatch):
     finally:
         ds.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["zero_optimization.stage3_max_live_parameters is large"]
+
+
+@pytest.mark.parametrize("command,flag", [(["search", "--space", "stage1.lambda1=0.01,0.02"], "--search-dir"),
+                                          (["reproduce", "--preset", "local"], "--out")])
+def test_search_and_reproduce_dirs_under_a_file_or_unwritable_are_refused(tmp_path, capsys, no_work, command, flag):
+    """Their folders are resumable (an existing one with results is fine), but a path under a file
+    or in a folder that cannot be written is refused in one line before any model or Ray starts."""
+    import ray
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    started = []
+    original = ray.init
+    ray.init = lambda *a, **k: started.append(1)
+    try:
+        for bad, words in ((afile / "sub", "not a directory"), (afile, "is a file"),
+                           (Path("/proc/trsp-ray-test/dir"), "not writable")):
+            assert main([*command, flag, str(bad), "--no-mlflow"] if command[0] == "search"
+                        else [*command, flag, str(bad)]) == 2
+            line = _one_error_line(capsys, "trsp-ray")
+            assert flag in line and words in line, line
+    finally:
+        ray.init = original
+    assert not started

@@ -57,6 +57,25 @@ def check_output_dir(output: str, *, overwrite: bool, need_bytes: float = 0) -> 
     return target
 
 
+def check_work_dir(path: str, *, flag: str) -> Path:
+    """A resumable working folder (a search's --search-dir, a reproduction's --out): it may exist
+    with earlier results in it, but it or the nearest folder above it must be a writable directory.
+    Returns the resolved path; a one-line TrspError naming the flag and the value otherwise."""
+    target = Path(path).expanduser().resolve()
+    if target.exists() and not target.is_dir():
+        raise TrspError(f"{flag} {path!r} is a file, not a directory; choose a directory path")
+    base = target
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise TrspError(f"{flag} {path!r} is under {str(base)!r}, a file, not a directory; "
+                        "choose a path under a directory")
+    if not _can_create_in(base):
+        raise TrspError(f"{flag} {path!r} cannot be written: {str(base)!r} is not writable; "
+                        "choose a directory you can write to")
+    return target
+
+
 def _can_create_in(directory: Path) -> bool:
     """Whether an entry can be created in `directory`: os.access says yes to root on any folder and
     knows nothing of read-only mounts, so create (and remove) one."""

@@ -167,8 +167,10 @@ def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, 
     Unknown preset/model/method, a bad ratio or override, a cell no route fits fail with a one-line
     TrspError before any model is loaded or Ray is started. `on_cell(cell, record)` is called after
     each stored cell."""
+    from trsp_ray.export import check_work_dir
     from trsp_ray.reproduce.report import write_reports
 
+    check_work_dir(out, flag="--out")  # a file or a read-only folder: refused before any cell is planned
     p = get_preset(preset) if isinstance(preset, str) else preset
     cells = build_grid(p, models=models, methods=methods, ratios=ratios)
     plans = plan_grid(p, cells, overrides or [])

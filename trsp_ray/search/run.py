@@ -256,6 +256,9 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     """Run (or resume) a search; returns a summary with the stage-1/stage-2 counts of this invocation."""
     import ray
 
+    from trsp_ray.export import check_work_dir
+
+    check_work_dir(opts.search_dir, flag="--search-dir")  # a file or a read-only folder: refused now
     points, num_layers, n_drop_plan = plan_trials(base, space)
     base_dict = _absolute_paths(base.to_dict())
     search_dir = Path(opts.search_dir).resolve()
