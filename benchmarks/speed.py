@@ -43,6 +43,7 @@ def main() -> None:
 
     from trsp_ray.assets import smollm2_dir
     from trsp_ray.evaluation.speed import SpeedSettings, compare_speed
+    from trsp_ray.stage1 import n_drop_for
     from trsp_ray.surgery import remove_layers
 
     torch.set_num_threads(args.threads)
@@ -50,7 +51,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     dense = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=dtype).to(args.device).eval()
     layers = dense.config.num_hidden_layers
-    n_drop = round(args.ratio * layers)
+    n_drop = n_drop_for(args.ratio, layers)
     first = (layers - n_drop) // 2
     pruned = copy.deepcopy(dense)
     remove_layers(pruned, list(range(first, first + n_drop)))
