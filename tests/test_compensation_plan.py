@@ -53,3 +53,21 @@ def test_plan_command_prints_the_compensation_only_when_asked():
     small = subprocess.run([*args[:-3], "--gpu-memory-gb", "30", "--activation-checkpointing", "--compensation",
                             "lstsq"], capture_output=True, text=True, timeout=300)
     assert "compensation (lstsq, after stage 1): " in small.stdout and "(DOES NOT FIT)" in small.stdout
+
+
+def test_a_run_whose_compensation_does_not_fit_is_refused_before_any_worker():
+    """Llama-2-70B on 16 x 40 GB: stage 1 (17 GB) and its probes fit, the least-squares sums of its
+    20 possible blocks (41 GB with the solve and the fold) do not; the scalar fold has no d x d sums."""
+    from trsp_ray.config import load_config
+    from trsp_ray.distributed.train import check_plan
+    from trsp_ray.errors import TrspError
+
+    common = ["distributed.workers=16", "distributed.use_gpu=true", "distributed.activation_checkpointing=true",
+              "data.batch_size=16", "data.seqlen=2048", "method=trsp-no-stage2", "compensation.windows=16"]
+    at = lambda gb, comp: load_config(None, [*common, f"distributed.gpu_memory_gb={gb}", f"compensation.method={comp}"])
+    assert planner.plan_for_run(at(40, "lstsq"), LLAMA2_70B).fits
+    with pytest.raises(TrspError, match=r"compensation needs 4[01]\.[0-9] GB per worker") as err:
+        check_plan(at(40, "lstsq"), LLAMA2_70B)
+    assert "\n" not in str(err.value) and "compensation.method=scalar" in str(err.value)
+    check_plan(at(40, "scalar"), LLAMA2_70B)
+    check_plan(at(48, "lstsq"), LLAMA2_70B)

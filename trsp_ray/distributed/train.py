@@ -92,6 +92,17 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
                         f"(logits over the vocabulary of each probe window), more than the "
                         f"{plan.setup.gpu_memory_gb:g} GB available; use more workers, a shorter data.seqlen or "
                         f"stage1.probe=0")
+    if cfg.distributed.use_gpu and cfg.compensation.method == "lstsq":
+        from trsp_ray.distributed.compensation_plan import compensation_plan
+
+        g = cfg.gates
+        comp = compensation_plan(plan.shape, plan.setup, ratio=cfg.ratio, protect_head=g.protect_head,
+                                 protect_tail=g.protect_tail).memory
+        if comp.total > plan.setup.gpu_memory_gb:
+            raise TrspError(f"the plan does not fit: the least-squares compensation needs {comp.total:.1f} GB per "
+                            f"worker (float64 sums of d x d per block, the solve and the fold), more than the "
+                            f"{plan.setup.gpu_memory_gb:g} GB available; use compensation.method=scalar (no d x d "
+                            "sums) or larger GPUs")
 
 
 def check_worker_settings(cfg) -> None:
