@@ -140,3 +140,21 @@ def test_cli_space_flags(tmp_path):
     with pytest.raises(TrspError, match="a range is"):
         parse_space_args(["stage1.lambda1=uniform:1"], algorithm=None, num_samples=None, seed=None,
                          objectives=None, space_file=None)
+
+
+def test_the_compensation_choice_is_searchable_and_shares_stage1(config_dir):
+    """Issue 21 item 4: a search over compensation.method (and its ridge) gives each trial its form,
+    validated like any point, while the trials share one stage 1 (the form acts after selection)."""
+    from trsp_ray.search.run import plan_trials
+    from trsp_ray.search.space import apply_point
+
+    space = parse_space({"params": {"compensation.method": ["none", "scalar", "lstsq"],
+                                    "compensation.ridge": [1e-4, 1e-2]}})
+    base = load_config(overrides=[f"model={config_dir}", "method=trsp-no-stage2"])
+    points, layers, n_drop = plan_trials(base, space)
+    assert len(points) == 6 and len(n_drop) == 1  # one stage-1 computation serves all six
+    configs = [apply_point(base.to_dict(), p) for p in points]
+    assert {c["compensation"]["method"] for c in configs} == {"none", "scalar", "lstsq"}
+    assert len({stage1_key(c, "d") for c in configs}) == 1 and len({trial_key(c) for c in configs}) == 6
+    with pytest.raises(TrspError, match="compensation.method='full' is not valid"):
+        plan_trials(base, parse_space({"params": {"compensation.method": ["scalar", "full"]}}))

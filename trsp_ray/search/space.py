@@ -18,8 +18,11 @@ from trsp_ray.errors import TrspError
 from trsp_ray.stage1_store import content_key
 
 # Keys a search may vary; anything else is fixed for the whole search through the run config.
+# The compensation's form and ridge act after the selection, so trials that differ only there share
+# one stage 1 (stage1_store.stage1_content leaves them out).
 SEARCHABLE = ("ratio", "stage1.lambda1", "stage2.lambda2", "stage1.lr", "stage1.first_round_steps",
-              "stage1.steps_per_round", "stage2.trainable", "stage2.steps", "stage2.lr")
+              "stage1.steps_per_round", "stage2.trainable", "stage2.steps", "stage2.lr", "compensation.method",
+              "compensation.ridge")
 ALGORITHMS = ("grid", "random", "optuna")
 RANGES = ("uniform", "loguniform", "int")
 
