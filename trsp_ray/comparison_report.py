@@ -93,8 +93,10 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
     if any(registry.ROWS[s["row"]].compensate for s in summary):
         c = cfg.compensation
         method = c.method if c.method != "none" else "lstsq"
-        parts.append(f"+comp rows: {method} compensation after removal ({c.activations} activations, ridge {c.ridge}, "
-                     f"{c.windows} calibration windows of {d.seqlen} tokens), folded into the weights before any heal.")
+        how = ("one scale per block from dense token norms" if method == "scalar"
+               else f"{c.activations} activations, ridge {c.ridge} towards the identity")
+        parts.append(f"+comp rows: {method} compensation after removal ({how}, {c.windows} calibration windows of "
+                     f"{d.seqlen} tokens), folded into the weights before any heal.")
     if cut:
         parts.append(cut)
     default = next((s["row"] for s in summary if registry.ROWS[s["row"]].is_default), None)
