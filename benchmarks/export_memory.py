@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -103,14 +102,10 @@ def worker(args) -> None:
                                   "shards": len(shards), "total_bytes": sum(s.nbytes for s in shards)}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_path(args, path: str, output: str) -> dict:
-    port = _free_port()
+    from trsp_ray.distributed.ranks import free_port
+
+    port = free_port()
     cmd = [sys.executable, __file__, "--path", path, "--output", output, "--model", args.model,
            "--shard-mb", str(args.shard_mb), "--drop", args.drop]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import time
 
@@ -61,15 +60,11 @@ def _rank_main(rank: int, world: int, port: int, out: str, args) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     import torch
     import torch.multiprocessing as mp
+
+    from trsp_ray.distributed.ranks import free_port
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -83,7 +78,7 @@ def main() -> None:
     one = _score(0, 1, args)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_rank_main, args=(2, _free_port(), out, args), nprocs=2, join=True)
+        mp.spawn(_rank_main, args=(2, free_port(), out, args), nprocs=2, join=True)
         ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     two_seconds = max(r["seconds"] for r in ranks)
     rate1, rate2 = one["calls"] / one["seconds"], ranks[0]["calls"] / two_seconds

@@ -5,7 +5,6 @@ the folded weights."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 
 from trsp_ray import compensation
 from trsp_ray.distributed import compensate
+from trsp_ray.distributed.ranks import free_port
 from trsp_ray.errors import TrspError
 from trsp_ray.surgery import remove_layers
 from trsp_ray.tiny import VOCAB, tiny_model
@@ -27,12 +27,6 @@ def _windows():
     padding forward (96 tokens, above the tiny model's hidden size 64)."""
     gen = torch.Generator().manual_seed(3)
     return list(torch.randint(0, VOCAB, (3, 32), generator=gen).split(2))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_shard_splits_windows_like_the_probes_and_pads_the_short_rank():
@@ -101,7 +95,7 @@ print("RESULT " + json.dumps({"tokens": info["tokens"], "cost": info["cost"], "b
 
 
 def _run_ranks(tmp_path, reduce: str) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-c", ZERO3_WORKER, str(tmp_path / "model"), str(tmp_path / "windows.pt"),
             str(tmp_path / f"export-{reduce}"), reduce]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -4,7 +4,6 @@ same path is in test_distributed_ray.py."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from trsp_ray.distributed import export as dexport
 from trsp_ray.distributed.export import export_streaming, reload_fits, timeout_for
+from trsp_ray.distributed.ranks import free_port
 from trsp_ray.distributed.shards import ShardWriter, TensorSpec, plan_shards, verify_shards
 from trsp_ray.errors import TrspError
 from trsp_ray.export import MANIFEST, export_model
@@ -268,14 +268,8 @@ print("RESULT " + json.dumps(done), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _zero3_export(model_dir, out, world: int) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(model_dir), str(out)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),

@@ -4,7 +4,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from trsp_ray.distributed.ranks import free_port
 
 pytestmark = [pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[1]
@@ -201,24 +202,18 @@ def test_fault_injection_resumes_without_recomputing(tiny_dir, tmp_path, single,
 RETRY = ("Connection refused", "Failed to connect", "No available agent")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("TRSP_RAY_MLFLOW_DIR", None)  # the job's MLflow store defaults to its storage path
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     # A short temp dir: Ray's unix socket paths under pytest's long tmp_path exceed 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="trsp-ray-", dir="/tmp")
     head = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
          f"--dashboard-port={dash}", "--include-dashboard=true",
          # Another Ray on the machine may hold the default agent ports; the job agent must bind.
-         f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-         f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
          "--num-cpus=2", "--num-gpus=0",
          f"--temp-dir={temp_dir}"], env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -259,8 +254,8 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
 
 def _node_ports() -> dict:
     """Free agent ports: several raylets share this machine (and other Ray clusters may hold defaults)."""
-    return {"dashboard_agent_listen_port": _free_port(), "metrics_export_port": _free_port(),
-            "runtime_env_agent_port": _free_port()}
+    return {"dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
+            "runtime_env_agent_port": free_port()}
 
 
 @pytest.fixture
@@ -271,7 +266,7 @@ def two_nodes():
 
     own_ray_tmpdir()  # every node's files (and its address file) under this test's RAY_TMPDIR
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                            "gcs_server_port": _free_port(), **_node_ports()})
+                                                            "gcs_server_port": free_port(), **_node_ports()})
     for _ in range(2):
         cluster.add_node(num_cpus=1, **_node_ports())
     cluster.wait_for_nodes()

@@ -2,11 +2,11 @@
 and all-reduce the sums, so they give the one-process score and drop order with 1/W of the
 forwards each; positions before `start` do not count."""
 
-import socket
 
 import pytest
 import torch
 
+from trsp_ray.distributed.ranks import free_port
 from trsp_ray.gates import attach_gates
 from trsp_ray.stage1 import RemovalScorer, run_stage1
 from trsp_ray.tiny import tiny_model
@@ -62,18 +62,12 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_ranks_split_the_probe_windows_and_match_one_process(tmp_path):
     import torch.multiprocessing as mp
 
     one = _probe(0, 1)
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     window_tokens = 8 * 32
     # one process: a teacher pass, then a student pass per call; each rank half of that
@@ -116,7 +110,7 @@ def test_uneven_shares_keep_the_ranks_in_step_and_score_every_window(tmp_path):
     one = RemovalScorer(model=model, gates=attach_gates(model), windows=windows, teacher_budget_bytes=0)
     expected = [one(d) for d in DROPS[1:]]
     out = str(tmp_path / "rank")
-    mp.spawn(_uneven_main, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_uneven_main, args=(2, free_port(), out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     for r in ranks:
         assert r["scores"] == pytest.approx(expected, abs=1e-6, rel=0)
@@ -214,7 +208,7 @@ def test_zero3_gloo_ranks_split_the_windows_and_match_one_process(tmp_path):
     model = tiny_model("llama", layers=6)
     one = RemovalScorer(model=model, gates=attach_gates(model), windows=windows)
     expected = [one(d) for d in [[2], [1, 3], [2, 4]]]
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-c", ZERO3_WORKER, str(tmp_path / "model"), str(tmp_path / "windows.pt")]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",

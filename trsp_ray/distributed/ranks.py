@@ -4,7 +4,16 @@ selection on the workers, and stage 1's Block-Influence shortlist)."""
 
 from __future__ import annotations
 
+import socket
+
 import torch
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a gloo rendezvous for local ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sum_over_ranks(values: list[float]) -> list[float]:
