@@ -33,7 +33,7 @@ def planned_select_cost(cfg, *, num_layers: int) -> float | None:
         candidates = candidate_layers(num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
         return sleb_cost(num_layers=num_layers, candidates=candidates, n_drop=n_drop,
                          tokens=cfg.baselines.sleb_windows * seqlen)
-    if spec.selector == "random":
+    if spec.selector == registry.RANDOM_SELECTOR:
         return 0.0
     return None
 

@@ -25,6 +25,7 @@ from trsp_ray.errors import TrspError
 TRSP_SELECTOR = "trsp"  # the selector that is TRSP's stage 1
 SHORTGPT_SELECTOR = "shortgpt"  # Block Influence: the default's selector, also run on Ray Train workers
 SLEB_SELECTOR = "sleb"  # the report notes how many windows it scored
+RANDOM_SELECTOR = "random"  # a seeded random drop set: no forward pass, no compute
 
 
 @dataclass(frozen=True)
