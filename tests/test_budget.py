@@ -58,3 +58,20 @@ def test_the_benchmark_refuses_a_prune_budget():
 
     with pytest.raises(TrspError, match="--budgets"):
         check_request(load_config(None, ["heal.compute_budget=1e6"]), ["dense"], 1, 0)
+
+
+def test_the_planned_compensation_cost_bounds_what_the_compensation_spends():
+    """Sequential least squares runs two passes per block: the bound counts every block a drop set
+    of n_drop layers can have, so the budget is never overrun by the fit."""
+    from trsp_ray import compensation
+    from trsp_ray.budget import planned_compensation_cost
+    from trsp_ray.config import load_config
+
+    for activations in ("dense", "sequential"):
+        cfg = load_config(None, ["ratio=0.25", "data.seqlen=32", "compensation.method=lstsq", "compensation.windows=4",
+                                 f"compensation.activations={activations}"])
+        bound = planned_compensation_cost(cfg, num_layers=12)
+        for drop in ([1, 2, 3], [1, 3, 5], [8, 9, 10], [2, 6, 10]):  # 3 of 12 layers, 1 to 3 blocks
+            spent = compensation.cost(drop=drop, num_layers=12, tokens=4 * 32, activations=activations)
+            assert spent <= bound, (activations, drop, spent, bound)
+    assert planned_compensation_cost(load_config(None, []), num_layers=12) == 0.0

@@ -38,14 +38,20 @@ def planned_select_cost(cfg, *, num_layers: int) -> float | None:
     return None
 
 
-def planned_compensation_cost(cfg) -> float:
-    """At most one whole dense forward over the compensation's calibration windows (the passes stop
-    after the last block they need; "sequential" runs a pass per block, at most the model's depth
-    twice over, counted here as 2)."""
+def planned_compensation_cost(cfg, *, num_layers: int) -> float:
+    """An upper bound of compensation.cost before the drop set is known: "dense" (and the scalar
+    fold) one pass over the calibration tokens, stopping after the last block; "sequential" per
+    block a dense pass to its end and a pruned pass to its boundary, each at most the whole depth,
+    for at most n_drop blocks."""
+    from trsp_ray.stage1 import n_drop_for
+
     c = cfg.compensation
     if c.method == "none":
         return 0.0
-    return float(c.windows * cfg.data.seqlen) * (2.0 if c.activations == "sequential" else 1.0)
+    tokens = float(c.windows * cfg.data.seqlen)
+    if c.activations == "sequential" and c.method != "scalar":
+        return 2.0 * n_drop_for(cfg.ratio, num_layers) * tokens
+    return tokens
 
 
 def resolve(cfg, *, num_layers: int):
@@ -67,7 +73,7 @@ def resolve(cfg, *, num_layers: int):
         raise TrspError(f"heal.compute_budget={budget:g} cannot be planned for method={cfg.method!r}: its stage-1 "
                         "selection's cost is known only after it runs; set stage2.steps instead, or use "
                         f"{registry.DEFAULT_METHOD}")
-    comp = planned_compensation_cost(cfg)
+    comp = planned_compensation_cost(cfg, num_layers=num_layers)
     step = compute.TRAIN_TOKEN * cfg.data.batch_size * cfg.data.seqlen
     steps = int((budget - select - comp) // step)
     if steps < 1:
@@ -80,7 +86,7 @@ def resolve(cfg, *, num_layers: int):
 def describe(cfg, *, num_layers: int) -> str:
     """One line for the log: where a resolved budget goes."""
     select = planned_select_cost(cfg, num_layers=num_layers) or 0.0
-    comp = planned_compensation_cost(cfg)
+    comp = planned_compensation_cost(cfg, num_layers=num_layers)
     heal = compute.TRAIN_TOKEN * cfg.stage2.steps * cfg.data.batch_size * cfg.data.seqlen
     return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
             + (f", compensation {comp / 1e3:.1f}k" if comp else "")
