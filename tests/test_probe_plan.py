@@ -113,3 +113,31 @@ def test_plan_of_the_default_method_has_no_probes_and_freezes_the_drop_set():
     assert "checkpoint: 579.6 GB per save" in out
     paper = subprocess.run([*args, "--method", "trsp"], capture_output=True, text=True, timeout=300)
     assert "checkpoint: 770.9 GB per save" in paper.stdout and "stage 1 probes: 15.1 GB" in paper.stdout
+
+
+def test_the_route_takes_as_many_workers_as_the_probes_need(tmp_path):
+    """A 7B-like Llama with a vocabulary of 300k, 4 windows of 2048 tokens a batch, 40 GB GPUs: one
+    process does not fit (49.6 GB), stage 1's training fits 2 workers (27.7 GB) but its probes there
+    do not (63.2 GB: two probe windows' logits per GPU), so the route takes 4 workers; when the
+    probes fit no worker count allowed it refuses in one line naming them."""
+    import json
+
+    from trsp_ray.distributed.route import route
+    from trsp_ray.distributed.shape import read_shape
+    from trsp_ray.errors import TrspError
+
+    def shape(vocab):
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "llama", "vocab_size": vocab, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}))
+        return read_shape(str(tmp_path))
+
+    common = ["distributed.workers=16", "distributed.use_gpu=true", "data.batch_size=4", "data.seqlen=2048",
+              "method=trsp-no-stage2", "device=cuda", "distributed.activation_checkpointing=true"]
+    r = route(load_config(None, common), shape=shape(300_000), memory_gb=40)
+    assert r.workers == 4 and r.plan.peak < 40
+    no_probes = route(load_config(None, [*common, "stage1.probe=0"]), shape=shape(300_000), memory_gb=40)
+    assert no_probes.workers == 2  # the training plan alone decides
+    with pytest.raises(TrspError, match=r"on 2 workers stage 1's removal probes need 63\.2 GB per worker") as err:
+        route(load_config(None, common), shape=shape(300_000), memory_gb=40, max_workers=2)
+    assert "\n" not in str(err.value)

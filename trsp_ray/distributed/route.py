@@ -60,8 +60,36 @@ def route(cfg, *, device: str | None = None, memory_gb: float | None = None, sha
             cfg_w = replace(cfg, **{"distributed.workers": w, "distributed.use_gpu": device == "gpu",
                                     "distributed.gpu_memory_gb": memory_gb})
             zero = zero3_plan(cfg_w, s)
-            if zero.fits:
+            extra = zero.fits and device == "gpu" and worker_extras_problem(cfg_w, zero)
+            if zero.fits and not extra:
                 return Route(w, device, zero)
+        if extra:  # the stages fit the most workers allowed, what they hold beside them does not
+            raise TrspError(f"{single.reason()}, and on {limit} workers {extra}")
         raise TrspError(f"{single.reason()}, and no ZeRO-3 plan fits on <= {limit} workers; "
                         f"{single_hint(cfg, single)}")
     raise TrspError(f"the plan does not fit: {single.reason()}; {single_hint(cfg, single)}")
+
+
+def worker_extras_problem(cfg, plan: Plan) -> str | None:
+    """What a worker holds beside the stages' training, one line when it does not fit the GPU:
+    stage 1's removal probes (logits over the vocabulary of each probe window) and a least-squares
+    compensation's float64 d x d sums; None when both fit (or the run has neither)."""
+    from trsp_ray.distributed.probe_plan import ProbeSetup, probe_plan
+
+    available = plan.setup.gpu_memory_gb
+    probed = probe_plan(plan.shape, plan.setup, ProbeSetup.from_config(cfg))
+    if probed.calls and probed.memory.total > available:
+        return (f"stage 1's removal probes need {probed.memory.total:.1f} GB per worker (logits over the "
+                f"vocabulary of each probe window), more than the {available:g} GB available; use more workers, "
+                "a shorter data.seqlen or stage1.probe=0")
+    if cfg.compensation.method == "lstsq":
+        from trsp_ray.distributed.compensation_plan import compensation_plan
+
+        g = cfg.gates
+        comp = compensation_plan(plan.shape, plan.setup, ratio=cfg.ratio, protect_head=g.protect_head,
+                                 protect_tail=g.protect_tail).memory
+        if comp.total > available:
+            return (f"the least-squares compensation needs {comp.total:.1f} GB per worker (float64 sums of "
+                    f"d x d per block, the solve and the fold), more than the {available:g} GB available; use "
+                    "compensation.method=scalar (no d x d sums) or larger GPUs")
+    return None

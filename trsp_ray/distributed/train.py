@@ -76,7 +76,7 @@ def check_resources(dist, resources: dict, cpus: int | None = None) -> None:
 def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
     """Refuse a plan whose GPU memory (GPU runs: the stages, then stage 1's removal probes) or
     checkpoints (`disk_budget_gb`, any run) do not fit, naming what would (see zero3_plan.py)."""
-    from trsp_ray.distributed.probe_plan import ProbeSetup, probe_plan
+    from trsp_ray.distributed.route import worker_extras_problem
     from trsp_ray.distributed.zero3_plan import plan_for_run
 
     plan = plan_for_run(cfg, model_path, ds_config)
@@ -85,24 +85,9 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
         raise TrspError(disk)
     if cfg.distributed.use_gpu and not plan.fits:
         raise TrspError(f"the plan does not fit: {plan.reason()}; {plan.suggestion()}")
-    probed = probe_plan(plan.shape, plan.setup, ProbeSetup.from_config(cfg))
-    probes = probed.memory
-    if cfg.distributed.use_gpu and probed.calls and probes.total > plan.setup.gpu_memory_gb:
-        raise TrspError(f"the plan does not fit: stage 1's removal probes need {probes.total:.1f} GB per worker "
-                        f"(logits over the vocabulary of each probe window), more than the "
-                        f"{plan.setup.gpu_memory_gb:g} GB available; use more workers, a shorter data.seqlen or "
-                        f"stage1.probe=0")
-    if cfg.distributed.use_gpu and cfg.compensation.method == "lstsq":
-        from trsp_ray.distributed.compensation_plan import compensation_plan
-
-        g = cfg.gates
-        comp = compensation_plan(plan.shape, plan.setup, ratio=cfg.ratio, protect_head=g.protect_head,
-                                 protect_tail=g.protect_tail).memory
-        if comp.total > plan.setup.gpu_memory_gb:
-            raise TrspError(f"the plan does not fit: the least-squares compensation needs {comp.total:.1f} GB per "
-                            f"worker (float64 sums of d x d per block, the solve and the fold), more than the "
-                            f"{plan.setup.gpu_memory_gb:g} GB available; use compensation.method=scalar (no d x d "
-                            "sums) or larger GPUs")
+    problem = cfg.distributed.use_gpu and worker_extras_problem(cfg, plan)
+    if problem:
+        raise TrspError(f"the plan does not fit: {problem}")
 
 
 def check_worker_settings(cfg) -> None:
