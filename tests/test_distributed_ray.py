@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trsp_ray.distributed import ray_session
 from trsp_ray.distributed.ranks import free_port
 
 pytestmark = [pytest.mark.ray]
@@ -205,6 +206,10 @@ RETRY = ("Connection refused", "Failed to connect", "No available agent")
 def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("TRSP_RAY_MLFLOW_DIR", None)  # the job's MLflow store defaults to its storage path
+    # The head's workers start with the head's environment, as on a cluster's node: none of the
+    # quieting variables the job's driver sets (they must reach the workers through the job).
+    for name in ray_session.FORWARDED_ENV:
+        env.pop(name, None)
     port, dash = free_port(), free_port()
     # A short temp dir: Ray's unix socket paths under pytest's long tmp_path exceed 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="trsp-ray-", dir="/tmp")
@@ -234,6 +239,10 @@ def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
         print(done.stdout[-3000:], done.stderr[-2000:])
         # `ray job submit` waits for the job and prints "Job '<id>' succeeded" (status SUCCEEDED).
         assert done.returncode == 0 and "succeeded" in done.stdout + done.stderr, done.stderr[-2000:]
+        # The workers ran as quiet as the driver: no transformers bar ("Loading weights: 100%|...")
+        # among the job's lines, which carry the workers' own records ("worker: {...}").
+        log = done.stdout + done.stderr
+        assert "worker: {" in log and "it/s]" not in log and "Loading weights" not in log, log[-3000:]
         _reloads(tmp_path / "out")
         # The driver logged the run to MLflow in the storage path (the job's default store).
         from mlflow.tracking import MlflowClient

@@ -15,6 +15,8 @@ def calls(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
     monkeypatch.setattr(ray, "shutdown", lambda: seen.append("shutdown"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name in ray_session.FORWARDED_ENV + ("RAY_JOB_CONFIG_JSON_ENV_VAR",):
+        monkeypatch.delenv(name, raising=False)
     return seen
 
 
@@ -46,3 +48,21 @@ def test_session_shuts_down_only_what_it_started(calls):
     with ray_session.session() as started:
         assert started is False
     assert calls == [{"already": "up"}]
+
+
+def test_the_drivers_quieting_variables_travel_to_every_worker(calls, monkeypatch):
+    """A worker on a node started by `ray start` has that node's environment: the variables the
+    driver's quiet_libraries set go in the job's runtime_env, beside the caller's own, and not those
+    a `ray job submit --runtime-env` names already (Ray refuses a variable named twice)."""
+    import json
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    ray_session.connect("10.0.0.1:6379", runtime_env={"env_vars": {"A": "b"}, "pip": ["x"]})
+    assert calls[0]["runtime_env"] == {"pip": ["x"], "env_vars": {"TQDM_DISABLE": "1",
+                                                                 "HF_HUB_DISABLE_PROGRESS_BARS": "1", "A": "b"}}
+    calls.clear()
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",
+                       json.dumps({"runtime_env": {"env_vars": {"TQDM_DISABLE": "1"}}}))
+    ray_session.connect()
+    assert calls[0]["runtime_env"] == {"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
