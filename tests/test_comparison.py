@@ -257,6 +257,31 @@ def test_report_says_when_sleb_was_cut_and_full_baselines_lifts_it(monkeypatch):
     assert "CUT" not in _sleb_note(seen["cfg"])
 
 
+def test_the_readme_run_cuts_trsps_refinement_and_says_so(monkeypatch):
+    """The README's quick run turns TRSP's swap refinement off (about 6 of its 15 minutes on 2
+    cores) and its report says so; --full, --rows or a refine setting the user gave keep it."""
+    from trsp_ray import cli
+
+    seen = []
+    monkeypatch.setattr("trsp_ray.distributed.comparison.run_benchmark_ray",
+                        lambda cfg, rows, **kw: seen.append((cfg.stage1.refine, kw["cut"])))
+    monkeypatch.setattr("trsp_ray.comparison.run_benchmark",
+                        lambda cfg, rows, **kw: seen.append((cfg.stage1.refine, kw["cut"])))
+    monkeypatch.setattr("trsp_ray.workbench.check_single_plan", lambda cfg, methods: None)
+    default = load_config(None, []).stage1.refine
+    assert default > 0
+    for argv, refine, cut in ((["benchmark"], 0, "TRSP's swap refinement (stage1.refine=0"),
+                              (["benchmark", "--set", "stage1.refine=1"], 1, "CUT the rows"),
+                              (["benchmark", "--rows", "trsp-no-stage2"], default, None),
+                              (["benchmark", "--full"], default, None)):
+        seen.clear()
+        assert cli.main([*argv, "--no-mlflow"]) == 0
+        assert seen[0][0] == refine, argv
+        assert (cut in seen[0][1]) if cut else seen[0][1] == "", argv
+        if refine:
+            assert "refinement" not in seen[0][1], argv
+
+
 def test_bar_plot_takes_a_mean_an_ulp_outside_its_range():
     """Three equal PPLs can average to a float just above their max; the plot must still draw."""
     from trsp_ray.plots import benchmark_bars

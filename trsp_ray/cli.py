@@ -74,6 +74,14 @@ def _benchmark(args) -> int:
     zeroshot = mode["zeroshot"] if args.zeroshot is None else args.zeroshot
     budgets = _int_list(args.budgets or mode["budgets"], "--budgets")
     cfg = run_config(args)
+    quick = not (args.full or args.rows)
+    # The README's cut: TRSP's swap refinement off (about 6 of its 15 minutes; at seed 0 its 56
+    # scorer calls found no swap), unless a --config or --set says how to refine.
+    cut_refine = quick and not args.config and not any(o.startswith("stage1.refine") for o in args.overrides)
+    if cut_refine:
+        from trsp_ray.config import replace
+
+        cfg = replace(cfg, **{"stage1.refine": 0})
     if args.full_baselines or args.full:
         from trsp_ray.config import FULL_SLEB_WINDOWS, replace
 
@@ -83,10 +91,12 @@ def _benchmark(args) -> int:
     from trsp_ray.workbench import check_single_plan
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
-    cut = "" if args.full or args.rows else (
+    cut = "" if not quick else (
         f"quick run (the README's): CUT the rows {', '.join(r for r in DEFAULT_ROWS if r not in QUICK_ROWS)} "
         f"(the README has the equal-compute rows' figures), the zero-shot mean and "
-        f"the 4x heal budget, LAMBADA on {lambada} passages; --full runs every row, SLEB in full, "
+        f"the 4x heal budget, LAMBADA on {lambada} passages"
+        + (", TRSP's swap refinement (stage1.refine=0; `prune` refines)" if cut_refine else "")
+        + "; --full runs every row, SLEB in full, "
         f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
         f"{FULL['budgets']}.")
     kwargs = {"seeds": args.seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut}
