@@ -41,7 +41,13 @@ def test_stage_figures_by_hand():
     assert "optimizer fp32 + Adam (partition)" not in stage1.parts  # frozen base: gates only
     assert stage2.parts["optimizer fp32 + Adam (partition)"] == pytest.approx(2850 * 12 / 2 / gb)
     assert stage2.parts["gradients (partition)"] == pytest.approx(2850 * 4 / 2 / gb)
-    assert stage2.total - stage1.total == pytest.approx((2850 * 16 / 2 + 2850 * 4) / gb)  # grads+optim+bucket
+    # activations per token and layer (distributed/activations.py): norms 8h + 8, attention e(2q + 2kv) + 4
+    # heads, SwiGLU 3eI = 376; ZeRO-3's Linear inputs in stage 1 e(2h + I) = 160 and the gate's eh = 40;
+    # stage 2's Linear and norm-weight inputs e(4h + I) = 240; logits 12V = 1200
+    assert stage1.parts["activations"] == pytest.approx((2 * (456 + 160 + 40) + 1200) / gb)
+    assert stage2.parts["activations"] == pytest.approx((2 * (456 + 240) + 1200) / gb)
+    # grads + optim + bucket, and stage 2's 2 x 40 more activation bytes
+    assert stage2.total - stage1.total == pytest.approx((2850 * 16 / 2 + 2850 * 4 + 80) / gb)
 
 
 def test_offload_moves_optimizer_state_to_host():

@@ -1,24 +1,27 @@
 """Activation memory of a forward: what a training forward keeps for backward (per token and
-decoder layer, plus the logits), and a no-grad forward's one layer at a time.
+decoder layer, plus the logits), and a no-grad forward's one layer at a time. One model for one
+process and for ZeRO-3 workers.
 
 Bytes per token unless said otherwise; e = dtype bytes, h hidden, q = heads x head_dim,
 kv = kv_heads x head_dim, I intermediate, V vocab:
-  stage 1   gates train, weights frozen: per layer the RMSNorms' fp32 inputs (2 x 4h), attention's
-            q, k, v, output and log-sum-exp (e(2q + 2kv) + 4 heads), SwiGLU's gate, act and up
-            (3eI) and the gate's (y - x) (eh). Frozen Linears keep no inputs.
-  stage 2   all weights train: + the Linears' inputs (e(2h + q + I)).
+  any layer a gradient flows through: the RMSNorms' fp32 inputs and inverse RMS (2 x 4h + 8),
+            attention's q, k, v, output and log-sum-exp (e(2q + 2kv) + 4 heads), SwiGLU's gate,
+            act and up (3eI). Frozen torch Linears keep no inputs.
+  weights train (stage 2, a heal): + the Linears' inputs (the two normed streams and down_proj's,
+            e(2h + I); o_proj's is attention's output, kept already) and the normed streams again
+            for the norms' weights (2eh).
+  ZeRO-3    DeepSpeed's Linear keeps its input even when its weight is frozen, so stage 1 on workers
+            keeps e(2h + I) more than in one process.
+  stage 1   + the gate's (y - x) (eh).
   checkpointing  only each layer's input (+ a gate's (y - x) in stage 1) is kept; the layer
             being recomputed holds its activations once more, after the logits' gradients are gone.
   logits    training: the fp32 log-softmax kept for backward (4V), and at the start of backward
             its gradient and the NLL gradient (8V).
-Measured against this on CPU with glibc returning freed memory at once (MALLOC_MMAP_THRESHOLD_,
-the analog of torch.cuda.max_memory_allocated): benchmarks/planner_single.py.
-
-The ZeRO-3 plan still uses its own, coarser per-layer figure (`zero3_activations_gb`): moving it to
-the model above (with trained=True in stage 1 too: DeepSpeed's ZeRO-3 Linear saves every input)
-would lower figures the tests pin by more than 1% (Llama-2-70B on 16 x 80 GB without checkpointing:
-stage 1 79.9 -> 74.6 GB, stage 2 137.0 -> 129.3 GB, tests/test_distributed_hub.py), and
-benchmarks/planner_check.py has not measured that change.
+The per-layer figures are what autograd's saved-tensor hooks count on SmolLM2 (fp32 and bf16, one
+process and with ZeRO-3's Linear, stage 1 and stage 2: all eight exact, benchmarks/activation_check.py);
+the peaks they lead to are measured against the plans in benchmarks/planner_single.py (one process,
+glibc returning freed memory at once, the analog of torch.cuda.max_memory_allocated) and
+benchmarks/planner_check.py (two ZeRO-3 workers).
 """
 
 from __future__ import annotations
@@ -27,41 +30,28 @@ from trsp_ray.distributed.memory import GB
 from trsp_ray.distributed.shape import Shape
 
 
-def layer_activation_bytes(s: Shape, e: int, *, trained: bool, gated: bool) -> float:
+def layer_activation_bytes(s: Shape, e: int, *, trained: bool, gated: bool, zero3: bool = False) -> float:
     """Bytes per token kept for backward by one decoder layer (see the table above)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    kept = 2 * 4 * s.hidden + e * (2 * q + 2 * kv + 3 * s.intermediate) + 4 * s.heads
+    kept = 2 * 4 * s.hidden + 8 + e * (2 * q + 2 * kv + 3 * s.intermediate) + 4 * s.heads
     if trained:
-        kept += e * (2 * s.hidden + q + s.intermediate)
+        kept += e * (4 * s.hidden + s.intermediate)
+    elif zero3:
+        kept += e * (2 * s.hidden + s.intermediate)
     if gated:
         kept += e * s.hidden
     return kept
 
 
 def training_activations_gb(s: Shape, *, dtype_bytes: int, tokens: int, layers: int, checkpointing: bool,
-                            trained: bool, gated: bool) -> float:
+                            trained: bool, gated: bool, zero3: bool = False) -> float:
     """GB one training step keeps for backward over `tokens` tokens of `layers` decoder layers,
-    logits included (see the table above)."""
-    per_layer = layer_activation_bytes(s, dtype_bytes, trained=trained, gated=gated)
+    logits included (see the table above); `zero3`: on a ZeRO-3 worker."""
+    per_layer = layer_activation_bytes(s, dtype_bytes, trained=trained, gated=gated, zero3=zero3)
     if checkpointing:
         kept = layers * dtype_bytes * s.hidden * (2 if gated else 1)
         return tokens * (kept + 4 * s.vocab + max(8 * s.vocab, 2 * per_layer)) / GB
     return tokens * (layers * per_layer + 12 * s.vocab) / GB
-
-
-def zero3_activations_gb(s: Shape, *, dtype_bytes: int, tokens: int, checkpointing: bool) -> float:
-    """GB one ZeRO-3 worker's step keeps for backward over `tokens` tokens (every layer: a gate's
-    gradient flows through all later layers), logits included."""
-    kv = s.kv_heads * s.head_dim
-    # Saved per token per layer: norms/residuals (~8h, RMSNorm upcasts), q/k/v with RoPE copies
-    # (~3 kv-widths beyond h), SwiGLU gate/up/act/product (4 I); SDPA keeps no score matrix.
-    per_layer = dtype_bytes * (8 * s.hidden + 3 * kv + 4 * s.intermediate) + 8 * s.hidden
-    if checkpointing:  # only each layer's input is kept; one layer is recomputed
-        layers = s.layers * dtype_bytes * s.hidden + per_layer
-    else:
-        layers = s.layers * per_layer
-    logits = s.vocab * 4 * 3  # fp32 logits, log-softmax and their gradient
-    return tokens * (layers + logits) / GB
 
 
 def forward_layer_bytes(s: Shape, e: int) -> int:

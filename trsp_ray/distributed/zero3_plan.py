@@ -22,14 +22,14 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-from trsp_ray.distributed.activations import zero3_activations_gb
+from trsp_ray.distributed.activations import training_activations_gb
 from trsp_ray.distributed.host_plan import HostPlan, disk_problem, host_and_disk
 from trsp_ray.distributed.memory import ADAM_FP32, GB, OVERHEAD_GB, REDUCE_BUCKET, Peaks, StagePlan
 from trsp_ray.distributed.shape import Shape, read_shape
 from trsp_ray.distributed.zero3_setup import Setup, setup_for_run
 
 
-def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int) -> StagePlan:
+def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int, gated: bool = False) -> StagePlan:
     b, w = st.dtype_bytes, st.workers
     plan = StagePlan(name)
     weights = (trained + frozen) * b / w
@@ -47,8 +47,10 @@ def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int) -> Stag
             plan.parts["gradients (partition)"] = grads / GB
             plan.parts["optimizer fp32 + Adam (partition)"] = optim / GB
         plan.parts["reduce bucket"] = min(REDUCE_BUCKET, trained) * b / GB
-    plan.parts["activations"] = zero3_activations_gb(s, dtype_bytes=b, tokens=st.micro_batch * st.seqlen,
-                                                     checkpointing=st.activation_checkpointing)
+    # every layer: a gate's gradient flows through all later layers in stage 1, all weights train in stage 2
+    plan.parts["activations"] = training_activations_gb(
+        s, dtype_bytes=b, tokens=st.micro_batch * st.seqlen, layers=s.layers, checkpointing=st.activation_checkpointing,
+        trained=trained > 0, gated=gated, zero3=True)
     plan.parts["runtime overhead"] = OVERHEAD_GB[st.device]
     return plan
 
@@ -56,7 +58,7 @@ def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int) -> Stag
 def estimate(s: Shape, st: Setup) -> tuple[StagePlan, StagePlan]:
     """(stage 1, stage 2) per-worker plans."""
     p = s.params
-    stage1 = _stage("stage 1", s, st, trained=p if st.train_base else 0, frozen=0 if st.train_base else p)
+    stage1 = _stage("stage 1", s, st, trained=p if st.train_base else 0, frozen=0 if st.train_base else p, gated=True)
     if st.trainable == "lora":
         stage2 = _stage("stage 2 (lora)", s, st, trained=s.lora_params(st.lora_rank), frozen=p)
     else:
