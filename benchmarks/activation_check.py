@@ -33,7 +33,8 @@ def zero3_linear(on: bool):
         F.linear = original
 
 
-def saved_bytes(path: str, *, dtype, layers: int, trained: bool, gated: bool, zero3: bool, tokens: tuple[int, int]) -> int:
+def saved_bytes(path: str, *, dtype, layers: int, trained: bool, gated: bool, zero3: bool,
+                tokens: tuple[int, int]) -> int:
     """Bytes autograd keeps for backward in one forward of the first `layers` decoder layers."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -91,7 +92,8 @@ def main() -> None:
         for stage, trained, gated in (("stage 1", False, True), ("stage 2", True, False)):
             for zero3 in (False, True):
                 kw = {"dtype": dtype, "trained": trained, "gated": gated, "zero3": zero3, "tokens": tokens}
-                per = (saved_bytes(path, layers=8, **kw) - saved_bytes(path, layers=4, **kw)) / 4 / (tokens[0] * tokens[1])
+                diff = saved_bytes(path, layers=8, **kw) - saved_bytes(path, layers=4, **kw)
+                per = diff / 4 / (tokens[0] * tokens[1])
                 model = layer_activation_bytes(s, e, trained=trained, gated=gated, zero3=zero3)
                 worst = max(worst, abs(model / per - 1))
                 print(f"{str(dtype).split('.')[-1]:<9}{stage:<9}{'ZeRO-3' if zero3 else 'one proc':<9}{per:>11.0f}"
