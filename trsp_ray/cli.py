@@ -75,8 +75,8 @@ def _benchmark(args) -> int:
     budgets = _int_list(args.budgets or mode["budgets"], "--budgets")
     cfg = run_config(args)
     quick = not (args.full or args.rows)
-    # The README's cut: TRSP's swap refinement off (about 6 of its 15 minutes; at seed 0 its 56
-    # scorer calls found no swap), unless a --config or --set says how to refine.
+    # The README's cut: TRSP's swap refinement off (6 of the command's 21 minutes on 2 cores; at seed 0
+    # its 56 scorer calls found no swap), unless a --config or --set says how to refine.
     cut_refine = quick and not args.config and not any(o.startswith("stage1.refine") for o in args.overrides)
     if cut_refine:
         from trsp_ray.config import replace

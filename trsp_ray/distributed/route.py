@@ -54,6 +54,7 @@ def route(cfg, *, device: str | None = None, memory_gb: float | None = None, sha
         return Route(0, device, single)
     limit = cfg.distributed.workers if max_workers is None else max_workers
     if limit >= 1 and method_on_workers(cfg.method) and cfg.heal.steps == 0:
+        extra = None
         for w in range(1, limit + 1):
             if cfg.data.batch_size % w:  # every worker takes an equal slice of each batch
                 continue
