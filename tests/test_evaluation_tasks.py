@@ -197,3 +197,30 @@ def test_lm_evals_notes_on_our_intended_use_are_dropped_its_warnings_kept(caplog
     assert seen() == []
     logging.getLogger("lm_eval.evaluator").warning("a real warning")
     assert "a real warning" in caplog.messages
+
+
+def test_an_evaluation_outside_a_checkout_prints_no_git_error(capfd, monkeypatch, tmp_path):
+    """lm-eval's simple_evaluate ends with `git describe` in the working directory: outside a git
+    checkout (every Ray worker of a README run) git wrote "fatal: not a git repository" on stderr,
+    once per benchmark row. The harness skips that report; lm-eval's own call still prints it here,
+    so the test can see the line it removes."""
+    import subprocess
+
+    from lm_eval.loggers.utils import get_git_commit_hash
+
+    from trsp_ray.evaluation.harness import run_tasks
+    from trsp_ray.tiny import tiny_model
+    from trsp_ray.workbench import load_model
+
+    if subprocess.run(["git", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("git is not installed")
+    _, tok = load_model("smollm2-135m")
+    model = tiny_model("llama", layers=2, vocab=len(tok)).eval()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no checkout above tmp_path
+    capfd.readouterr()
+    get_git_commit_hash()
+    assert "not a git repository" in capfd.readouterr().err  # what a row used to print
+    scores = run_tasks(model, tok, tasks=["lambada"], limit=2, batch_size=2)
+    assert "not a git repository" not in capfd.readouterr().err
+    assert scores["tasks"]["lambada"]["n"] == 2

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from trsp_ray.baselines import block_influence, random_drop, shortgpt_drop, sleb_drop
+from trsp_ray.families import FAMILIES
 from trsp_ray.gates import attach_gates
 from trsp_ray.stage1 import run_stage1
 from trsp_ray.stage2 import run_stage2
@@ -140,6 +141,24 @@ def test_block_influence_ranks_identity_layers_lowest(trained):
     assert bi[2] == pytest.approx(0.0, abs=1e-5) and bi[4] == pytest.approx(0.0, abs=1e-5)
     assert min(bi[1], bi[3]) > 1e-3
     assert sorted(shortgpt_drop(model, gates, calib, n_drop=2, candidates=[1, 2, 3, 4])) == [2, 4]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_block_influence_without_the_lm_head_equals_the_whole_forward(family):
+    """Block Influence runs the decoder stack only (`base_model`, no LM head: ~30% of SmolLM2's
+    selection forward); on every family that stack must pass through every gated layer, as the
+    whole model's forward does (OPT's decoder sits one level deeper, GPT-NeoX's is `gpt_neox`)."""
+    from trsp_ray.baselines import influence_sums
+
+    model = tiny_model(family, layers=4)
+    gates = attach_gates(model)
+    batches = [torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    whole, n_whole = influence_sums(model, gates, batches, head=True)
+    stack, n_stack = influence_sums(model, gates, batches)
+    assert n_whole == n_stack == 96 and sorted(stack) == [0, 1, 2, 3]
+    for i in whole:
+        assert stack[i] == pytest.approx(whole[i], rel=1e-6), (family, i)
+        assert 0.0 < whole[i] < 96.0  # a random layer changes its input: cos < 1 at some token
 
 
 def test_sleb_replay_matches_full_forward(trained):

@@ -16,11 +16,20 @@ from trsp_ray.training import causal_lm_loss
 
 
 @torch.no_grad()
-def influence_sums(model, gates, batches: list[torch.Tensor], *, masks: list[torch.Tensor] | None = None
-                   ) -> tuple[dict[int, float], float]:
+def decoder_forward(model, batch: torch.Tensor) -> None:
+    """The decoder stack's forward without the LM head: a score of the layers' inputs and outputs
+    needs no logits, and the head is ~a quarter of a small model's forward (SmolLM2: V = 49,152 x
+    576) and the largest activation of a big one ([tokens, V] fp32)."""
+    device = next(model.parameters()).device
+    model.base_model(input_ids=batch.to(device), use_cache=False)
+
+
+def influence_sums(model, gates, batches: list[torch.Tensor], *, masks: list[torch.Tensor] | None = None,
+                   head: bool = False) -> tuple[dict[int, float], float]:
     """({layer: sum over tokens of cos(x_i, x_{i+1})}, token count) over `batches`; `masks` (one 0/1
     per window of each batch) leave padding windows out of both (data-parallel ranks must all run
-    as many forwards)."""
+    as many forwards). `head=True` runs the whole model (ZeRO-3 ranks: the engine's hooks on the
+    root module expect every forward to start there)."""
     sums = {w.index: 0.0 for w in gates.wrappers}
     count, now = 0.0, {"mask": None}
 
@@ -33,7 +42,7 @@ def influence_sums(model, gates, batches: list[torch.Tensor], *, masks: list[tor
     try:
         for k, batch in enumerate(batches):
             now["mask"] = None if masks is None else masks[k].to(torch.float32)
-            causal_lm_loss(model, batch)
+            causal_lm_loss(model, batch) if head else decoder_forward(model, batch)
             rows = batch.shape[0] if masks is None else masks[k].sum().item()
             count += rows * batch.shape[-1]
     finally:

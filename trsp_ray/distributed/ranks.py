@@ -51,7 +51,7 @@ def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[d
     training = bench.model.training
     bench.model.eval()  # no dropout (OPT) in a selection forward, whatever activation checkpointing set
     with torch.no_grad():
-        sums, tokens = influence_sums(bench.model, bench.gates, batches, masks=masks)
+        sums, tokens = influence_sums(bench.model, bench.gates, batches, masks=masks, head=True)
     bench.model.train(training)
     layers = sorted(sums)
     total = sum_over_ranks([sums[i] for i in layers] + [tokens])

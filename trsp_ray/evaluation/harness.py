@@ -7,6 +7,7 @@ from `tasks.write_task_dir`; lm-eval's built-in registry is indexed only when a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -74,11 +75,29 @@ def evaluate_lm(model, tokenizer, *, tasks: list, limit: int | None = None, batc
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines drown our progress
     lm = _quiet_lm(HFLM)(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
-    return simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=0, limit=check_limit(limit), samples=samples, task_manager=task_manager,
-        bootstrap_iters=0,  # stderr by bootstrap costs minutes on CPU; we report the point estimates
-        log_samples=log_samples, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-    )
+    with _no_environment_report():
+        return simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=0, limit=check_limit(limit), samples=samples,
+            task_manager=task_manager,
+            bootstrap_iters=0,  # stderr by bootstrap costs minutes on CPU; we report the point estimates
+            log_samples=log_samples, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+        )
+
+
+@contextlib.contextmanager
+def _no_environment_report():
+    """simple_evaluate ends by describing the machine: `git describe` in the working directory
+    (outside a checkout, as in every Ray worker, git prints "fatal: not a git repository" on the
+    run's stderr) and torch's collect_env (~2 s of subprocesses per call, once per row). Nothing of
+    ours reads either (our manifests record versions and the commit), so both are skipped."""
+    from lm_eval import evaluator
+
+    saved = evaluator.get_git_commit_hash, evaluator.add_env_info
+    evaluator.get_git_commit_hash, evaluator.add_env_info = (lambda: None), (lambda storage: None)
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash, evaluator.add_env_info = saved
 
 
 def run_tasks(model, tokenizer, *, tasks: list[str], limit: int | None, batch_size: int = 8,
