@@ -15,6 +15,7 @@ import torch
 
 from trsp_ray.distributed import ray_session
 from trsp_ray.distributed.ranks import free_port
+from trsp_ray.errors import TrspError
 
 pytestmark = [pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[1]
@@ -369,6 +370,32 @@ def test_workers_prune_from_a_handed_over_stage1(tiny_dir, tmp_path, single, loc
     assert stage1["handed_over"] and not any(e["event"] == "round" for e in result.events)
     manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
     assert sorted(manifest["dropped_layers"]) == sorted(handed.drop_order)
+
+
+def test_sleb_heal_on_workers_heals_the_drop_set_chosen_in_one_process(tiny_dir, tmp_path, local_ray):
+    """SLEB's selection is not built on the workers; a sleb+heal too big for one device (the paper
+    grid's, issue 19) chooses its drop set in one process and hands it over: the workers skip any
+    selection and heal that set, and the export gives the single process's sleb+heal logits."""
+    from trsp_ray.config import load_config
+    from trsp_ray.distributed.train import run_distributed
+    from trsp_ray.driver import run
+
+    base = [f"model={tiny_dir}"] + OVERRIDES + ["method=sleb+heal", "baselines.sleb_windows=2", "stage2.steps=2"]
+    single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", "distributed.workers=0",
+                                               "data.eval_max_windows=2"]))
+    drop = list(single["dropped_layers"])
+    cfg = load_config(overrides=base + [f"distributed.storage_path={tmp_path / 'storage'}",
+                                        f"output={tmp_path / 'out'}"])
+    with pytest.raises(TrspError, match=r"drop=\[0, 0\] is not a drop set"):
+        run_distributed(cfg, drop=[0, 0], name="bad")
+    result = run_distributed(cfg, drop=drop, name="handed-drop")
+    assert result.drop_order == drop
+    got = next(e for e in result.events if e["event"] == "stage1_done")
+    assert got["handed_over"] and got["selector"] == "sleb"
+    assert not any(e["event"] == "round" for e in result.events)  # no TRSP stage 1 ran
+    diff = (_logits(tmp_path / "single") - _logits(tmp_path / "out")).abs().max().item()
+    print("max |logit difference| ZeRO-3 vs single process, sleb+heal:", diff)
+    assert diff < 1e-4
 
 
 # with activation checkpointing the workers recompute each layer the single process's way (no

@@ -159,17 +159,81 @@ def test_a_gpu_preset_on_a_machine_without_cuda_fails_on_one_line_before_any_wor
     assert not (out / "run_log.jsonl").exists() and not list((out / "stage1").glob("*.json"))
 
 
-def test_healed_rows_get_stage2s_budget_and_carry_the_papers_healed_baselines():
-    """The paper's ShortGPT/SLEB figures are of healed models: they sit on the +heal rows, which
-    train as many tokens as stage 2 (LoRA on the paper preset, as the paper healed)."""
-    from trsp_ray.reproduce.work import cell_config, uses_stage1
+def _weight_updates(cfg) -> tuple:
+    """(steps, lr, trainable, lora rank) of what a cell trains after its selection."""
+    from trsp_ray import registry
+    from trsp_ray.methods import method_heal
 
+    spec = registry.method(cfg.method)
+    if spec.heal:
+        h = method_heal(cfg)
+        return h.steps, h.lr, h.trainable, h.lora_rank
+    assert spec.stage2, cfg.method
+    s = cfg.stage2
+    return s.steps, s.lr, s.trainable, s.lora_rank
+
+
+TRAINED_CELLS = ("trsp", "trsp-oneshot", "trsp+heal", "shortgpt+heal", "sleb+heal")
+
+
+@pytest.mark.parametrize("preset", [LOCAL, PAPER], ids=["local", "paper"])
+def test_every_trained_cell_trains_the_same_weights_for_as_many_steps(preset):
+    """Issue 19: the paper preset healed shortgpt+heal / sleb+heal with LoRA while trsp and trsp+heal
+    fine-tuned every weight, so the grid compared unequal budgets. Every trained cell now trains
+    stage 2's steps at stage 2's lr on stage 2's trainable set; the paper's (LoRA-healed) figures
+    still sit on the +heal rows as a reference."""
+    from trsp_ray import registry
+    from trsp_ray.reproduce.work import cell_config
+
+    spec = preset.models[0]
+    updates = {m: _weight_updates(cell_config(preset, spec, method=m, ratio=0.25)) for m in TRAINED_CELLS}
+    print(updates)
+    assert len(set(updates.values())) == 1, updates
+    steps, _, trainable, _ = updates["trsp"]
+    assert steps >= 1 and trainable == "all"
+    for m in ("shortgpt", "sleb", "trsp-no-stage2"):  # the selection-only cells train nothing
+        cfg = cell_config(preset, spec, method=m, ratio=0.25)
+        spec_m = registry.method(cfg.method)
+        assert cfg.heal.steps == 0 and not spec_m.heal and not spec_m.stage2, m
     assert paper_numbers("llama2-7b", "shortgpt+heal", 0.25) == (8.89, 57.10)
     assert paper_numbers("llama2-7b", "shortgpt", 0.25) is None
-    local = cell_config(LOCAL, LOCAL.models[0], method="sleb+heal", ratio=0.25)
-    assert (local.method, local.heal.steps, local.heal.lr, local.heal.trainable) == ("sleb", 8, local.stage2.lr, "all")
-    assert cell_config(LOCAL, LOCAL.models[0], method="sleb", ratio=0.25).heal.steps == 0
-    paper = cell_config(PAPER, PAPER.model("llama2-7b"), method="shortgpt+heal", ratio=0.25)
-    assert (paper.heal.steps, paper.heal.trainable) == (16, "lora")
-    trsp_heal = cell_config(LOCAL, LOCAL.models[0], method="trsp+heal", ratio=0.25)
-    assert trsp_heal.method == "trsp+heal" and uses_stage1(trsp_heal, "trsp+heal")
+
+
+@pytest.mark.parametrize("method", ["shortgpt+heal", "sleb+heal"])
+def test_a_healed_baseline_cell_too_big_for_one_gpu_routes_to_ray_train(method):
+    """A full heal of 13B (weights, gradients, fp32 master and Adam) fits no 80 GB GPU: the +heal
+    cells go to Ray Train workers like trsp's stage 2, instead of a LoRA heal in one process (the old
+    grid) or a refusal (a heal.steps heal has no worker route). ShortGPT selects on the workers;
+    SLEB's drop set is chosen in the model's one-device task and handed over (hands_over)."""
+    from trsp_ray.reproduce.work import cell_config, cell_route, hands_over
+
+    spec = PAPER.model("llama2-13b")
+    cfg = cell_config(PAPER, spec, method=method, ratio=0.25)
+    heal = cell_route(PAPER, spec, cfg, method)
+    trsp = cell_route(PAPER, spec, cell_config(PAPER, spec, method="trsp", ratio=0.25), "trsp")
+    print(method, heal.workers, heal.plan.peak, "| trsp:", trsp.workers, trsp.plan.peak)
+    assert heal.workers > 1 and heal.plan.peak <= 80
+    assert 1 < trsp.workers and heal.workers <= trsp.workers
+    assert hands_over(cfg, heal.workers) == (method == "sleb+heal")
+
+
+def test_a_handed_over_selection_is_the_one_process_selection(tmp_path):
+    """prune_cells chooses a handed-over cell's drop set on its one device: SLEB's drop set of the
+    cell's own config, as `select` gives it, with its cost."""
+    from trsp_ray import tiny
+    from trsp_ray.config import load_config
+    from trsp_ray.gates import attach_gates
+    from trsp_ray.methods import select
+    from trsp_ray.reproduce.work import prune_cells
+    from trsp_ray.workbench import prepare
+
+    ws = tiny.tiny_workspace(tmp_path / "ws", layers=6)
+    cfg = load_config(overrides=[f"model={ws / 'model'}", f"data.calib_text={ws / 'calib.txt'}",
+                                 f"data.eval_text={ws / 'eval.txt'}", "method=sleb+heal", "ratio=0.34",
+                                 "data.seqlen=32", "baselines.sleb_windows=3", "tracking.enabled=false"])
+    out = prune_cells(cfg.to_dict(), [], model_dirs={}, stage1=[], selections=[{"id": "c", "run": cfg.to_dict()}])
+    bench = prepare(cfg)
+    model = bench.fresh_model()
+    drop, info = select(bench, "sleb", model=model, gates=attach_gates(model))
+    assert out["records"] == [] and out["selections"]["c"]["drop"] == drop and len(drop) == 2
+    assert out["selections"]["c"]["info"]["select_cost"] == info["select_cost"] > 0

@@ -30,14 +30,15 @@ class Route:
 
 
 def route(cfg, *, device: str | None = None, memory_gb: float | None = None, shape: Shape | None = None,
-          max_workers: int | None = None) -> Route:
+          max_workers: int | None = None, drop_given: bool = False) -> Route:
     """The route of `cfg`: one process on one device when its single-process plan fits, else the
     fewest Ray Train workers (at most `max_workers`, default distributed.workers; 0 = none allowed)
     whose ZeRO-3 plan fits. A one-line TrspError when neither does, before any work.
 
     device: gpu | cpu (default from cfg.device; auto = gpu when distributed.use_gpu); memory_gb: what
     one device holds (default distributed.gpu_memory_gb on gpu, this host's memory on cpu); shape:
-    the model's planner Shape (default: read from cfg.model's config.json, no weights).
+    the model's planner Shape (default: read from cfg.model's config.json, no weights); drop_given:
+    a heal method's drop set is chosen in one process and handed to the workers (HANDED_OVER_METHODS).
     """
     import os
 
@@ -53,7 +54,7 @@ def route(cfg, *, device: str | None = None, memory_gb: float | None = None, sha
     if single.fits:
         return Route(0, device, single)
     limit = cfg.distributed.workers if max_workers is None else max_workers
-    if limit >= 1 and method_on_workers(cfg.method) and cfg.heal.steps == 0:
+    if limit >= 1 and method_on_workers(cfg.method, drop_given=drop_given) and cfg.heal.steps == 0:
         extra = None
         for w in range(1, limit + 1):
             if cfg.data.batch_size % w:  # every worker takes an equal slice of each batch

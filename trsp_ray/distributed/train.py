@@ -90,15 +90,21 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
         raise TrspError(f"the plan does not fit: {problem}")
 
 
-def check_worker_settings(cfg) -> None:
+def check_worker_settings(cfg, *, drop_given: bool = False) -> None:
     """Settings one process honours that the workers would not: refused in one line."""
     from trsp_ray import registry
     from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.deepspeed_config import check_worker_dtype
+    from trsp_ray.distributed.zero3_plan import method_on_workers
 
-    if cfg.method not in registry.WORKER_METHODS:
+    if not method_on_workers(cfg.method, drop_given=drop_given):
+        handed = (f" ({', '.join(registry.HANDED_OVER_METHODS)} with a drop set chosen in one process)"
+                  if registry.HANDED_OVER_METHODS else "")
         raise TrspError(f"method={cfg.method!r} is not run on Ray Train workers; use one of "
-                        f"{', '.join(registry.WORKER_METHODS)} or distributed.workers=0")
+                        f"{', '.join(registry.WORKER_METHODS)}{handed} or distributed.workers=0")
+    if drop_given and not registry.method(cfg.method).heal:
+        raise TrspError(f"a drop set handed to the workers is healed there; method={cfg.method!r} does not heal, "
+                        f"use a heal method ({', '.join(m.name for m in registry.METHODS.values() if m.heal)})")
     check_worker_dtype(cfg)
     check_for_workers(cfg)
     if cfg.heal.steps > 0:
@@ -108,8 +114,19 @@ def check_worker_settings(cfg) -> None:
                         f"at stage2.lr) or distributed.workers=0")
 
 
+def check_handed_drop(drop, *, ratio: float, layers: int) -> None:
+    """A drop set handed to the workers: distinct layer indices of the model, as many as `ratio` drops."""
+    from trsp_ray.stage1 import n_drop_for
+
+    want = n_drop_for(ratio, layers)
+    if (len(drop) != want or len(set(drop)) != len(drop)
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in drop)):
+        raise TrspError(f"drop={list(drop)!r} is not a drop set of this model; pass {want} distinct layer "
+                        f"indices in 0..{layers - 1} (ratio={ratio:g} of {layers} layers)")
+
+
 def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False, resources: dict | None = None,
-                cpus: int | None = None):
+                cpus: int | None = None, drop_given: bool = False):
     """All checks, in the driver; returns (ds_config, storage, model_path)."""
     from trsp_ray import assets
     from trsp_ray.distributed.deepspeed_config import build_ds_config, validate_ds_config
@@ -118,7 +135,7 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
     dist = cfg.distributed
     if dist.workers < 1:
         raise TrspError("distributed.workers=0 means a single-process run; use workers >= 1 for Ray Train")
-    check_worker_settings(cfg)
+    check_worker_settings(cfg, drop_given=drop_given)
     ds_config = build_ds_config(dist, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=ds_options)
     validate_ds_config(ds_config)
     for name, steps in (("stage1.first_round_steps", cfg.stage1.first_round_steps),
@@ -142,11 +159,13 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
 
 
 def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list | None = None,
-                    overwrite: bool = False, name: str | None = None, stage1: dict | None = None) -> DistributedResult:
+                    overwrite: bool = False, name: str | None = None, stage1: dict | None = None,
+                    drop: list[int] | None = None) -> DistributedResult:
     """Stage 1 + stage 2 + export of `cfg` on `cfg.distributed.workers` Ray Train workers.
 
     `stage1` (a plain stage-1 result, stage1_store.result_dict): the workers take its drop set for
     `cfg.method` instead of learning stage 1 themselves (a shared, content-keyed stage 1).
+    `drop` (a heal method): the drop set, chosen in one process (e.g. SLEB's); the workers heal it.
 
     `fault` (tests): one spec or a list, see events.FaultInjector; e.g. {"round": 2} kills worker
     1 once, one step into stage-1 round 2 (needs max_failures >= 1 to recover). Connects to the
@@ -155,7 +174,14 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     import ray
 
     # Everything but the cluster's resources is checked before Ray is even started or joined.
-    ds_config, storage, model_path = prepare_run(cfg, ds_options=ds_options, overwrite=overwrite)
+    if drop is not None and stage1 is not None:
+        raise TrspError("run_distributed takes a stage-1 result or a drop set, not both")
+    ds_config, storage, model_path = prepare_run(cfg, ds_options=ds_options, overwrite=overwrite,
+                                                 drop_given=drop is not None)
+    if drop is not None:
+        from trsp_ray.distributed.shape import read_shape
+
+        check_handed_drop(drop, ratio=cfg.ratio, layers=read_shape(model_path).layers)
     ray_session.connect(include_dashboard=None)  # Ray's default: a long training run is worth watching
     cpus = worker_cpus(cfg.distributed, ray.nodes())
     check_resources(cfg.distributed, ray.cluster_resources(), cpus)
@@ -165,7 +191,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     specs = [{**spec, "marker": spec.get("marker", f"fault-{i}")} for i, spec in enumerate(specs)]
     loop_config = {"run": cfg.to_dict(), "ds_config": ds_config, "model_path": model_path,
                    "records": {"storage": storage, "run": name}, "fault": specs, "cpus_per_worker": cpus,
-                   "stage1": stage1,
+                   "stage1": stage1, "drop": None if drop is None else [int(i) for i in drop],
                    "manifest": {"method": cfg.method, "config": cfg.to_dict(), "workers": cfg.distributed.workers}}
     _fit(cfg, loop_config, storage=storage, name=name, cpus=cpus)
     events = records.read()

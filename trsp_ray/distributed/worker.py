@@ -170,6 +170,10 @@ def train_loop(config: dict) -> None:
         drop = result_from(config["stage1"]).drop_for(cfg.method, n_drop_for(cfg.ratio, bench.num_layers))
         s1_state = {"handed_over": True}
         events.write("stage1_done", drop_order=drop, handed_over=True, rounds_computed=0)
+    elif config.get("drop") is not None:  # a heal method's drop set chosen in one process (SLEB's)
+        drop, s1_state = list(config["drop"]), {"handed_over": True}
+        events.write("stage1_done", drop_order=drop, handed_over=True, rounds_computed=0,
+                     selector=registry.method(cfg.method).selector)
     elif registry.method(cfg.method).selector == registry.SHORTGPT_SELECTOR:
         drop, s1_state = _shortgpt(cfg, bench, events=events, rank=rank), {}
     else:

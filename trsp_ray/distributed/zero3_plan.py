@@ -125,11 +125,13 @@ def alternatives(s: Shape, st: Setup) -> list[str]:
     return out or ["nothing at this GPU size; use larger GPUs or a smaller micro batch / seqlen"]
 
 
-def method_on_workers(method: str) -> bool:
-    """Whether the Ray Train path can run `method` (stage 1 or ShortGPT, stage 2 or a heal, export)."""
+def method_on_workers(method: str, *, drop_given: bool = False) -> bool:
+    """Whether the Ray Train path can run `method` (stage 1 or ShortGPT, stage 2 or a heal, export);
+    `drop_given`: its drop set is chosen in one process and handed over, the workers only heal it."""
     from trsp_ray import registry
 
-    return registry.method(method).name in registry.WORKER_METHODS
+    name = registry.method(method).name
+    return name in registry.WORKER_METHODS or (drop_given and name in registry.HANDED_OVER_METHODS)
 
 
 def trains_on_workers(cfg) -> bool:

@@ -22,19 +22,18 @@ PAPER_RATIO = 0.25
 @dataclass(frozen=True)
 class GridMethod:
     """A row of the grid: the RunConfig method it runs (None: the dense model, nothing pruned) and
-    the config overrides that define the row (e.g. a healed baseline: ("heal.steps=20",)). Rows
-    are data: a new one is a line here, and every part of the reproduction (grid, routes, the shared
-    stage 1 of the TRSP methods, tables) follows."""
+    the config overrides that define the row. Rows are data: a new one is a line in
+    registry.GRID_ROWS, and every part of the reproduction (grid, routes, the shared stage 1 of the
+    TRSP methods, tables) follows."""
 
     name: str
     method: str | None
     overrides: tuple[str, ...] = ()
-    heal: bool = False  # heal the pruned model with stage 2's budget (a healed baseline, SPEC section 5)
 
 
-# The paper compares TRSP with baselines healed after pruning; the +heal rows give the baselines
-# (and TRSP's selection, trsp+heal) the same weight-update budget as stage 2.
-GRID = tuple(GridMethod(name, method, heal=heal) for name, method, heal in registry.GRID_ROWS)
+# The paper compares TRSP with baselines healed after pruning; the +heal rows are heal methods, so
+# the baselines (and TRSP's selection, trsp+heal) train stage 2's tokens on stage 2's weights.
+GRID = tuple(GridMethod(name, method) for name, method in registry.GRID_ROWS)
 GRID_METHODS = tuple(m.name for m in GRID)  # also the tables' row order
 
 
@@ -45,7 +44,8 @@ def grid_method(name: str) -> GridMethod:
     raise TrspError(f"unknown method {name!r}; valid: {', '.join(GRID_METHODS)}")
 
 # (model key, method) -> (WikiText-2 PPL, mean acc over PIQA/WinoGrande/HellaSwag/ARC-e/ARC-c in %).
-# The paper's ShortGPT and SLEB figures are of LoRA-healed models, so they sit on the +heal rows.
+# The paper's ShortGPT and SLEB figures are of LoRA-healed models, so they sit on the +heal rows
+# (ours heal stage 2's trainable set, as trsp and trsp+heal train: equal budget, not the paper's).
 PAPER_NUMBERS: dict[tuple[str, str], tuple[float, float]] = {
     ("llama2-7b", "dense"): (5.47, 69.00), ("llama2-7b", "shortgpt+heal"): (8.89, 57.10),
     ("llama2-7b", "sleb+heal"): (9.63, 54.79), ("llama2-7b", "trsp"): (7.08, 60.57),
@@ -113,7 +113,6 @@ PAPER = Preset(
                   "calib_text": "/shared/data/wikitext2/train.txt", "eval_text": "/shared/data/wikitext2/test.txt"},
          "stage1": {"lambda1": 5e-3, "first_round_steps": 16, "steps_per_round": 4},  # 128 windows / 8
          "stage2": {"lambda2": 1e-3, "steps": 16, "trainable": "all"},
-         "heal": {"trainable": "lora"},  # the paper healed its baselines with LoRA (the +heal rows)
          "baselines": {"calib_windows": 128, "sleb_windows": 128},
          "tracking": {"enabled": True, "experiment": "trsp_ray-reproduce"},
          "distributed": {"use_gpu": True, "activation_checkpointing": True, "gpu_memory_gb": 80.0,

@@ -29,6 +29,7 @@ from trsp_ray.reproduce.work import (
     cell_key,
     cell_record,
     cell_route,
+    hands_over,
     model_shape,
     prune_cells,
     prune_distributed,
@@ -140,6 +141,8 @@ def format_dry_run(preset: Preset, plans: dict[str, CellPlan]) -> str:
     width = max(len(cid) for cid in plans)
     for cid, p in plans.items():
         shared = "; stage 1: the shared one" if p.stage1 is not None else ""
+        if hands_over(p.cfg, p.route.workers):
+            shared = "; drop set chosen on 1 device, healed on the workers"
         lines.append(f"  {cid.ljust(width)}  {p.route.describe()}{shared} [{_plan_parts(p.route.plan)}]")
     scoring = (f"scoring: {preset.eval_actors} actor(s) x {preset.eval_gpus_per_actor:g} GPU, "
                f"{preset.evaluation.get('dtype')}")
@@ -234,15 +237,17 @@ def _start_model(store, p: Preset, plans, todo: list[Cell], use_ray: bool):
     the unfinished cells not yet exported, and the stage-1 runs any of them prunes from."""
     need = [c for c in todo if not store.is_pruned(c, plans[c.id].prune_key)]
     local = [c for c in need if plans[c.id].route.workers == 0]
+    handed = [c for c in need if hands_over(plans[c.id].cfg, plans[c.id].route.workers)]
     groups = list({id(plans[c.id].stage1): plans[c.id].stage1 for c in need if plans[c.id].stage1}.values())
-    if not local and not groups:
+    if not local and not groups and not handed:
         return None
     specs = [{"root": str(store.stage1_root), "key": g.key, "n_drop": g.n_drop,
               "content": {"config": g.cfg.to_dict(), "cells": g.cells}} for g in groups]
-    run = (groups[0].cfg if groups else plans[local[0].id].cfg).to_dict()  # stage 1 fits one device (planned)
+    run = (groups[0].cfg if groups else plans[(local or handed)[0].id].cfg).to_dict()  # fits one device (planned)
     args = (run, [{"id": c.id, "method": c.method, "run": plans[c.id].cfg.to_dict(),
                    "stage1_key": plans[c.id].stage1.key if plans[c.id].stage1 else None} for c in local])
-    kwargs = {"model_dirs": {c.id: str(store.model_dir(c)) for c in local}, "stage1": specs}
+    kwargs = {"model_dirs": {c.id: str(store.model_dir(c)) for c in local}, "stage1": specs,
+              "selections": [{"id": c.id, "run": plans[c.id].cfg.to_dict()} for c in handed]}
     if not use_ray:
         return prune_cells(*args, **kwargs)
     import ray
@@ -266,12 +271,13 @@ def _finish_model(store, p: Preset, key: str, todo: list[Cell], plans, pending, 
     from trsp_ray.stage1 import n_drop_for
 
     shared: dict = {}
+    chosen: dict = {}
     if pending is not None:
         if not isinstance(pending, dict):
             import ray
 
             pending = ray.get(pending)
-        shared = pending["stage1"]
+        shared, chosen = pending["stage1"], pending.get("selections", {})
         for record in pending["records"]:
             _record_pruned(store, plans, next(c for c in todo if c.id == record["cell_id"]), record)
     for c in todo:
@@ -280,7 +286,7 @@ def _finish_model(store, p: Preset, key: str, todo: list[Cell], plans, pending, 
             log(f"cell {c.id}: {plan.route.describe()}")
             stage1 = shared.get(plan.stage1.key) if plan.stage1 else None
             record = prune_distributed(plan.cfg, cell_id=c.id, target=str(store.model_dir(c)),
-                                       workers=plan.route.workers, stage1=stage1,
+                                       workers=plan.route.workers, stage1=stage1, selection=chosen.get(c.id),
                                        n_drop=n_drop_for(plan.cfg.ratio, plan.route.plan.shape.layers))
             _record_pruned(store, plans, c, record)
     pruned = {c.id: store.pruned(c) or {} for c in todo}

@@ -34,12 +34,7 @@ def cell_config(preset, spec, *, method: str, overrides: list[str] | None = None
     row = grid_method(method)
     # The dense cell prunes nothing; its method is a placeholder the config accepts.
     base = {**preset.run, "model": spec.model, "method": row.method or registry.STAGE1_ONLY, "ratio": ratio}
-    cfg = load_config(None, list(overrides or []) + list(row.overrides), base=base)
-    if row.heal:  # the same weight-update tokens as stage 2; what trains is the preset's heal.trainable
-        from trsp_ray.methods import method_heal
-
-        cfg = replace(cfg, heal=replace(method_heal(cfg), trainable=cfg.heal.trainable, lora_rank=cfg.heal.lora_rank))
-    return cfg
+    return load_config(None, list(overrides or []) + list(row.overrides), base=base)
 
 
 def uses_stage1(cfg: RunConfig, method: str) -> bool:
@@ -95,7 +90,29 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
         if not plan.fits:
             raise TrspError(f"scoring {spec.key}: {plan.reason()}")
         return route.Route(0, device, plan)
-    return route.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers)
+    handed = registry.method(cfg.method).name in registry.HANDED_OVER_METHODS
+    chosen = route.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers,
+                         drop_given=handed)
+    if handed and chosen.workers:  # its selection runs in the model's one-device task (prune_cells)
+        try:
+            route.route(replace(cfg, method=selection_method(cfg.method)), device=device, memory_gb=memory,
+                        shape=shape, max_workers=0)
+        except TrspError as exc:
+            raise TrspError(f"the {cfg.method} cell of {spec.key} heals on {chosen.workers} workers, and its "
+                            f"selection must run on one device: {exc}") from None
+    return chosen
+
+
+def selection_method(method: str) -> str:
+    """The method that only selects with `method`'s selector (sleb+heal -> sleb)."""
+    selector = registry.method(method).selector
+    return next(m.name for m in registry.METHODS.values()
+                if m.selector == selector and not m.heal and not m.stage2 and m.ranking == "order")
+
+
+def hands_over(cfg: RunConfig, workers: int) -> bool:
+    """Whether a cell routed to `workers` gets its drop set from the model's one-device task."""
+    return workers > 0 and registry.method(cfg.method).name in registry.HANDED_OVER_METHODS
 
 
 def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
@@ -148,14 +165,17 @@ def _dense_dir(bench, out_dir: Path) -> str:
     return str(out_dir)
 
 
-def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], stage1: list[dict]) -> dict:
+def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], stage1: list[dict],
+                selections: list[dict] = ()) -> dict:
     """Export the single-device cells of one model, and make sure its shared stage-1 results are stored.
 
     `run` is a RunConfig dict of the model, `cells` are {"id", "method", "run" (the cell's RunConfig
     dict), "stage1_key" (None for a non-TRSP cell)}, `model_dirs` maps a cell id to its export
-    target, `stage1` lists {"root", "key", "n_drop", "content"}. The model is loaded only when
-    there is a cell to prune or a stage 1 to learn. Returns {"records": one {cell_id, model_dir,
-    drop, info, prune_seconds, stage1_shared} per cell, "stage1": {key: result dict}}.
+    target, `stage1` lists {"root", "key", "n_drop", "content"}, `selections` the Ray Train cells
+    whose drop set is chosen here ({"id", "run"}: a heal method the workers only heal). The model is
+    loaded only when there is a cell to prune, a stage 1 to learn or a selection to make. Returns
+    {"records": one {cell_id, model_dir, drop, info, prune_seconds, stage1_shared} per cell,
+    "stage1": {key: result dict}, "selections": {cell_id: {"drop", "info"}}}.
     """
     from trsp_ray.config import from_dict
 
@@ -170,7 +190,23 @@ def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], sta
 
     shared = {spec["key"]: shared_stage1(load, **spec) for spec in stage1}
     records = [_prune_one(load(), c, model_dirs[c["id"]], shared.get(c.get("stage1_key"))) for c in cells]
-    return {"records": records, "stage1": shared}
+    chosen = {c["id"]: _select_one(load(), c) for c in selections}
+    return {"records": records, "stage1": shared, "selections": chosen}
+
+
+def _select_one(bench, c: dict) -> dict:
+    """The drop set of a cell that heals on Ray Train workers, chosen on this one device."""
+    from trsp_ray.config import from_dict
+    from trsp_ray.gates import attach_gates
+    from trsp_ray.logs import log
+    from trsp_ray.methods import select
+
+    cfg = from_dict(c["run"])
+    cell_bench = dataclasses.replace(bench, cfg=cfg)
+    log(f"cell {c['id']}: choosing {cell_bench.n_drop()} of {bench.num_layers} layers for its Ray Train heal")
+    model = cell_bench.fresh_model()
+    drop, info = select(cell_bench, cfg.method, model=model, gates=attach_gates(model, gate_mode=cfg.gates.gate))
+    return {"drop": [int(i) for i in drop], "info": info}
 
 
 def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
@@ -202,13 +238,21 @@ def export_cell(outcome, bench, *, method: str, config: dict, info: dict, target
     return str(export_model(outcome.model, bench.tokenizer, target, manifest=manifest, overwrite=True))
 
 
-def prune_distributed(cfg: RunConfig, *, cell_id: str, target: str, workers: int, stage1: dict, n_drop: int) -> dict:
+def prune_distributed(cfg: RunConfig, *, cell_id: str, target: str, workers: int, stage1: dict, n_drop: int,
+                      selection: dict | None = None) -> dict:
     """A cell whose stage 2 needs several GPUs: Ray Train + ZeRO-3 on `workers` workers from the
-    shared stage 1, exported to `target`; the same record as `prune_cells` gives."""
+    shared stage 1 (or the drop set of `selection`, chosen on one device: prune_cells), exported to
+    `target`; the same record as `prune_cells` gives."""
     from trsp_ray.distributed.handoff import run_stage2_distributed
+    from trsp_ray.distributed.train import run_distributed
 
     t0 = time.time()
     dcfg = replace(cfg, output=target, **{"distributed.workers": workers, "tracking.enabled": False})
+    if selection is not None:
+        result = run_distributed(dcfg, drop=selection["drop"], name=f"reproduce-{cell_id}", overwrite=True)
+        return {"cell_id": cell_id, "model_dir": target, "drop": list(result.drop_order),
+                "info": {**selection["info"], "workers": workers, "storage": result.storage},
+                "prune_seconds": time.time() - t0, "stage1_shared": None}
     result, shared = run_stage2_distributed(dcfg, stage1=stage1, n_drop=n_drop, name=f"reproduce-{cell_id}")
     return {"cell_id": cell_id, "model_dir": target, "drop": list(result.drop_order),  # the cell's drop set
             "info": {"workers": workers, "storage": result.storage}, "prune_seconds": time.time() - t0,
