@@ -117,7 +117,10 @@ def test_checkpoint_disk_and_host_figures_by_hand():
     # Stage 2 trains all weights: fp32 master + Adam m, v = 12 bytes per parameter, plus gate state.
     assert h.checkpoint_gb == pytest.approx((s.params * 12 + 64 * 1024 * 16) / planner.GB)
     assert h.storage_gb == pytest.approx(3 * h.checkpoint_gb)  # 2 kept + 1 being written
-    assert h.disk_per_node_gb == pytest.approx(h.checkpoint_gb * 8 / 16)  # 8 of 16 ranks stage their share
+    # 8 of 16 ranks stage their share of two saves: one uploading in the background, the next
+    assert h.disk_per_node_gb == pytest.approx(2 * h.checkpoint_gb * 8 / 16)
+    sync = planner.plan(s, planner.Setup(workers=16, activation_checkpointing=True, async_upload=False)).host()
+    assert sync.disk_per_node_gb == pytest.approx(h.checkpoint_gb * 8 / 16)  # every rank waits for its upload
     assert h.export_host_gb == pytest.approx(10.0)  # 2 x the 5 GB shard (> the largest tensor, 0.47 GB)
     assert h.host_per_node_gb == pytest.approx(8 * planner.HOST_BASE_GB["gpu"] + 10.0)
     assert h.threads_per_worker == 1

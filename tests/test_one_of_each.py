@@ -74,4 +74,4 @@ def test_one_module_renames_temp_files_into_place_and_one_starts_ray():
     assert _calls("ray.init") == {"trsp_ray/distributed/ray_session.py"}
     # mkdtemp elsewhere makes scratch directories, never a file that is renamed into place
     assert _calls("tempfile.mkdtemp") - {"trsp_ray/atomic.py"} <= {"trsp_ray/comparison.py",
-                                                                    "trsp_ray/distributed/worker.py"}
+                                                                    "trsp_ray/distributed/checkpoints.py"}

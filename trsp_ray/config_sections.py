@@ -230,6 +230,10 @@ class DistributedConfig:
     max_failures: int = 0
     checkpoint_every: int = 10  # stage-2 steps between checkpoints (stage 1: every round)
     keep_checkpoints: int = 2  # Ray Train keeps the last K checkpoints, deletes older ones
+    # remote storage (s3://, gs://): "async" uploads a save in the background while the workers
+    # train on (local disk holds at most two saves: the one uploading and the next); "sync" makes
+    # every rank wait for its upload. Local/shared paths are written in place either way.
+    checkpoint_upload: str = "async"
     disk_budget_gb: float | None = None  # storage the kept checkpoints may use; the plan refuses more
     gpu_memory_gb: float = 80.0  # per-GPU memory the planner checks against
     # Streaming export (distributed/export.py): max safetensors shard size in MB (10^6 bytes; a
@@ -247,6 +251,7 @@ class DistributedConfig:
         _positive("distributed.max_failures", self.max_failures, allow_zero=True)
         _positive("distributed.checkpoint_every", self.checkpoint_every)
         _positive("distributed.keep_checkpoints", self.keep_checkpoints)
+        _choice("distributed.checkpoint_upload", self.checkpoint_upload, ("async", "sync"))
         if self.disk_budget_gb is not None:
             _positive("distributed.disk_budget_gb", self.disk_budget_gb)
         _positive("distributed.gpu_memory_gb", self.gpu_memory_gb)

@@ -51,7 +51,8 @@ def host_and_disk(s: Shape, st: Setup, stages: tuple[StagePlan, ...]) -> HostPla
     largest_tensor = s.counts.largest_tensor * st.dtype_bytes / GB
     export = 2 * max(min(st.export_shard_gb, s.params * st.dtype_bytes / GB), largest_tensor)
     return HostPlan(checkpoint_gb=ckpt, storage_gb=ckpt * (st.keep_checkpoints + 1),
-                    disk_per_node_gb=ckpt * per_node / st.workers if st.remote_storage else 0.0,
+                    disk_per_node_gb=(ckpt * per_node / st.workers * (2 if st.async_upload else 1)
+                                      if st.remote_storage else 0.0),
                     threads_per_worker=threads, host_per_worker_gb=host_worker,
                     host_per_node_gb=host_worker * per_node + export, export_host_gb=export)
 

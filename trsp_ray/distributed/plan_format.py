@@ -22,7 +22,8 @@ def format_plan(p: Plan, *, after_stages: tuple[str, ...] = ()) -> str:
     lines += [f"  checkpoint: {h.checkpoint_gb:.1f} GB per save; storage {h.storage_gb:.1f} GB for "
               f"keep_checkpoints={st.keep_checkpoints} + 1 being written{budget}",
               f"  disk per node: {h.disk_per_node_gb:.1f} GB ("
-              + ("its ranks' share of a save, staged before upload" if st.remote_storage else
+              + (("its ranks' share of two saves: one uploading in the background, the next being written"
+                  if st.async_upload else "its ranks' share of a save, staged before upload") if st.remote_storage else
                  "none: saves are written in place on the shared path") + ")",
               f"  host memory per node: {h.host_per_node_gb:.1f} GB ({min(st.gpus_per_node, st.workers)} workers x "
               f"{h.host_per_worker_gb:.1f} GB + the export on rank 0's node); "

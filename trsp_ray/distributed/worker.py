@@ -12,18 +12,13 @@ run's records on the same storage (storage.RunRecords), never to a side file on 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 import torch
 
+from trsp_ray.distributed.checkpoints import discard_download, restore_point, save
 from trsp_ray.distributed.events import EventLog, FaultInjector
 from trsp_ray.distributed.ranks import block_influence_on_ranks, sum_over_ranks
-
-STATE = "state-rank{rank}.pt"  # stage-1 state (+ this rank's optimizer partition)
-ENGINE_DIR = "engine"  # stage-2 DeepSpeed checkpoint (model + optimizer partitions)
 
 
 def reset_peak_memory() -> None:
@@ -47,99 +42,6 @@ def peak_memory_gb() -> float | None:
     return None
 
 
-def _storage():
-    """(Ray Train's storage context of this run, whether its filesystem is local/shared POSIX)."""
-    import pyarrow.fs
-    import ray.train
-
-    storage = ray.train.get_context().get_storage()
-    return storage, isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
-
-
-def _own_file(rank: int):
-    """Which files of a checkpoint rank `rank` reads: meta, its state, its DeepSpeed partitions and
-    the engine's shared files (`latest`), never another rank's partitions."""
-    import re
-
-    def keep(rel: str) -> bool:
-        name = rel.rsplit("/", 1)[-1]
-        other = re.search(r"(?:state-rank|zero_pp_rank_)(\d+)[_.]", name)
-        return other is None or int(other.group(1)) == rank
-
-    return keep
-
-
-def _restore_point(rank: int) -> tuple[dict | None, str | None]:
-    """(meta + this rank's stage-1 state, engine dir or None) of the last Ray checkpoint. A local or
-    shared checkpoint is read in place; a remote one is fetched, this rank's files only, into a
-    local folder (meta["downloaded"]) that is deleted as soon as it has been read: here when no
-    engine state is in it, else right after the engine loads it (_discard_download)."""
-    import ray.train
-
-    from trsp_ray.distributed.engine import load_safely
-    from trsp_ray.distributed.storage import download
-
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None, None
-    _, local = _storage()
-    if local:
-        where = checkpoint.path
-    else:
-        where = tempfile.mkdtemp(prefix="trsp-restore-")
-        download(checkpoint.filesystem, checkpoint.path, where, _own_file(rank))
-    meta = json.loads((Path(where) / "meta.json").read_text())
-    meta["stage1"] = load_safely(Path(where) / STATE.format(rank=rank))
-    engine_dir = str(Path(where) / ENGINE_DIR) if (Path(where) / ENGINE_DIR).exists() else None
-    if not local:
-        meta["downloaded"] = where
-        if engine_dir is None or meta["stage"] != 2:  # nothing left to read from it
-            _discard_download(meta)
-            engine_dir = None
-    return meta, engine_dir
-
-
-def _discard_download(meta: dict | None) -> None:
-    """Delete a remote checkpoint's local copy (up to a 70B rank's ~48 GB of partitions)."""
-    if meta and meta.get("downloaded"):
-        shutil.rmtree(meta["downloaded"], ignore_errors=True)
-
-
-def _same_on_all_ranks(value):
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _save(meta: dict, stage1_state: dict, *, rank: int, engine=None) -> None:
-    """One Ray checkpoint from every rank: meta (rank 0), its own state file, its engine shards.
-
-    Written once: in place in the run's checkpoint folder when the storage is a local/shared path
-    (reported with NO_UPLOAD), else into a local staging folder that Ray uploads and deletes."""
-    import ray.train
-    from ray.train import Checkpoint, CheckpointUploadMode
-
-    storage, local = _storage()
-    name = _same_on_all_ranks(f"checkpoint-{meta['label']}-{uuid.uuid4().hex[:8]}")
-    target = storage.build_checkpoint_path_from_name(name) if local else tempfile.mkdtemp(prefix="trsp-ckpt-")
-    Path(target).mkdir(parents=True, exist_ok=True)
-    torch.save(stage1_state, Path(target) / STATE.format(rank=rank))
-    if engine is not None:  # collective: every rank writes its partitions
-        engine.save_checkpoint(str(Path(target) / ENGINE_DIR), tag="stage2")
-    if rank == 0:
-        (Path(target) / "meta.json").write_text(json.dumps(meta))
-    metrics = {k: v for k, v in meta.items() if not isinstance(v, (list, dict))}
-    if local:
-        ray.train.report(metrics, checkpoint=Checkpoint(target, filesystem=storage.storage_filesystem),
-                         checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-    else:
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(target), checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.SYNC, delete_local_checkpoint_after_upload=True)
-        shutil.rmtree(target, ignore_errors=True)
-
-
 def train_loop(config: dict) -> None:
     """Entry point of every Ray Train worker; `config` is the plain dict built by the driver."""
     import ray.train
@@ -158,7 +60,7 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(cfg.seed)
     eng.init_deepspeed(backend="nccl" if cfg.distributed.use_gpu else "gloo")
     events = EventLog(config.get("records"), rank)
-    meta, engine_dir = _restore_point(rank)
+    meta, engine_dir = restore_point(rank)
     events.write("start", world=world, resumed_from=None if meta is None else meta["label"], nodes=_nodes(world),
                  threads=torch.get_num_threads(), downloaded=None if meta is None else meta.get("downloaded"))
     bench = _load(config, cfg, rank=rank, world=world)
@@ -267,8 +169,8 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
     def on_round(state: dict) -> None:
         last["state"] = state
         rounds = len(state["round_ends"])
-        _save({"label": f"stage1-round{rounds}", "stage": 1, "rounds_done": rounds,
-               "drop_order": state["drop_order"]}, state, rank=rank)
+        save({"label": f"stage1-round{rounds}", "stage": 1, "rounds_done": rounds,
+               "drop_order": state["drop_order"]}, state, rank=rank, upload=cfg.distributed.checkpoint_upload)
 
     scorer, influence, spent = None, None, 0
     if probes_removal(s1):
@@ -335,13 +237,13 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
         if index == first and done:  # the stage-2 (or heal) engine
             stepper.engine.load_checkpoint(engine_dir, tag="stage2", load_optimizer_states=True,
                                            load_lr_scheduler_states=False)
-            _discard_download(meta)
+            discard_download(meta)
             stepper.skip = done  # the loop replays the batch stream and schedule without compute
 
     def report(metrics: dict, step: int) -> None:
         if step > done and step % every == 0 and step < s2.steps:
-            _save({"label": f"stage2-step{step}", "stage": 2, "stage2_step": step, "drop_order": drop},
-                  s1_state, rank=rank, engine=bench.factory.built[-1].engine)
+            save({"label": f"stage2-step{step}", "stage": 2, "stage2_step": step, "drop_order": drop},
+                  s1_state, rank=rank, engine=bench.factory.built[-1].engine, upload=cfg.distributed.checkpoint_upload)
             events.write("checkpoint", stage=2, step=step)
         if step > done:
             fault.check_stage2(step)

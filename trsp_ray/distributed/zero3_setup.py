@@ -30,6 +30,7 @@ class Setup:
     disk_budget_gb: float | None = None
     export_shard_gb: float = 5.0
     remote_storage: bool = True
+    async_upload: bool = True  # a remote save uploads while the next is staged: two on local disk
     frozen_layers: int = 0  # decoder layers stage 2 leaves out of the optimizer (a heal's drop set)
 
 
@@ -48,4 +49,5 @@ def setup_for_run(cfg, ds_config: dict | None = None) -> Setup:
                  max_live_parameters=float(zero.get("stage3_max_live_parameters", MAX_LIVE_PARAMETERS)),
                  keep_checkpoints=d.keep_checkpoints, disk_budget_gb=d.disk_budget_gb,
                  export_shard_gb=getattr(d, "export_shard_mb", 5000) * 1e6 / GB,
-                 remote_storage="://" in (d.storage_path or "") and not (d.storage_path or "").startswith("file://"))
+                 remote_storage="://" in (d.storage_path or "") and not (d.storage_path or "").startswith("file://"),
+                 async_upload=getattr(d, "checkpoint_upload", "async") == "async")
