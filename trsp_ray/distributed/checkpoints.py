@@ -88,15 +88,19 @@ def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str 
     Written once: in place in the run's checkpoint folder when the storage is a local/shared path
     (reported with NO_UPLOAD), else into a local staging folder that Ray uploads and deletes: in
     the background (distributed.checkpoint_upload=async, the next steps train meanwhile; a new
-    save first waits for the previous upload, so local disk holds at most two) or while every rank
-    waits (sync)."""
+    save first waits for the previous upload to commit, so local disk holds at most two) or while
+    every rank waits (sync)."""
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
     storage, local = _storage()
     name = _same_on_all_ranks(f"checkpoint-{meta['label']}-{uuid.uuid4().hex[:8]}")
     if not local:
-        wait_for_upload(_STAGED.pop() if _STAGED else None)
+        waited = flush_uploads()  # at most two saves on local disk: the one uploading and this one
+        if waited > 30:
+            from trsp_ray.logs import log
+
+            log(f"  checkpoint: waited {waited:.0f} s for the previous save's upload")
     target = storage.build_checkpoint_path_from_name(name) if local else tempfile.mkdtemp(prefix="trsp-ckpt-")
     Path(target).mkdir(parents=True, exist_ok=True)
     torch.save(stage1_state, Path(target) / STATE.format(rank=rank))
@@ -118,20 +122,18 @@ def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str 
         shutil.rmtree(target, ignore_errors=True)
 
 
-_STAGED: list[str] = []  # this rank's staged save still being uploaded in the background
+_STAGED: list[str] = []  # this rank's staged saves reported for a background upload
 
 
-def wait_for_upload(staged: str | None, *, poll_s: float = 0.5, log_after_s: float = 30.0) -> float:
-    """Block until the staged folder of the previous asynchronous save is gone (Ray deletes it when
-    its upload finished); returns the seconds waited. Keeps at most two saves on local disk."""
+def flush_uploads() -> float:
+    """Block until every save this rank reported for a background upload is uploaded and committed
+    (Ray Train's COMMITTED read of the reported checkpoints); returns the seconds waited."""
     import time
 
-    from trsp_ray.logs import log
+    import ray.train
 
-    t0, told = time.time(), False
-    while staged is not None and Path(staged).exists():
-        if not told and time.time() - t0 > log_after_s:
-            log(f"  checkpoint: waiting for the previous save's upload ({staged})")
-            told = True
-        time.sleep(poll_s)
+    t0 = time.time()
+    if _STAGED:
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        _STAGED.clear()
     return time.time() - t0

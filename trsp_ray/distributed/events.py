@@ -64,6 +64,9 @@ class FaultInjector:
     def _fire(self, spec: dict) -> None:
         import ray
 
+        from trsp_ray.distributed.checkpoints import flush_uploads
+
+        flush_uploads()  # a save still uploading in the background commits first: a known resume point
         # Ray Train V2 takes a reported checkpoint from the worker's queue at its next poll
         # (health-check interval, 2 s by default); dying sooner would lose the last checkpoint
         # too, and the test would measure Ray's poll timing, not our resume.
