@@ -167,37 +167,31 @@ def test_zero3_two_workers_match_single_process(tiny_dir, tmp_path, single, clea
     assert diff < 1e-4
 
 
-def test_fault_in_stage2_resumes_from_the_step_checkpoint(tiny_dir, tmp_path, clean_run, local_ray):
-    """Worker 1 dies right after stage-2 step 2 (checkpoint_every=2 of 4 steps): the run resumes from
-    that checkpoint, recomputes no stage-1 round and only steps 3-4, and exports the same model as
-    the uninterrupted run."""
-    result = _run(tiny_dir, tmp_path, extra=["distributed.max_failures=1"], fault={"stage2_step": 2})
-    assert result.attempts() == 2
+def test_faults_in_stage1_and_stage2_resume_without_recomputing(tiny_dir, tmp_path, single, clean_run, local_ray):
+    """Worker 1 dies one step into stage-1 round 2, and again right after stage-2 step 2
+    (checkpoint_every=2 of 4 steps), in one run: the first restart resumes from the round-1
+    checkpoint and recomputes only round 2, the second from the step-2 checkpoint and recomputes no
+    round and only steps 3-4; the export equals the uninterrupted run's. (One run with both faults:
+    two runs of one fault each cost CI a whole 2-worker run more.)"""
+    result = _run(tiny_dir, tmp_path, extra=["distributed.max_failures=2"],
+                  fault=[{"round": 2}, {"stage2_step": 2}])
+    run_dir = tmp_path / "storage" / Path(result.storage).name
+    assert (run_dir / "fault-0").exists() and (run_dir / "fault-1").exists()  # the once-only markers
+    assert result.attempts() == 3
     starts = [e for e in result.events if e["event"] == "start"]
-    assert starts[1]["resumed_from"] == "stage2-step2"
-    stage1 = [e for e in result.events if e["event"] == "stage1_done"]
-    assert [e["rounds_computed"] for e in stage1] == [2, 0]
-    stage2 = [e for e in result.events if e["event"] == "stage2_done"]
-    assert len(stage2) == 1 and stage2[0]["steps_computed"] == 2 and stage2[0]["attempt"] == 2
-    assert result.drop_order == clean_run[0].drop_order
-    diff = (_logits(tmp_path / "out") - _logits(clean_run[1] / "out")).abs().max().item()
-    print("max |logit difference| resumed vs uninterrupted:", diff)
-    assert diff < 1e-4
-
-
-def test_fault_injection_resumes_without_recomputing(tiny_dir, tmp_path, single, local_ray):
-    result = _run(tiny_dir, tmp_path, extra=["distributed.max_failures=1"], fault={"round": 2})
-    assert (tmp_path / "storage" / Path(result.storage).name / "fault-0").exists()  # the once-only marker
-    assert result.attempts() == 2
-    assert result.drop_order == single.drop_order
-    # From the run's own log: every round finished exactly once over both attempts.
+    assert [e["resumed_from"] for e in starts] == [None, "stage1-round1", "stage2-step2"]
+    # From the run's own log: every round finished exactly once over the three attempts.
     rounds = [e["round"] for e in result.events if e["event"] == "round"]
     assert rounds == [1, 2] and result.rounds_computed() == len(single.drop_order)
-    starts = [e for e in result.events if e["event"] == "start"]
-    assert starts[1]["resumed_from"] == "stage1-round1"
     stage1 = [e for e in result.events if e["event"] == "stage1_done"]
-    assert len(stage1) == 1 and stage1[0]["rounds_computed"] == 1
+    assert [e["rounds_computed"] for e in stage1] == [1, 0]
     _live_gates_close(single, stage1[0]["gate_history"])
+    stage2 = [e for e in result.events if e["event"] == "stage2_done"]
+    assert len(stage2) == 1 and stage2[0]["steps_computed"] == 2 and stage2[0]["attempt"] == 3
+    assert result.drop_order == single.drop_order == clean_run[0].drop_order
+    diff = (_logits(tmp_path / "out") - _logits(clean_run[1] / "out")).abs().max().item()
+    print("max |logit difference| resumed twice vs uninterrupted:", diff)
+    assert diff < 1e-4
 
 
 # The dashboard's job API and its agent come up some seconds after `ray start` returns.
