@@ -76,6 +76,20 @@ def _result(row, seed, ppl, drop=(1, 2), weight=0):
             "info": {"weight_tokens": weight}, "held-out PPL": ppl, "domain-2 PPL": 2 * ppl}
 
 
+def test_select_recover_and_total_compute_are_seed_means_that_add_up():
+    """A TRSP selection's refinement spends a different number of scorer calls per seed (56 and 106
+    in the 3-seed run): the select column showed the first seed's cost (126.2k) beside the seeds'
+    mean total (143.2k), so select + recover != total in the printed row."""
+    rows = registry.rows(["trsp-selection+heal"])
+    costs = ((0, 126160.0), (1, 126160.0), (2, 176870.0))
+    results = [{**_result("trsp-selection+heal", seed, 30.0, weight=64),
+                "info": {"weight_tokens": 64, "select_cost": c, "recovery_cost": 30720.0, "total_cost": c + 30720.0}}
+               for seed, c in costs]
+    (s,) = summarize(results, rows, dense_params=100)
+    assert s["select cost"] == pytest.approx(sum(c for _, c in costs) / 3)
+    assert s["select cost"] + s["recovery cost"] == pytest.approx(s["total cost"])
+
+
 def test_summary_compares_each_row_with_its_own_groups_best_baseline():
     rows = registry.rows(["dense", "trsp-no-stage2", "shortgpt", "sleb", "trsp", "shortgpt+heal", "sleb+heal"])
     results = [_result("dense", s, 10.0) for s in (0, 1)]

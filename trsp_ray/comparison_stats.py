@@ -60,7 +60,9 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int) -> dict
          "drop": first["drop"], "same drop over seeds": all(sorted(r["drop"]) == sorted(first["drop"]) for r in runs),
          "params": first["params"], "kept %": 100.0 * first["params"] / dense_params,
          "calib tokens": first["info"].get("calib_tokens", 0),
-         "select cost": first["info"].get("select_cost", 0.0),
+         # seed means, like recovery and total (a TRSP selection's refinement spends a different
+         # number of scorer calls per seed): select + recover = total in every printed row
+         "select cost": statistics.fmean(r["info"].get("select_cost", 0.0) for r in runs),
          "recovery cost": statistics.fmean(r["info"].get("recovery_cost", 0.0) for r in runs),
          "total cost": statistics.fmean(r["info"].get("total_cost", 0.0) for r in runs),
          "weight tokens": first["info"].get("weight_tokens", 0),
