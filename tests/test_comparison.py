@@ -61,6 +61,30 @@ def _stat(values):
             "spread": max(values) - min(values), "n": len(values)}
 
 
+def test_the_ray_driver_starts_the_critical_path_first_whenever_a_worker_frees():
+    """Ray runs ready tasks in the order they became ready, so in the README job the TRSP rows,
+    ready only after the 462 s stage 1, queued behind every ShortGPT row and the dense row (15:47
+    wall). The driver now keeps `workers` tasks in flight and picks the next by priority among the
+    jobs whose selections are done."""
+    from trsp_ray.distributed.comparison import next_job, submission_order
+
+    rows = registry.rows(list(registry.QUICK_ROWS))
+    waiting = sorted(plan_jobs(rows, [0]), key=submission_order)
+
+    def take(done):
+        job = next_job(waiting, done)
+        waiting.remove(job)
+        return job.name
+
+    assert [take(set()), take(set())] == ["trsp", "shortgpt"]  # both selections start at once
+    shortgpt, trsp = ("shortgpt", 0), ("trsp", 0)
+    assert take({shortgpt}) == "shortgpt+heal"  # a trained row before the untrained ones
+    assert take({shortgpt}) == "shortgpt"  # TRSP's rows are not ready: the next ShortGPT row
+    assert take({shortgpt, trsp}) == "trsp-selection+heal"  # ready now: before the dense row
+    assert [take({shortgpt, trsp}), take({shortgpt, trsp})] == ["trsp-no-stage2", "dense"]
+    assert next_job(waiting, {shortgpt, trsp}) is None and not waiting
+
+
 def test_verdict_calls_a_difference_inside_the_spread_a_tie():
     best = {"ppl": _stat([30.0, 31.0, 32.0])}
     assert verdict({"ppl": _stat([28.0, 28.5, 29.0])}, best, "ppl") == "better"  # 2.5 apart, spreads 2 / 1

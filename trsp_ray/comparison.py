@@ -67,6 +67,13 @@ def plan_jobs(rows: list[registry.Row], seeds: list[int], budgets: tuple[int, ..
     return jobs
 
 
+def job_needs(job: Job) -> set:
+    """The selections {(selector, seed)} a row job needs done first (job_inputs reads them)."""
+    row = registry.ROWS[job.name]
+    needs = {(registry.METHODS[row.method].selector, job.seed)} if row.method else set()
+    return needs | ({(registry.TRSP_SELECTOR, job.seed)} if row.equal_compute else set())
+
+
 def job_inputs(job: Job, selections: dict) -> tuple:
     """(selection, reference) a row job needs from the selections done: its own selector's and, for
     an equal-compute row, TRSP's of the same seed."""

@@ -1,9 +1,10 @@
 """The method comparison (`trsp-ray benchmark`) as a local or cluster Ray workload.
 
-`ray_runner(workers)` executes bench.plan's jobs as Ray tasks: every selection (TRSP's stage 1 first,
-it is on the critical path of the TRSP rows) starts at once, and each row starts as soon as the
-selection it uses is done (Ray resolves the selection's ObjectRef before the row task runs). Tasks
-return plain dicts; the driver alone writes to MLflow, so the sqlite store never sees two writers.
+`ray_runner(workers)` executes bench.plan's jobs as Ray tasks, `workers` at a time: whenever one
+finishes, the driver starts the first job in priority order whose selections are done (TRSP's stage
+1 first, it is on the critical path of the TRSP rows; then the other selections, trained rows,
+selection-only rows, the dense row last). Tasks return plain dicts; the driver alone writes to
+MLflow, so the sqlite store never sees two writers.
 """
 
 from __future__ import annotations
@@ -68,20 +69,27 @@ def ray_runner(workers: int):
             gpus = task_gpus(cfg_dict["device"], ray.cluster_resources().get("GPU", 0))
             selection_remote = ray.remote(num_cpus=1, num_gpus=gpus)(_selection_task)
             row_remote = ray.remote(num_cpus=1, num_gpus=gpus)(_row_task)
-            ordered = sorted(jobs, key=submission_order)
-            selections, pending = {}, {}
-            for job in ordered:
-                if job.kind == "selection":
-                    ref = selection_remote.remote(cfg_dict, job.name, job.seed, threads)
-                    selections[(job.name, job.seed)] = ref
-                else:  # Ray resolves the selections' ObjectRefs before the row task runs
-                    dep, reference = job_inputs(job, selections)
-                    ref = row_remote.remote(cfg_dict, job.name, job.seed, dep, export_dir, threads,
-                                            {**options, "budget": job.budget}, reference)
-                pending[ref] = job
-            while pending:
+            waiting = sorted(jobs, key=submission_order)
+            selections, done, pending = {}, set(), {}
+            while waiting or pending:
+                # Ray runs a ready task in the order it became ready, so a row whose selection
+                # finishes late (TRSP's) would queue behind every row ready before it: the driver
+                # keeps `workers` tasks in flight and starts the first ready job in priority order
+                while len(pending) < max(1, workers) and (job := next_job(waiting, done)) is not None:
+                    waiting.remove(job)
+                    if job.kind == "selection":
+                        ref = selection_remote.remote(cfg_dict, job.name, job.seed, threads)
+                        selections[(job.name, job.seed)] = ref
+                    else:  # its selections are done: Ray hands their results to the row task
+                        dep, reference = job_inputs(job, selections)
+                        ref = row_remote.remote(cfg_dict, job.name, job.seed, dep, export_dir, threads,
+                                                {**options, "budget": job.budget}, reference)
+                    pending[ref] = job
                 [ref], _ = ray.wait(list(pending), num_returns=1)
-                on_done(pending.pop(ref), ray.get(ref))
+                job, result = pending.pop(ref), ray.get(ref)
+                if job.kind == "selection":
+                    done.add((job.name, job.seed))
+                on_done(job, result)
         finally:
             if started:
                 ray.shutdown()
@@ -89,11 +97,18 @@ def ray_runner(workers: int):
     return run
 
 
+def next_job(waiting: list, done: set):
+    """The first job of `waiting` (in priority order) whose selections are all in `done`
+    ({(selector, seed)}), else None."""
+    from trsp_ray.comparison import job_needs
+
+    return next((j for j in waiting if j.kind == "selection" or job_needs(j) <= done), None)
+
+
 def submission_order(job) -> tuple:
-    """Ray starts ready tasks in the order they were submitted, so the longest go first: the
-    selections (TRSP's stage 1, the longest, first of all), then trained rows (a heal is ~2x a
-    row's evaluation; larger budgets first), then selection-only rows, the dense row last. On 2
-    CPUs this packs the README job's work ~25 s tighter than the plan's order."""
+    """The order the driver starts ready jobs in, longest first: the selections (TRSP's stage 1,
+    the longest, first of all), then trained rows (a heal is ~2x a row's evaluation; larger budgets
+    first), then selection-only rows, the dense row last."""
     from trsp_ray import registry
 
     if job.kind == "selection":
