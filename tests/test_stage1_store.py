@@ -95,7 +95,8 @@ def test_a_ray_train_cell_gets_the_shared_stage1_and_reports_its_kept_layers(tmp
 
     handed = []
 
-    def fake_prune_distributed(cfg, *, cell_id, target, workers, stage1, n_drop):
+    def fake_prune_distributed(cfg, *, cell_id, target, workers, stage1, n_drop, selection=None):
+        assert selection is None  # a TRSP cell prunes from the shared stage 1, no handed drop set
         import dataclasses
 
         from trsp_ray.export import export_model
