@@ -90,10 +90,9 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
         if not plan.fits:
             raise TrspError(f"scoring {spec.key}: {plan.reason()}")
         return route.Route(0, device, plan)
-    handed = registry.method(cfg.method).name in registry.HANDED_OVER_METHODS
     chosen = route.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers,
-                         drop_given=handed)
-    if handed and chosen.workers:  # its selection runs in the model's one-device task (prune_cells)
+                         drop_given=_selects_elsewhere(cfg))
+    if hands_over(cfg, chosen.workers):  # its selection runs in the model's one-device task (prune_cells)
         try:
             route.route(replace(cfg, method=selection_method(cfg.method)), device=device, memory_gb=memory,
                         shape=shape, max_workers=0)
@@ -110,9 +109,14 @@ def selection_method(method: str) -> str:
                 if m.selector == selector and not m.heal and not m.stage2 and m.ranking == "order")
 
 
+def _selects_elsewhere(cfg: RunConfig) -> bool:
+    """A heal method whose selection the workers do not run (registry.HANDED_OVER_METHODS)."""
+    return registry.method(cfg.method).name in registry.HANDED_OVER_METHODS
+
+
 def hands_over(cfg: RunConfig, workers: int) -> bool:
     """Whether a cell routed to `workers` gets its drop set from the model's one-device task."""
-    return workers > 0 and registry.method(cfg.method).name in registry.HANDED_OVER_METHODS
+    return workers > 0 and _selects_elsewhere(cfg)
 
 
 def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
