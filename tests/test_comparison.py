@@ -374,7 +374,62 @@ def test_benchmark_task_sees_the_gpu_it_requested_on_a_cluster_with_gpus(private
     seen = []
     monkeypatch.setattr(dc, "_selection_task", lambda cfg, selector, seed, threads: {
         "gpus": ray.get_gpu_ids(), "seconds": 0.0})
-    run = dc.ray_runner(1)
+    run = dc.RayRunner(1)
     job = type("J", (), {"kind": "selection", "name": "shortgpt", "seed": 0, "budget": 1})()
     run([job], cfg_dict={"device": "auto"}, export_dir=None, on_done=lambda j, out: seen.append(out), options={})
     assert seen and len(seen[0]["gpus"]) == 1
+
+
+@pytest.mark.ray
+def test_a_warmed_runner_s_workers_have_imported_torch_and_transformers_before_any_task(own_ray_tmpdir):
+    """RayRunner.warm starts Ray with a worker setup hook, so the local workers import what every
+    benchmark task imports first (transformers' generation code pulls torch._dynamo: seconds of CPU)
+    while the driver still sets up MLflow; a worker of a plain Ray start has imported none of it."""
+    import ray
+
+    from trsp_ray.distributed import comparison as dc
+
+    def imported():
+        import sys
+
+        return ["transformers.generation.utils" in sys.modules, "trsp_ray.workbench" in sys.modules]
+
+    runner = dc.RayRunner(1)
+    runner.warm()
+    try:
+        assert runner.started and ray.get(ray.remote(num_cpus=1)(imported).remote()) == [True, True]
+    finally:
+        runner.close()
+    assert not ray.is_initialized()  # close() stops what warm() started
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        assert ray.get(ray.remote(num_cpus=1)(imported).remote()) == [False, False]
+    finally:
+        ray.shutdown()
+
+
+def test_mlflow_sets_up_in_a_thread_while_the_runner_warms_on_the_main_thread(monkeypatch):
+    """ray.init hung when called from a thread (its GCS client timed out), so the runner warms on the
+    main thread and the tracker is made in another one, at the same time."""
+    import threading
+    import time
+
+    from trsp_ray import comparison, tracking
+
+    seen = {}
+
+    def make_tracker(**kwargs):
+        seen["tracker thread"] = threading.current_thread() is threading.main_thread()
+        time.sleep(0.5)
+        return "tracker"
+
+    def warm():
+        seen["warm thread"] = threading.current_thread() is threading.main_thread()
+        time.sleep(0.5)
+
+    monkeypatch.setattr(tracking, "make_tracker", make_tracker)
+    t0 = time.monotonic()
+    got = comparison._tracker_while_warming(load_config(None, []).tracking, warm)
+    assert got == "tracker" and seen == {"tracker thread": False, "warm thread": True}
+    assert time.monotonic() - t0 < 0.9  # side by side, not one after the other
+

@@ -112,7 +112,6 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     from trsp_ray.comparison_report import render_report
     from trsp_ray.comparison_stats import summarize
     from trsp_ray.logs import log
-    from trsp_ray.tracking import make_tracker
     from trsp_ray.workbench import kept_parameters, prepare
 
     budgets = tuple(budgets)
@@ -133,12 +132,12 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
 
         write_task_dir([CAPABILITY_TASK])  # the data converted once, before the jobs read it
     jobs = plan_jobs(selected, seed_list, budgets)
-    t = cfg.tracking
-    tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
+    runner = runner or run_local
     export_dir = tempfile.mkdtemp(prefix="trsp-bench-") if zeroshot_limit else None
     results: list[dict] = []
     done = {"n": 0}
     try:
+        tracker = _tracker_while_warming(cfg.tracking, getattr(runner, "warm", None))
         with tracker.run(f"benchmark-r{cfg.ratio}", tags={"kind": "benchmark", "model": cfg.model}):
             tracker.log_params(cfg.to_dict())
             tracker.log_params({"data.heldout_source": bench.texts.heldout_source,
@@ -156,8 +155,8 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
 
             log(f"benchmark: {len(selected)} rows x {seeds} seed(s) x budgets {list(budgets)} = {len(jobs)} jobs "
                 f"({sum(j.kind == 'selection' for j in jobs)} selections)")
-            (runner or run_local)(jobs, cfg_dict=cfg.to_dict(), export_dir=export_dir, on_done=on_done,
-                                  options={"lambada": lambada_limit})
+            runner(jobs, cfg_dict=cfg.to_dict(), export_dir=export_dir, on_done=on_done,
+                   options={"lambada": lambada_limit})
             if zeroshot_limit:
                 _zeroshot(results, limit=zeroshot_limit, actors=zeroshot_actors, tracker=tracker, log=log)
             summary = summarize(results, selected, dense_params=kept_parameters(bench.model))
@@ -177,10 +176,29 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
                                      **({f"{prefix}/lambada_acc": s["LAMBADA acc"]["mean"]}
                                         if "LAMBADA acc" in s else {})})
     finally:
+        getattr(runner, "close", lambda: None)()  # a runner warmed but never run (MLflow failed) stops too
         if export_dir:
             shutil.rmtree(export_dir, ignore_errors=True)
     print(report)
     return summary
+
+
+def _tracker_while_warming(t, warm):
+    """The run's tracker; with a runner that can warm up (Ray's start and its workers' imports), MLflow's
+    import and store set-up (about 6 s of CPU on 2 cores) run in a thread while it does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trsp_ray.tracking import make_tracker
+
+    def make():
+        return make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
+
+    if warm is None:
+        return make()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(make)
+        warm()
+        return future.result()
 
 
 def _log_job(tracker, plots, job: Job, out: dict) -> None:

@@ -1,6 +1,6 @@
 """The method comparison (`trsp-ray benchmark`) as a local or cluster Ray workload.
 
-`ray_runner(workers)` executes bench.plan's jobs as Ray tasks, `workers` at a time: whenever one
+`RayRunner(workers)` executes bench.plan's jobs as Ray tasks, `workers` at a time: whenever one
 finishes, the driver starts the first job in priority order whose selections are done (TRSP's stage
 1 first, it is on the critical path of the TRSP rows; then the other selections, trained rows,
 selection-only rows, the dense row last). Tasks return plain dicts; the driver alone writes to
@@ -53,16 +53,56 @@ def task_gpus(device: str, cluster_gpus: float) -> int:
     return 1 if device == "cuda" or (device == "auto" and cluster_gpus >= 1) else 0
 
 
-def ray_runner(workers: int):
-    """A bench runner that spreads the jobs over `workers` one-CPU Ray tasks at a time. Joins the
-    cluster named by RAY_ADDRESS, else starts (and stops) a local Ray instance with `workers` CPUs."""
+def warm_worker() -> None:
+    """Ray runs this in every worker process as it starts (the runtime_env's
+    `worker_process_setup_hook`): the imports every benchmark task makes first (torch, transformers'
+    model base and generation code, trsp_ray's jobs and memory plan: 5-9 s of CPU on 2 cores) happen
+    while the driver is still setting up MLflow, instead of after the first task arrives."""
+    import transformers.generation.utils  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
 
-    def run(jobs, *, cfg_dict: dict, export_dir: str | None, on_done, options: dict) -> None:
+    import trsp_ray.comparison_jobs  # noqa: F401
+    import trsp_ray.distributed.single_plan  # noqa: F401
+    import trsp_ray.workbench  # noqa: F401
+
+
+class RayRunner:
+    """A bench runner that spreads the jobs over `workers` one-CPU Ray tasks at a time. Joins the
+    cluster named by RAY_ADDRESS, else starts (and stops) a local Ray instance with `workers` CPUs.
+
+    `warm()` starts or joins Ray ahead of the run (run_benchmark calls it while MLflow sets up in
+    another thread, and a local instance's workers do their imports meanwhile); calling the runner
+    warms it if nobody did, and Ray is shut down when the last job is done (or by `close()`)."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.started = False
+
+    def warm(self) -> None:
+        import os
+
+        import ray
+
+        if ray.is_initialized():
+            return
+        local = not os.environ.get("RAY_ADDRESS")  # a joined cluster keeps its own runtime_env
+        hook = {"runtime_env": {"worker_process_setup_hook": f"{__name__}.warm_worker"}} if local else {}
+        self.started = ray_session.connect(local_cpus=self.workers, **hook)
+
+    def close(self) -> None:
+        if self.started:
+            import ray
+
+            ray.shutdown()
+            self.started = False
+
+    def __call__(self, jobs, *, cfg_dict: dict, export_dir: str | None, on_done, options: dict) -> None:
         import ray
 
         from trsp_ray.comparison import job_inputs
 
-        started = ray_session.connect(local_cpus=workers)
+        self.warm()
+        workers = self.workers
         try:
             cpus = int(ray.cluster_resources().get("CPU", workers))
             threads = max(1, cpus // max(1, workers))
@@ -91,10 +131,7 @@ def ray_runner(workers: int):
                     done.add((job.name, job.seed))
                 on_done(job, result)
         finally:
-            if started:
-                ray.shutdown()
-
-    return run
+            self.close()
 
 
 def next_job(waiting: list, done: set):
@@ -122,4 +159,4 @@ def run_benchmark_ray(cfg, rows, *, workers: int = 2, **kwargs) -> list[dict]:
     gets one actor per worker)."""
     from trsp_ray.comparison import run_benchmark
 
-    return run_benchmark(cfg, rows, runner=ray_runner(workers), zeroshot_actors=workers, **kwargs)
+    return run_benchmark(cfg, rows, runner=RayRunner(workers), zeroshot_actors=workers, **kwargs)
