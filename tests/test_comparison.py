@@ -433,3 +433,22 @@ def test_mlflow_sets_up_in_a_thread_while_the_runner_warms_on_the_main_thread(mo
     assert got == "tracker" and seen == {"tracker thread": False, "warm thread": True}
     assert time.monotonic() - t0 < 0.9  # side by side, not one after the other
 
+
+def test_the_command_exits_with_main_s_status_after_the_atexit_handlers(tmp_path):
+    """`trsp-ray` (cli.entry) skips the interpreter's module teardown but still runs every atexit
+    handler, lets a non-daemon thread finish, flushes both streams and exits with main's status."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, sys, threading, time\n"
+              "from trsp_ray import cli\n"
+              "atexit.register(lambda: print('atexit ran', file=sys.stderr))\n"
+              "def main():\n"
+              "    threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+              "    print('unflushed', end='')\n"
+              "    return 3\n"
+              "cli.main = main\n"
+              "cli.entry()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3
+    assert done.stdout == "unflushedthread done\n" and done.stderr.strip() == "atexit ran"
