@@ -28,12 +28,13 @@ def test_probe_memory_per_gpu_is_the_chunk_logprobs_and_the_teacher(name, vocab)
     tokens = 2048  # 8 probe windows over 16 GPUs: one 2048-token window each
     assert pp.windows_per_gpu == 1 and pp.teacher_cached
     parts = pp.memory.parts
-    # student fp32 log-probs + teacher (bf16 and its fp32 upcast) + kl_div's 3 fp32 temporaries
-    assert parts["probe chunk (student + teacher log-probs, kl_div)"] == pytest.approx(tokens * vocab * 22 / GiB)
+    # bf16: while the student's log-probs are made, the teacher chunk (2) + the logits (2) + their fp32
+    # upcast (4) + the fp32 log-probs (4); the KL phase needs less (2 + 4 + 4): 12 bytes (kl_div took 22)
+    assert parts["probe chunk (student log-probs + teacher)"] == pytest.approx(tokens * vocab * 12 / GiB)
     assert parts["probe teacher cache"] == pytest.approx(tokens * vocab * 2 / GiB)
     assert "activations" not in parts  # a no-grad forward keeps no training activations
-    figures = {32_000: (1.34, 0.12, 15.1), 128_256: (5.38, 0.49, 19.7)}[vocab]
-    got = (parts["probe chunk (student + teacher log-probs, kl_div)"], parts["probe teacher cache"], pp.memory.total)
+    figures = {32_000: (0.73, 0.12, 14.5), 128_256: (2.94, 0.49, 17.2)}[vocab]
+    got = (parts["probe chunk (student log-probs + teacher)"], parts["probe teacher cache"], pp.memory.total)
     assert [round(x, 2 if i < 2 else 1) for i, x in enumerate(got)] == list(figures)
 
 
@@ -64,8 +65,8 @@ def test_plan_command_prints_the_probes(cached_70b):  # noqa: F811
                            "--method", "trsp+heal"], capture_output=True, text=True, env={**os.environ}, timeout=300)
     out = done.stdout
     assert done.returncode == 0, done.stderr
-    for figure in ("stage 1 probes: 15.1 GB per worker (fits)",
-                   "probe chunk (student + teacher log-probs, kl_div): 1.34 GB",
+    for figure in ("stage 1 probes: 14.5 GB per worker (fits)",
+                   "probe chunk (student log-probs + teacher): 0.73 GB",
                    "probe teacher cache: 0.12 GB", "80 scorer calls in 20 rounds + at most 320 refinement calls",
                    "the passes alone allow 2320", "= 6.6M dense-forward tokens (all GPUs; 0.8M per GPU)"):
         assert figure in out, figure
@@ -73,22 +74,25 @@ def test_plan_command_prints_the_probes(cached_70b):  # noqa: F811
 
 
 def test_a_run_whose_probes_do_not_fit_is_refused_before_any_worker(tmp_path):
-    """A vocabulary of 1M: stage 1's training fits 40 GB, its probes' logits (1 x 2048 tokens x V x
-    22 bytes = 42 GiB) do not, and check_plan says so in one line."""
+    """A 7B-like Llama with a vocabulary of 400k on 2 x 40 GB, 4 windows of 2048 tokens a batch:
+    stage 1's training fits (33.3 GB per worker), its probes do not (four of the 8 probe windows per
+    GPU in one chunk: 4 x 2048 tokens x V x 12 bytes of log-probs and teacher = 36.6 GiB, 50.3 GB in
+    all), and check_plan says so in one line."""
     import json
 
     from trsp_ray.distributed.train import check_plan
     from trsp_ray.errors import TrspError
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 1_000_000, "hidden_size": 64,
-                                "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
-                                "num_key_value_heads": 2}))
-    common = ["distributed.workers=16", "distributed.use_gpu=true", "distributed.gpu_memory_gb=40",
-              "data.batch_size=16", "data.seqlen=2048", "method=trsp-no-stage2"]
+    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 400_000, "hidden_size": 4096,
+                                "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                "num_key_value_heads": 32}))
+    common = ["distributed.workers=2", "distributed.use_gpu=true", "distributed.gpu_memory_gb=40",
+              "data.batch_size=4", "data.seqlen=2048", "method=trsp-no-stage2",
+              "distributed.activation_checkpointing=true"]
     cfg = load_config(None, common)
     assert planner.plan_for_run(cfg, str(path)).fits
-    with pytest.raises(TrspError, match="stage 1's removal probes need 4[0-9].[0-9] GB per worker"):
+    with pytest.raises(TrspError, match=r"stage 1's removal probes need 50\.3 GB per worker"):
         check_plan(cfg, str(path))
     check_plan(load_config(None, [*common, "stage1.probe=0"]), str(path))  # no probes: nothing to refuse
 
@@ -112,14 +116,14 @@ def test_plan_of_the_default_method_has_no_probes_and_freezes_the_drop_set():
     assert f"Block Influence, forward-only, within the stage-1 figure; {windows} windows x 2048 tokens" in out
     assert "checkpoint: 579.6 GB per save" in out
     paper = subprocess.run([*args, "--method", "trsp"], capture_output=True, text=True, timeout=300)
-    assert "checkpoint: 770.9 GB per save" in paper.stdout and "stage 1 probes: 15.1 GB" in paper.stdout
+    assert "checkpoint: 770.9 GB per save" in paper.stdout and "stage 1 probes: 14.5 GB" in paper.stdout
 
 
 def test_the_route_takes_as_many_workers_as_the_probes_need(tmp_path):
-    """A 7B-like Llama with a vocabulary of 300k, 4 windows of 2048 tokens a batch, 40 GB GPUs: one
-    process does not fit (49.6 GB), stage 1's training fits 2 workers (27.7 GB) but its probes there
-    do not (63.2 GB: two probe windows' logits per GPU), so the route takes 4 workers; when the
-    probes fit no worker count allowed it refuses in one line naming them."""
+    """A 7B-like Llama with a vocabulary of 400k, 4 windows of 2048 tokens a batch, 40 GB GPUs: one
+    process does not fit (60.3 GB), stage 1's training fits 2 workers (33.3 GB) but its probes there
+    do not (50.3 GB: four probe windows' logits per GPU), so the route takes 4 workers (18.6 GB); when
+    the probes fit no worker count allowed it refuses in one line naming them."""
     import json
 
     from trsp_ray.distributed.route import route
@@ -134,10 +138,10 @@ def test_the_route_takes_as_many_workers_as_the_probes_need(tmp_path):
 
     common = ["distributed.workers=16", "distributed.use_gpu=true", "data.batch_size=4", "data.seqlen=2048",
               "method=trsp-no-stage2", "device=cuda", "distributed.activation_checkpointing=true"]
-    r = route(load_config(None, common), shape=shape(300_000), memory_gb=40)
+    r = route(load_config(None, common), shape=shape(400_000), memory_gb=40)
     assert r.workers == 4 and r.plan.peak < 40
-    no_probes = route(load_config(None, [*common, "stage1.probe=0"]), shape=shape(300_000), memory_gb=40)
+    no_probes = route(load_config(None, [*common, "stage1.probe=0"]), shape=shape(400_000), memory_gb=40)
     assert no_probes.workers == 2  # the training plan alone decides
-    with pytest.raises(TrspError, match=r"on 2 workers stage 1's removal probes need 63\.2 GB per worker") as err:
-        route(load_config(None, common), shape=shape(300_000), memory_gb=40, max_workers=2)
+    with pytest.raises(TrspError, match=r"on 2 workers stage 1's removal probes need 50\.3 GB per worker") as err:
+        route(load_config(None, common), shape=shape(400_000), memory_gb=40, max_workers=2)
     assert "\n" not in str(err.value)

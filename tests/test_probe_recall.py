@@ -51,6 +51,24 @@ def test_recall_score_is_kl_plus_the_ce_increase_at_recall_positions():
     assert abs(scorer([2, 3]) - kl_only) > 10 * abs(kl_only - kl.item())  # the recall term is what differs
 
 
+@pytest.mark.parametrize("teacher_dtype", [torch.float32, torch.bfloat16])
+def test_the_kl_sum_is_kl_div_to_the_bit_with_fewer_temporaries(teacher_dtype):
+    """The probes' KL (stage1._kl_sum, in place on the student's log-probs) returns what
+    F.kl_div(lp, t, log_target=True, reduction="sum") returns, bit for bit, for an fp32 teacher and
+    for a bf16 one (kl_div then sees its fp32 upcast, as the old scorer gave it)."""
+    import torch.nn.functional as F
+
+    from trsp_ray.stage1 import _kl_sum
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 64, 3000, generator=g) * 3
+    teacher = torch.log_softmax(logits, -1).to(teacher_dtype)
+    lp = torch.log_softmax(logits + torch.randn(2, 64, 3000, generator=g), -1)
+    expected = F.kl_div(lp, teacher.float(), log_target=True, reduction="sum")
+    got = _kl_sum(teacher, lp.clone())
+    assert got.item() == expected.item() and got.item() > 1.0
+
+
 def test_two_ranks_of_recall_probes_sum_to_the_one_process_score():
     model = tiny_model("llama", layers=6)
     gates = attach_gates(model)
