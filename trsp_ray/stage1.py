@@ -197,9 +197,9 @@ class RemovalScorer:
             count = lp.shape[0] * lp.shape[1]
             mask = self.masks[k].to(lp.device) if k < len(self.masks) else None
             gap = None
-            if mask is not None and mask.any():  # read before _kl_sum overwrites lp
+            if mask is not None and mask.any():  # read before _kl_sum overwrites lp; CE(pruned) - CE(dense)
                 target = chunk[:, 1:].to(lp.device)[:, :, None]
-                gap = (teacher.gather(-1, target).float() - lp.gather(-1, target))[..., 0][mask]  # CE(pruned) - CE(dense)
+                gap = (teacher.gather(-1, target).float() - lp.gather(-1, target))[..., 0][mask]
             kl = _kl_sum(teacher, lp)
             if gap is None:
                 return [kl.item(), count, 0.0, 0.0]
