@@ -8,6 +8,8 @@ against what users measure without ever selecting on LAMBADA.
 
     python benchmarks/capability.py --sets "3,4,5,6,7,16,17,18" "12,13,14,15,16,17,25,26" --heal 20
     python benchmarks/capability.py --greedy late --probe-seqlen 512 --probe-windows 4
+    python benchmarks/capability.py --sets "12,13,14,15,16,17,25,26" --comp scalar dense:1e-2:diagonal \
+        dense:1e-2:lowrank:32 --comp-windows 256
 
 Prints one table; the load average is printed beside the wall time.
 """
@@ -144,10 +146,13 @@ def main() -> None:
     p.add_argument("--shortlist-bi", type=int, default=0, help="greedy probes only the k lowest-BI layers left")
     p.add_argument("--lambada", type=int, default=500)
     p.add_argument("--heal", type=int, default=0, help="heal steps (stage2.lr, batch x seqlen of the config)")
-    p.add_argument("--comp", nargs="*", default=[], metavar="FORM:RIDGE",
-                   help="also score each set compensated: least squares FORM:RIDGE (dense:1e-4, sequential:1e-2) "
-                        "or the scalar fold (scalar)")
+    p.add_argument("--comp", nargs="*", default=[], metavar="ACTIVATIONS:RIDGE[:FORM[:RANK]]",
+                   help="also score each set compensated: least squares (dense:1e-4, sequential:1e-2, "
+                        "dense:1e-2:diagonal, dense:1e-2:lowrank:32) or the scalar fold (scalar)")
     p.add_argument("--comp-windows", type=int, default=32, help="calibration windows (data.seqlen) of the fit")
+    p.add_argument("--comp-outlier", type=float, default=0.0,
+                   help="leave tokens whose stream entering a block exceeds this multiple of the median norm out "
+                        "of the fit (compensation.outlier; 0 = every token)")
     p.add_argument("--no-plain", action="store_true", help="score only the compensated variants")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-dense", action="store_true", help="skip the dense row")
@@ -225,8 +230,8 @@ def main() -> None:
     rows = []
     if not args.no_dense:
         dense_acc = lambada_accuracy(bench.model, bench.tokenizer, passages, bos=bench.bos)
-        rows.append(("dense", "-", 0.0, 0.0, bench.heldout_ppl(bench.model), domain2_ppl(bench, bench.model),
-                     dense_acc))
+        rows.append(("dense", "-", 0.0, 0.0, bench.validation_ppl(bench.model), bench.heldout_ppl(bench.model),
+                     domain2_ppl(bench, bench.model), dense_acc))
     from trsp_ray.compensation import compensate
     from trsp_ray.methods import fixed_windows
 
@@ -239,10 +244,13 @@ def main() -> None:
             model = bench.fresh_model()
             remove_layers(model, drop)
             if variant == ("scalar",):
-                compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="scalar")
+                compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="scalar",
+                           outlier=args.comp_outlier)
             elif variant is not None:
                 compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="lstsq",
-                           ridge=float(variant[1]), activations=variant[0])
+                           ridge=float(variant[1]), activations=variant[0],
+                           form=variant[2] if len(variant) > 2 else "full",
+                           rank=int(variant[3]) if len(variant) > 3 else None, outlier=args.comp_outlier)
             if args.heal:
                 model = run_heal(model=model, batches=bench.batches(seed_offset=2), steps=args.heal,
                                  lr=cfg.stage2.lr).model.eval()
@@ -250,14 +258,16 @@ def main() -> None:
             name = ("healed " if args.heal else "") + (":".join(variant) if variant else "plain")
             if variant is not None or args.heal:  # the scored model's own calibration KL
                 kl_all = model_kl(model, probe_batches, teacher)
-            rows.append((name, " ".join(map(str, sorted(drop))), kl_all, kl_late, bench.heldout_ppl(model),
-                         domain2_ppl(bench, model), acc))
+            rows.append((name, " ".join(map(str, sorted(drop))), kl_all, kl_late, bench.validation_ppl(model),
+                         bench.heldout_ppl(model), domain2_ppl(bench, model), acc))
             print(rows[-1], flush=True)
-    print(f"\n{'row':22} {'drop set':28} {'KL all':>7} {'KL late':>7} {'held PPL':>9} {'news PPL':>9} LAMBADA acc")
-    for name, d, ka, kl, hp, np_, (acc, se) in rows:
-        print(f"{name:22} {d:28} {ka:7.4f} {kl:7.4f} {hp:9.2f} {np_:9.2f} {acc:.3f} ±{se:.3f}")
+    print(f"\n{'row':30} {'drop set':28} {'KL all':>7} {'KL late':>7} {'tail PPL':>9} {'held PPL':>9} "
+          f"{'news PPL':>9} LAMBADA acc")
+    for name, d, ka, kl, vp, hp, np_, (acc, se) in rows:
+        print(f"{name:30} {d:28} {ka:7.4f} {kl:7.4f} {vp:9.2f} {hp:9.2f} {np_:9.2f} {acc:.3f} ±{se:.3f}")
     print(f"\nprobe: {args.probe_windows} x {args.probe_seqlen} calibration tokens, late = positions >= {args.start} "
-          "(KL all: the scored model's own; KL late: its plain drop set's); "
+          "(KL all: the scored model's own; KL late: its plain drop set's; tail PPL: the calibration tail, "
+          "the only column a choice may use besides the KLs); "
           f"LAMBADA: first {len(passages)} test passages; heal {args.heal} steps; "
           f"wall {time.time() - t0:.0f}s at load {os.getloadavg()[0]:.1f}")
 

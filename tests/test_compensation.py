@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trsp_ray import compensation, families
+from trsp_ray import compensation, compensation_scalar, families
 from trsp_ray.errors import TrspError
 from trsp_ray.surgery import remove_layers
 from trsp_ray.tiny import VOCAB, tiny_model
@@ -285,7 +285,9 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path):
     assert results["heldout_ppl"] != pytest.approx(plain["heldout_ppl"], rel=1e-6)
     manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
     assert manifest["config"]["compensation"] == {"method": "lstsq", "ridge": 1e-4, "windows": 4,
-                                                  "activations": "dense"}
+                                                  "activations": "dense", "form": "full", "rank": 64,
+                                                  "outlier": 0.0}
+    assert (manifest["metrics"]["compensation_form"], manifest["metrics"]["compensation_ridge"]) == ("full", 1e-4)
     assert manifest["metrics"]["compensation_tokens"] == 4 * 32
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
 
@@ -360,8 +362,8 @@ def test_a_block_at_either_end_gets_the_right_scalar():
 
 def test_two_shards_summed_give_the_one_process_scales():
     dense, windows, drop = tiny_model("llama", layers=6), _windows(count=6), [1, 2, 4]
-    whole = compensation.scalar_sums(dense=dense, windows=windows, drop=drop)
-    halves = [compensation.scalar_sums(dense=dense, windows=windows[r::2], drop=drop) for r in range(2)]
+    whole = compensation_scalar.scalar_sums(dense=dense, windows=windows, drop=drop)
+    halves = [compensation_scalar.scalar_sums(dense=dense, windows=windows[r::2], drop=drop) for r in range(2)]
     for one, rank0, rank1 in zip(whole, *halves):
         summed = rank0.sums + rank1.sums
         assert torch.allclose(summed, one.sums, rtol=1e-10)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from trsp_ray import families
+from trsp_ray.compensation_forms import check_form, solve  # noqa: F401 (re-exported for the workers)
 from trsp_ray.errors import TrspError
 
 METHODS = ("none", "lstsq", "scalar")
@@ -75,12 +76,14 @@ class Stats:
     mtm: torch.Tensor  # sum M^T M, [d, d]
     mty: torch.Tensor  # sum M^T Y, [d, d]
     yty: torch.Tensor  # sum ||Y||^2, scalar
-    tokens: int
+    tokens: int  # tokens in the sums
+    skipped: int = 0  # tokens forwarded but left out of the sums (`outliers`)
 
     def reduced(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Stats:
-        """These sums combined across ranks by `reduce` (a sum); the token count travels with them."""
-        tail = reduce(torch.stack([self.yty, self.yty.new_tensor(float(self.tokens))]))
-        return Stats(self.block, reduce(self.mtm), reduce(self.mty), tail[0], int(round(tail[1].item())))
+        """These sums combined across ranks by `reduce` (a sum); the token counts travel with them."""
+        tail = reduce(torch.stack([self.yty, *self.yty.new_tensor([float(self.tokens), float(self.skipped)])]))
+        return Stats(self.block, reduce(self.mtm), reduce(self.mty), tail[0], int(round(tail[1].item())),
+                     int(round(tail[2].item())))
 
     def residual(self, t: torch.Tensor) -> float:
         """||M T - Y||^2 summed over the tokens, from the sums alone."""
@@ -88,7 +91,7 @@ class Stats:
         return float(self.yty - 2 * (t * self.mty).sum() + (t * (self.mtm @ t)).sum())
 
 
-def check_request(*, model, method: str, tokens: int, drop=None) -> None:
+def check_request(*, model, method: str, tokens: int, drop=None, form: str = "full", rank: int | None = None) -> None:
     """Refuse, before any forward pass, a compensation that cannot run: an unknown method, a family
     whose MLP output a map cannot be folded into, fewer calibration tokens than the hidden size
     (a d x d map is then underdetermined), or a block at layer 0 (no layer before it to fold into).
@@ -105,24 +108,15 @@ def check_request(*, model, method: str, tokens: int, drop=None) -> None:
         return
     families.mlp_output(layers[0], model)
     hidden = families.text_config(model).hidden_size
-    if tokens < hidden:
+    check_form(form, rank, hidden)
+    if form == "diagonal" and tokens < 1:
+        raise TrspError(f"compensation has {tokens} calibration tokens; the diagonal map needs at least 1")
+    if form != "diagonal" and tokens < hidden:
         raise TrspError(f"compensation has {tokens} calibration tokens, fewer than the hidden size {hidden} "
                         f"a {hidden} x {hidden} map needs; raise compensation.windows")
     if drop is not None and 0 in set(drop):
         raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
                         "compensation; use compensation.method=none or protect layer 0 (gates.protect_head)")
-
-
-def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-4) -> torch.Tensor:
-    """T = (M^T M + r I)^-1 (M^T Y + r I), r = ridge * mean(diag(M^T M)), in float64, [d, d]: the
-    least-squares map shrunk towards the identity (no compensation) as the ridge grows."""
-    a = mtm.double()
-    shrink = ridge * a.diagonal().mean() * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    try:
-        return torch.linalg.solve(a + shrink, mty.double() + shrink)
-    except torch.linalg.LinAlgError:
-        raise TrspError(f"the compensation system is singular at compensation.ridge={ridge}; raise the ridge "
-                        "or compensation.windows") from None
 
 
 @torch.no_grad()
@@ -186,11 +180,27 @@ def _run(model, batch, wanted: dict[int, str], *, stop_after: int | None, mlp_ou
     return store
 
 
-def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor) -> Stats:
+def outliers(stream: torch.Tensor, factor: float) -> torch.Tensor | None:
+    """The rows of `stream` [n, d] whose norm exceeds `factor` x the median row norm (a boolean
+    mask), None when there are none or `factor` is 0. These are attention sinks: a pre-norm LLM
+    writes a massive stream at the first token of a window (and at some delimiters) that its norms
+    hide; in SmolLM2-135M the first token's stream entering layer 12 has norm ~23,000 against ~140
+    for the rest and carries 99.98% of M^T M, so a fit over every row would fit the sink."""
+    if not factor:
+        return None
+    norms = stream.norm(dim=1)
+    mask = norms > factor * norms.median()
+    return mask if bool(mask.any()) else None
+
+
+def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor, skip: torch.Tensor | None = None) -> Stats:
     if stats is None:
         d = m.shape[1]
         z = m.new_zeros(d, d)
         stats = Stats(block, z, z.clone(), m.new_zeros(()), 0)
+    if skip is not None:
+        stats.skipped += int(skip.sum())
+        m, y = m[~skip], y[~skip]
     stats.mtm += m.T @ m
     stats.mty += m.T @ y
     stats.yty += (y * y).sum()
@@ -200,7 +210,7 @@ def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor) -> Stats:
 
 @torch.no_grad()
 def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | None = None, stop: bool = True,
-               mlp_output=None) -> list[Stats | None]:
+               mlp_output=None, outlier: float = 0.0) -> list[Stats | None]:
     """The sums of every block of `drop` over `windows` (batches of token ids [B, S]; None for a
     block when `windows` is empty).
 
@@ -209,7 +219,9 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
     come from pruned's copy of layer a-1 and the target from dense ("sequential" form).
     `stop=False` runs every pass to the end (a ZeRO-3 forward is a collective that must not stop
     inside DeepSpeed's gather hooks); `mlp_output(layer, model)` finds the projection
-    (families.mlp_output by default; a partitioned model needs its layer gathered to look)."""
+    (families.mlp_output by default; a partitioned model needs its layer gathered to look).
+    `outlier` > 0 leaves out of a block's sums the tokens whose stream entering the block is an
+    outlier (`outliers`); their count is the sums' `skipped`."""
     num = families.num_layers(dense)
     spans = blocks(drop, num) if block is None else [block]
     if spans and spans[0][0] == 0:
@@ -234,112 +246,21 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
             src = {(a, b): (got[(new, "out")], got[(new, "mlp")], target)}
         for s, (out, m, target) in src.items():
             m = m.double()  # the differences too: Y is small beside the stream it is taken from
-            stats[s] = _add(stats[s], s, m, target.to(m.device).double() - (out.double() - m))
+            stats[s] = _add(stats[s], s, m, target.to(m.device).double() - (out.double() - m),
+                            skip=outliers(out, outlier))
     return [stats[s] for s in spans]
 
 
-@dataclass
-class ScalarSums:
-    """The scalar fold's sums of one block over n calibration tokens (float64): token norms of h
-    (the stream entering layer a) and y (the dense stream leaving layer b), and the inner products
-    that give the boundary error of a scale."""
-
-    block: tuple[int, int]
-    sums: torch.Tensor  # [sum ||h||, sum ||y||, sum <h,h>, sum <h,y>, sum <y,y>, tokens]
-
-    @property
-    def tokens(self) -> int:
-        return int(round(self.sums[5].item()))
-
-    def scale(self, num_layers: int) -> float:
-        """s = sum ||y|| / sum ||h||; 1 for a block ending at the last layer (only the final norm follows)."""
-        if self.block[1] == num_layers - 1 or self.sums[0] <= 0:
-            return 1.0
-        return float(self.sums[1] / self.sums[0])
-
-    def residual(self, s: float) -> float:
-        """||s h - y||^2 summed over the tokens."""
-        return float(s * s * self.sums[2] - 2 * s * self.sums[3] + self.sums[4])
-
-
-@torch.no_grad()
-def scalar_sums(*, dense, windows, drop, stop: bool = True) -> list[ScalarSums]:
-    """The sums of every block of `drop` over `windows`, from `dense` (one pass per batch; a block
-    ending at the last layer still gets its sums, its scale is 1). `stop=False`: whole passes."""
-    num = families.num_layers(dense)
-    spans = blocks(drop, num)
-    layers = families.decoder_layers(dense)
-    out = [ScalarSums(s, torch.zeros(6, dtype=torch.float64)) for s in spans]
-    last = max((b for _, b in spans), default=-1)
-    store: dict = {}
-
-    def enter(a):
-        def hook(_module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            store[("in", a)] = h.reshape(-1, h.shape[-1])
-        return hook
-
-    def leave(b):
-        def hook(_module, _inputs, output):
-            h = _hidden(output)
-            store[("out", b)] = h.reshape(-1, h.shape[-1])
-            if stop and b == last:
-                raise _Stop
-        return hook
-
-    handles = [layers[a].register_forward_pre_hook(enter(a), with_kwargs=True) for a, _ in spans]
-    handles += [layers[b].register_forward_hook(leave(b)) for _, b in spans]
-    try:
-        for batch in windows:
-            store.clear()
-            try:
-                dense(input_ids=batch.to(next(dense.parameters()).device), use_cache=False)
-            except _Stop:
-                pass
-            for acc in out:
-                h, y = store[("in", acc.block[0])].double(), store[("out", acc.block[1])].double()
-                acc.sums += torch.stack([h.norm(dim=1).sum(), y.norm(dim=1).sum(), (h * h).sum(), (h * y).sum(),
-                                         (y * y).sum(), h.new_tensor(float(h.shape[0]))]).cpu()
-    finally:
-        for handle in handles:
-            handle.remove()
+def describe(comp) -> dict:
+    """The manifest's and results' record of a CompensationConfig: the method, and for least
+    squares its form and ridge."""
+    out = {"compensation": comp.method}
+    if comp.method != "none":
+        out["compensation_outlier"] = comp.outlier
+    if comp.method == "lstsq":
+        out.update(compensation_form=f"lowrank {comp.rank}" if comp.form == "lowrank" else comp.form,
+                   compensation_ridge=comp.ridge)
     return out
-
-
-@torch.no_grad()
-def fold_scales(*, model, drop, scales: list[float], num_layers: int, layers: dict | None = None) -> None:
-    """Scale the output projections (weights and biases) of every kept layer of `model` after block
-    k of `drop` by 1/scales[k]. `model` is the layer-removed copy (kept layers in order); or
-    `layers` maps original indices to the decoder layers to fold (a model that still holds every
-    layer, as on the workers, which bypass the drop set: dropped ones are skipped)."""
-    spans = blocks(drop, num_layers)
-    dropped = set(int(i) for i in drop)
-    if layers is None:
-        kept = [i for i in range(num_layers) if i not in dropped]
-        layers = dict(zip(kept, families.decoder_layers(model)))
-    for original, layer in layers.items():
-        factor = 1.0
-        for (_a, b), s in zip(spans, scales):
-            if original > b:
-                factor /= s
-        if original in dropped or factor == 1.0:
-            continue
-        for proj in families.residual_writers(layer, model):
-            for p in (proj.weight, getattr(proj, "bias", None)):
-                if p is not None:
-                    p.copy_((p.double() * factor).to(p.dtype))
-
-
-def _compensate_scalar(*, model, dense, drop, windows, reduce) -> dict:
-    num = families.num_layers(dense)
-    sums = scalar_sums(dense=dense, windows=windows, drop=drop)
-    for acc in sums:
-        acc.sums = reduce(acc.sums).cpu()
-    scales = [acc.scale(num) for acc in sums]
-    fold_scales(model=model, drop=drop, scales=scales, num_layers=num)
-    return {"blocks": [acc.block for acc in sums], "tokens": sums[0].tokens if sums else 0, "scales": scales,
-            "residual": [acc.residual(s) for acc, s in zip(sums, scales)],
-            "residual_identity": [acc.residual(1.0) for acc in sums]}
 
 
 def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense", stops: bool = True) -> float:
@@ -356,43 +277,53 @@ def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense", stop
 
 
 def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: float = 1e-4,
-               activations: str = "dense", reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict:
+               activations: str = "dense", form: str = "full", rank: int | None = None, outlier: float = 0.0,
+               reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict:
     """Fold one least-squares map (`method="lstsq"`) or one scale (`"scalar"`) per removed block of
     `drop` into `model` (the layer-removed copy of `dense`, original indices in `drop`), from
     calibration `windows` (this rank's shard).
 
+    `form` / `rank`: which maps least squares may fit (trsp_ray/compensation_forms.py); `outlier`
+    > 0: tokens whose stream entering a block exceeds that multiple of the median norm (attention
+    sinks) are forwarded but left out of its fit (`outliers`).
     `reduce(t)` returns the sum of tensor `t` over ranks (float64, on the activations' device; an
     NCCL caller moves it); every rank gets the same sums, solves the same T and folds it.
-    Returns {"blocks", "tokens" (after `reduce`), "residual", "residual_identity"} (the summed
+    Returns {"blocks", "tokens" (forwarded, after `reduce`), "skipped" (per block: tokens left out
+    of its fit), "residual", "residual_identity"} (the summed
     squared boundary error with the map and without it, per block; the scalar fold adds "scales")."""
     if activations not in ACTIVATIONS:
         raise TrspError(f"compensation.activations={activations!r} is not valid; "
                         f"choose one of {', '.join(ACTIVATIONS)}")
     tokens = sum(int(w.numel()) for w in windows)
     total = int(round(reduce(torch.tensor(float(tokens), dtype=torch.float64)).item()))  # float32 is exact to 2^24
-    check_request(model=dense, method=method, tokens=total, drop=drop)
+    check_request(model=dense, method=method, tokens=total, drop=drop, form=form, rank=rank)
     if method == "none":
-        return {"blocks": [], "tokens": 0, "residual": [], "residual_identity": []}
+        return {"blocks": [], "tokens": 0, "skipped": [], "residual": [], "residual_identity": []}
     if method == "scalar":
         if activations != "dense":
             raise TrspError(f"compensation.activations={activations!r} is not used by the scalar fold (its scales "
                             "come from the dense model); use compensation.activations=dense")
-        return _compensate_scalar(model=model, dense=dense, drop=drop, windows=windows, reduce=reduce)
+        from trsp_ray.compensation_scalar import compensate_scalar
+
+        return compensate_scalar(model=model, dense=dense, drop=drop, windows=windows, reduce=reduce,
+                                 outlier=outlier)
     num = families.num_layers(dense)
     spans = blocks(drop, num)
     kept = [i for i in range(num) if i not in set(drop)]
     layers = families.decoder_layers(model)
-    dense_stats = accumulate(dense=dense, windows=windows, drop=drop) if activations == "dense" else None
-    info: dict = {"blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
+    dense_stats = (accumulate(dense=dense, windows=windows, drop=drop, outlier=outlier)
+                   if activations == "dense" else None)
+    info: dict = {"blocks": spans, "tokens": 0, "skipped": [], "residual": [], "residual_identity": []}
     for k, span in enumerate(spans):
         if dense_stats is not None:
             stats = dense_stats[k]
         else:
-            stats, = accumulate(dense=dense, windows=windows, drop=drop, pruned=model, block=span)
+            stats, = accumulate(dense=dense, windows=windows, drop=drop, pruned=model, block=span, outlier=outlier)
         stats = stats.reduced(reduce)
-        t = solve(stats.mtm, stats.mty, ridge=ridge)
+        t = solve(stats.mtm, stats.mty, ridge=ridge, form=form, rank=rank)
         fold(model=model, layer=layers[kept.index(span[0] - 1)], t=t)
-        info["tokens"] = stats.tokens
+        info["tokens"] = stats.tokens + stats.skipped
+        info["skipped"].append(stats.skipped)
         info["residual"].append(stats.residual(t))
         info["residual_identity"].append(stats.residual(torch.eye(t.shape[0], dtype=t.dtype)))
     return info

@@ -257,7 +257,8 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
     comp = cfg.compensation
     if comp.method != "none":  # a family or calibration size it cannot serve fails before any work
-        compensation.check_request(model=bench.model, method=comp.method, tokens=comp.windows * cfg.data.seqlen)
+        compensation.check_request(model=bench.model, method=comp.method, tokens=comp.windows * cfg.data.seqlen,
+                                   form=comp.form, rank=comp.rank)
     model = bench.fresh_model()
     if on_model is not None:
         on_model(model)
@@ -282,8 +283,10 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         t3 = time.time()
         windows = fixed_windows(bench.batches(seed_offset=300), comp.windows)
         done = compensation.compensate(model=model, dense=bench.model, drop=drop, windows=windows, method=comp.method,
-                                       ridge=comp.ridge, activations=comp.activations)
-        info.update(compensation=comp.method, compensation_tokens=done["tokens"], compensation_seconds=time.time() - t3,
+                                       ridge=comp.ridge, activations=comp.activations, form=comp.form,
+                                       rank=comp.rank, outlier=comp.outlier)
+        info.update(**compensation.describe(comp), compensation_tokens=done["tokens"],
+                    compensation_seconds=time.time() - t3,
                     compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],
                                                         activations=comp.activations))
         _log(f"{method}: {comp.method} compensation of blocks {done['blocks']} on {done['tokens']} tokens")

@@ -14,7 +14,7 @@ DeepSpeed's gather hooks). `fold` applies the maps where one process does: after
 a heal. Only the "dense" activations are served here (check_for_workers refuses the rest).
 
 The scalar fold (`compensation.method=scalar`) shards the same way: each rank sums its windows'
-token norms and inner products (compensation.scalar_sums), the six float64 sums are all-reduced,
+token norms and inner products (compensation_scalar.scalar_sums), the six float64 sums are all-reduced,
 every rank computes the same scales, and `apply` scales the output projections of the kept layers
 after each block (original indices; the bypassed drop set is left as it is).
 """
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from trsp_ray import compensation, families
+from trsp_ray import compensation, compensation_scalar, families
 from trsp_ray.errors import TrspError
 
 
@@ -82,7 +82,7 @@ def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[t
 
 @torch.no_grad()
 def fit_scalar(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int,
-               reduce=all_reduce_sum) -> dict:
+               outlier: float = 0.0, reduce=all_reduce_sum) -> dict:
     """The scalar fold's scales of every block of `drop` from this rank's shard of `windows`,
     all-reduced. Returns {"scales", "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
     t0 = time.time()
@@ -92,15 +92,17 @@ def fit_scalar(*, model, gates, drop: list[int], windows: list[torch.Tensor], ra
         families.residual_writers(layers[0], model)  # a family the fold cannot serve fails before any forward
     mine, padding = shard(windows, rank=rank, world=world)
     with gates.state(gated=False, bypass=[]):
-        sums = compensation.scalar_sums(dense=model, windows=mine, drop=drop, stop=False)
+        sums = compensation_scalar.scalar_sums(dense=model, windows=mine, drop=drop, stop=False,
+                                               outlier=outlier)
         device = next(model.parameters()).device
         for _ in range(padding):  # the collective forwards of the other ranks' extra windows
             model(input_ids=windows[0][:1].to(device), use_cache=False)
     for acc in sums:
         acc.sums = reduce(acc.sums).cpu()
     scales = [acc.scale(num) for acc in sums]
-    tokens = sums[0].tokens if sums else 0
+    tokens = sums[0].tokens + sums[0].skipped if sums else 0
     return {"scales": scales, "blocks": [acc.block for acc in sums], "tokens": tokens,
+            "skipped": [acc.skipped for acc in sums],
             "residual": [acc.residual(x) for acc, x in zip(sums, scales)],
             "residual_identity": [acc.residual(1.0) for acc in sums],
             "cost": compensation.cost(drop=drop, num_layers=num, tokens=tokens, stops=False),
@@ -126,13 +128,13 @@ def apply(*, model, drop: list[int], info: dict) -> None:
         if index in dropped:  # bypassed: not gathered at all (20 of 80 layers at 70B)
             continue
         with gather_layer(layer):
-            compensation.fold_scales(model=model, drop=drop, scales=info["scales"], num_layers=num,
+            compensation_scalar.fold_scales(model=model, drop=drop, scales=info["scales"], num_layers=num,
                                      layers={index: layer})
 
 
 @torch.no_grad()
 def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int, ridge: float,
-        reduce=all_reduce_sum) -> dict:
+        form: str = "full", map_rank: int | None = None, outlier: float = 0.0, reduce=all_reduce_sum) -> dict:
     """The maps of every block of `drop`, from the dense model's activations over all `windows`
     (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
     float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
@@ -141,27 +143,30 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     layers = families.decoder_layers(model)
     resolve = _mlp_output_resolver(model)
     resolve(layers[0], model)  # a family the fold cannot serve fails here, before any forward
-    hidden = families.text_config(model).hidden_size
     total = sum(int(w.numel()) for w in windows)
-    if total < hidden:
+    hidden = families.text_config(model).hidden_size
+    compensation.check_form(form, map_rank, hidden)
+    if total < (1 if form == "diagonal" else hidden):
         raise TrspError(f"compensation has {total} calibration tokens, fewer than the hidden size {hidden} "
                         f"a {hidden} x {hidden} map needs; raise compensation.windows")
     mine, padding = shard(windows, rank=rank, world=world)
     with gates.state(gated=False, bypass=[]):
-        stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve)
+        stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve,
+                                        outlier=outlier)
         device = next(model.parameters()).device
         for _ in range(padding):  # the collective forwards of the other ranks' extra windows
             model(input_ids=windows[0][:1].to(device), use_cache=False)
     spans = compensation.blocks(drop, num)
-    info: dict = {"maps": [], "blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
+    info: dict = {"maps": [], "blocks": spans, "tokens": 0, "skipped": [], "residual": [], "residual_identity": []}
     for k, span in enumerate(spans):
         if stats[k] is None:  # this rank had no window: zeros of the right shape join the sum
             z = torch.zeros(hidden, hidden, dtype=torch.float64, device=device)
             stats[k] = compensation.Stats(span, z, z.clone(), z.new_zeros(()), 0)
         summed = stats[k].reduced(reduce)
-        t = compensation.solve(summed.mtm, summed.mty, ridge=ridge)
+        t = compensation.solve(summed.mtm, summed.mty, ridge=ridge, form=form, rank=map_rank)
         info["maps"].append((span, t.cpu()))
-        info["tokens"] = summed.tokens
+        info["tokens"] = summed.tokens + summed.skipped
+        info["skipped"].append(summed.skipped)
         info["residual"].append(summed.residual(t))
         info["residual_identity"].append(summed.residual(torch.eye(hidden, dtype=t.dtype, device=t.device)))
         del summed, t
@@ -171,12 +176,12 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     return info
 
 
-def manifest_metrics(method: str, info: dict | None) -> dict:
+def manifest_metrics(comp, info: dict | None) -> dict:
     """The compensation's fields in the export manifest's metrics, as one process records them
     (methods.apply_method); empty without a compensation."""
     if info is None:
         return {}
-    return {"compensation": method, "compensation_tokens": info["tokens"], "compensation_cost": info["cost"],
+    return {**compensation.describe(comp), "compensation_tokens": info["tokens"], "compensation_cost": info["cost"],
             "compensation_seconds": info["seconds"]}
 
 

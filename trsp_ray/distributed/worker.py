@@ -91,7 +91,7 @@ def train_loop(config: dict) -> None:
     if comp is not None and not heal:
         compensate.apply(model=model, drop=drop, info=comp)
     _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank,
-            metrics=compensate.manifest_metrics(cfg.compensation.method, comp))
+            metrics=compensate.manifest_metrics(cfg.compensation, comp))
     events.write("done", drop_order=drop)
     ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
 
@@ -271,10 +271,11 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
     windows = fixed_windows(_batches(cfg, bench, 300), c.windows)
     if c.method == "scalar":
         info = compensate.fit_scalar(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
-                                     world=bench.world)
+                                     world=bench.world, outlier=c.outlier)
     else:
         info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
-                              world=bench.world, ridge=c.ridge)
+                              world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank,
+                              outlier=c.outlier)
     events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
     return info
 

@@ -1,0 +1,201 @@
+"""Issue 21: the least-squares map's restricted forms (trsp_ray/compensation_forms.py). Each form
+minimises the same ridge objective over its own class of maps: the diagonal one is the per-channel
+regression of the gathered activations, the low-rank one beats every other rank-k correction tried
+and reaches the full map at k = d, and the folded model reproduces each form's residual."""
+
+import pytest
+import torch
+
+from trsp_ray import compensation, families
+from trsp_ray.compensation_forms import objective, solve
+from trsp_ray.errors import TrspError
+from trsp_ray.surgery import remove_layers
+from trsp_ray.tiny import VOCAB, tiny_model
+from trsp_ray.workbench import copy_model
+
+
+def _windows(count=4, batch=4, seqlen=32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, seqlen), generator=gen) for _ in range(count)]
+
+
+def _h(out):
+    return (out[0] if isinstance(out, tuple) else out).flatten(0, -2)
+
+
+@torch.no_grad()
+def _gathered(dense, windows, a, b):
+    """M and Y of block [a..b] from forward hooks of the test's own (not compensation.accumulate)."""
+    layers = families.decoder_layers(dense)
+    ms, before, after = [], [], []
+    hooks = [families.mlp_output(layers[a - 1], dense).register_forward_hook(
+                 lambda _m, _i, out: ms.append(out.flatten(0, -2))),
+             layers[a - 1].register_forward_hook(lambda _m, _i, out: before.append(_h(out))),
+             layers[b].register_forward_hook(lambda _m, _i, out: after.append(_h(out)))]
+    for w in windows:
+        dense(input_ids=w, use_cache=False)
+    for h in hooks:
+        h.remove()
+    m = torch.cat(ms).double()
+    return m, torch.cat(after).double() - (torch.cat(before).double() - m)
+
+
+@pytest.fixture(scope="module")
+def block():
+    dense, windows = tiny_model("llama", layers=6), _windows()
+    stats, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3])
+    m, y = _gathered(dense, windows, 2, 3)
+    return stats, m, y
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-2])
+def test_the_diagonal_form_is_the_per_channel_regression(block, ridge):
+    stats, m, y = block
+    r = ridge * (m * m).sum(0).mean()
+    expected = ((m * y).sum(0) + r) / ((m * m).sum(0) + r)  # channel j: argmin ||m_j t - y_j||^2 + r (t - 1)^2
+    t = solve(stats.mtm, stats.mty, ridge=ridge, form="diagonal")
+    assert torch.count_nonzero(t - torch.diag(t.diagonal())) == 0
+    assert torch.allclose(t.diagonal(), expected, rtol=1e-8)
+    assert stats.residual(t) == pytest.approx(((m @ t - y) ** 2).sum().item(), rel=1e-6)
+    eye = torch.eye(t.shape[0], dtype=torch.float64)
+    assert stats.residual(t) < stats.residual(eye)
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-2])
+def test_the_lowrank_form_is_the_best_rank_k_correction(block, ridge):
+    stats, _m, _y = block
+    d = stats.mtm.shape[0]
+    eye = torch.eye(d, dtype=torch.float64)
+    f = lambda t: objective(stats.mtm, stats.mty, stats.yty, t, ridge=ridge)
+    full = solve(stats.mtm, stats.mty, ridge=ridge)
+    u, s, vh = torch.linalg.svd(full - eye)
+    gen = torch.Generator().manual_seed(0)
+    previous = float("inf")
+    for k in (1, 4, 16):
+        t = solve(stats.mtm, stats.mty, ridge=ridge, form="lowrank", rank=k)
+        assert torch.linalg.matrix_rank(t - eye).item() == k
+        truncated = eye + u[:, :k] @ torch.diag(s[:k]) @ vh[:k]  # another rank-k correction, not the optimum
+        assert f(t) < f(truncated)
+        # the best correction with a given row space P is D* P (D* = full - I); other row spaces do worse
+        rows = torch.linalg.svd(t - eye).Vh[:k].T
+        for _ in range(3):
+            q, _ = torch.linalg.qr(rows + 0.05 * torch.randn(d, k, dtype=torch.float64, generator=gen))
+            assert f(t) < f(eye + (full - eye) @ q @ q.T)
+        assert f(t) < f(eye + 1.01 * (t - eye)) and f(t) < f(eye + 0.99 * (t - eye))
+        assert f(full) <= f(t) < previous
+        previous = f(t)
+    whole = solve(stats.mtm, stats.mty, ridge=ridge, form="lowrank", rank=d)
+    assert torch.allclose(whole, full, atol=1e-8)
+
+
+@pytest.mark.parametrize("form, rank", [("diagonal", None), ("lowrank", 8)])
+def test_the_folded_model_reproduces_each_forms_residual(form, rank):
+    dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
+    model = copy_model(dense, torch.device("cpu"))
+    remove_layers(model, drop)
+    info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form,
+                                   rank=rank)
+    layers, dense_layers, outs, targets = families.decoder_layers(model), families.decoder_layers(dense), [], []
+    hooks = [layers[1].register_forward_hook(lambda _m, _i, out: outs.append(_h(out))),
+             dense_layers[3].register_forward_hook(lambda _m, _i, out: targets.append(_h(out)))]
+    with torch.no_grad():
+        for w in windows:
+            model(input_ids=w, use_cache=False)
+            dense(input_ids=w, use_cache=False)
+    for h in hooks:
+        h.remove()
+    # the folded layer 1 writes h_mid + M T where the dense layer 3 wrote h_mid + Y
+    measured = ((torch.cat(outs).double() - torch.cat(targets).double()) ** 2).sum().item()
+    assert measured == pytest.approx(info["residual"][0], rel=1e-4)
+    assert info["residual"][0] < info["residual_identity"][0]
+
+
+def test_bad_forms_fail_in_one_line_before_any_forward():
+    from trsp_ray.config import load_config
+
+    dense = tiny_model("llama", layers=6)
+    calls = []
+    dense.register_forward_hook(lambda *_: calls.append(1))
+    for change, message in ((dict(form="tucker"), "compensation.form='tucker' is not valid; choose one of full"),
+                            (dict(form="lowrank", rank=0), "compensation.rank=0 is not valid .* 1..64"),
+                            (dict(form="lowrank", rank=65), "compensation.rank=65 is not valid .* 1..64")):
+        model = copy_model(dense, torch.device("cpu"))
+        remove_layers(model, [2, 3])
+        with pytest.raises(TrspError, match=message) as err:
+            compensation.compensate(model=model, dense=dense, drop=[2, 3], windows=_windows(), **change)
+        assert "\n" not in str(err.value)
+    assert not calls
+    few = _windows(count=1, batch=1, seqlen=16)  # 16 tokens: too few for a 64 x 64 map, enough for 64 scales
+    for form in ("full", "lowrank"):
+        with pytest.raises(TrspError, match="fewer than the hidden size 64"):
+            compensation.check_request(model=dense, method="lstsq", tokens=16, form=form, rank=4)
+    model = copy_model(dense, torch.device("cpu"))
+    remove_layers(model, [2, 3])
+    info = compensation.compensate(model=model, dense=dense, drop=[2, 3], windows=few, form="diagonal", ridge=1e-2)
+    assert info["tokens"] == 16 and info["residual"][0] < info["residual_identity"][0]
+    for override, message in (("compensation.form=tucker", "choose one of full, diagonal, lowrank"),
+                              ("compensation.form=lowrank compensation.rank=0", "compensation.rank=0")):
+        with pytest.raises(TrspError, match=message):
+            load_config(overrides=override.split())
+
+
+def _sink_model():
+    """A tiny Llama whose windows all start with token 0, whose embedding is scaled up 1000x: the
+    stream at the first position is an outlier at every layer, as a real model's attention sink."""
+    dense = tiny_model("llama", layers=6)
+    with torch.no_grad():
+        dense.model.embed_tokens.weight[0] *= 1000
+    windows = _windows()
+    for w in windows:
+        w[w == 0] = 1
+        w[:, 0] = 0
+    return dense, windows
+
+
+def test_outliers_flags_the_rows_far_above_the_median_norm():
+    rows = torch.ones(10, 4)
+    rows[3] *= 11
+    rows[7] *= 9
+    assert compensation.outliers(rows, 10).tolist() == [i == 3 for i in range(10)]
+    assert compensation.outliers(rows, 8).nonzero().flatten().tolist() == [3, 7]
+    assert compensation.outliers(rows, 0) is None and compensation.outliers(rows, 12) is None
+
+
+def test_an_outlier_stream_is_forwarded_but_left_out_of_the_least_squares_fit():
+    dense, windows = _sink_model()
+    m, y = _gathered(dense, windows, 2, 3)
+    first = torch.arange(m.shape[0]) % 32 == 0  # position 0 of every window row
+    stats, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3], outlier=10)
+    assert (stats.tokens, stats.skipped) == (int((~first).sum()), int(first.sum())) == (4 * 4 * 31, 4 * 4)
+    t = compensation.solve(stats.mtm, stats.mty, ridge=0.0)
+    assert torch.allclose(t, torch.linalg.lstsq(m[~first], y[~first]).solution, rtol=1e-6, atol=1e-8)
+    whole, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3])
+    every = compensation.solve(whole.mtm, whole.mty, ridge=0.0)
+    assert not torch.allclose(every, t, atol=1e-3)
+    model = copy_model(dense, torch.device("cpu"))
+    remove_layers(model, [2, 3])
+    info = compensation.compensate(model=model, dense=dense, drop=[2, 3], windows=windows, outlier=10, ridge=0.0)
+    assert info["tokens"] == 4 * 4 * 32 and info["skipped"] == [16]  # the cost counts every forwarded token
+
+
+def test_the_scalar_fold_leaves_the_outlier_tokens_out_of_its_norm_ratio():
+    from trsp_ray import compensation_scalar
+
+    dense, windows = _sink_model()
+    outs = {}
+    layers = families.decoder_layers(dense)
+    hooks = [layers[1].register_forward_hook(lambda _m, _i, out: outs.setdefault(1, []).append(_h(out))),
+             layers[3].register_forward_hook(lambda _m, _i, out: outs.setdefault(3, []).append(_h(out)))]
+    with torch.no_grad():
+        for w in windows:
+            dense(input_ids=w, use_cache=False)
+    for hk in hooks:
+        hk.remove()
+    h, y = torch.cat(outs[1]).double(), torch.cat(outs[3]).double()
+    keep = torch.arange(h.shape[0]) % 32 != 0
+    sums, = compensation_scalar.scalar_sums(dense=dense, windows=windows, drop=[2, 3], outlier=10)
+    assert (sums.tokens, sums.skipped) == (4 * 4 * 31, 16)
+    expected = (y[keep].norm(dim=1).sum() / h[keep].norm(dim=1).sum()).item()
+    assert sums.scale(6) == pytest.approx(expected, rel=1e-9)
+    every, = compensation_scalar.scalar_sums(dense=dense, windows=windows, drop=[2, 3])
+    assert every.scale(6) != pytest.approx(expected, rel=1e-3)

@@ -1,0 +1,72 @@
+"""The least-squares map's forms (trsp_ray/compensation.py builds the sums, this solves them).
+
+Every form minimises the same ridge objective over the calibration tokens,
+    ||M T - Y||^2 + r ||T - I||^2,   r = ridge * mean(diag(M^T M)),
+from the sums A = M^T M and B = M^T Y alone, and differs only in which maps T it allows:
+  full      any d x d map: T = (A + r I)^-1 (B + r I) (ReplaceMe's form; d^2 numbers fitted);
+  diagonal  one scale per channel of the MLP output: t_j = (B_jj + r) / (A_jj + r) (d numbers);
+  lowrank   the identity plus a rank-k correction, T = I + D: the reduced-rank ridge regression of
+            the residual target Y - M on M. With D* the full ridge solution of that residual
+            problem, the best rank-k D is D* V_k V_k^T, V_k the top-k eigenvectors of
+            D*^T (A + r I) D* (the ridge objective is a least-squares problem on M stacked over
+            sqrt(r) I, whose reduced-rank optimum projects its fitted values onto their top-k
+            right singular vectors). 2dk numbers; k = d is the full form.
+A form with fewer numbers fits less of the calibration text's own structure: on a small model the
+full map fitted on one domain overfits it (SPEC section 7, issue 21's measurements).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trsp_ray.errors import TrspError
+
+FORMS = ("full", "diagonal", "lowrank")
+
+
+def check_form(form: str, rank: int | None, hidden: int | None = None) -> None:
+    """Refuse an unknown form or a rank outside 1..hidden, in one line."""
+    if form not in FORMS:
+        raise TrspError(f"compensation.form={form!r} is not valid; choose one of {', '.join(FORMS)}")
+    if form == "lowrank":
+        top = f"1..{hidden}" if hidden else "an integer >= 1"
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or (hidden and rank > hidden):
+            raise TrspError(f"compensation.rank={rank!r} is not valid for the lowrank form; pass {top} "
+                            "(the hidden size is the full form)")
+
+
+def _shift(a: torch.Tensor, ridge: float) -> torch.Tensor:
+    return ridge * a.diagonal().mean()
+
+
+def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-4, form: str = "full",
+          rank: int | None = None) -> torch.Tensor:
+    """The map T [d, d] (float64) of `form` minimising ||M T - Y||^2 + r ||T - I||^2 (module doc)."""
+    a, b = mtm.double(), mty.double()
+    check_form(form, rank, a.shape[0])
+    r = _shift(a, ridge)
+    if form == "diagonal":
+        num, den = b.diagonal() + r, a.diagonal() + r
+        t = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.ones_like(den))
+        return torch.diag(t)
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    try:
+        if form == "full":
+            return torch.linalg.solve(a + r * eye, b + r * eye)
+        d_full = torch.linalg.solve(a + r * eye, b - a)  # ridge solution of the residual target Y - M
+    except torch.linalg.LinAlgError:
+        raise TrspError(f"the compensation system is singular at compensation.ridge={ridge}; raise the ridge "
+                        "or compensation.windows") from None
+    g = d_full.T @ (a + r * eye) @ d_full
+    _, vecs = torch.linalg.eigh((g + g.T) / 2)  # ascending eigenvalues
+    v = vecs[:, -rank:]
+    return eye + d_full @ v @ v.T
+
+
+def objective(mtm: torch.Tensor, mty: torch.Tensor, yty: torch.Tensor, t: torch.Tensor, *,
+              ridge: float) -> float:
+    """||M T - Y||^2 + r ||T - I||^2 from the sums (what every form minimises over its maps)."""
+    a, b, t = mtm.double(), mty.double(), t.double()
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    fit = yty.double() - 2 * (t * b).sum() + (t * (a @ t)).sum()
+    return float(fit + _shift(a, ridge) * ((t - eye) ** 2).sum())
