@@ -150,9 +150,6 @@ def main() -> None:
                    help="also score each set compensated: least squares (dense:1e-4, sequential:1e-2, "
                         "dense:1e-2:diagonal, dense:1e-2:lowrank:32) or the scalar fold (scalar)")
     p.add_argument("--comp-windows", type=int, default=32, help="calibration windows (data.seqlen) of the fit")
-    p.add_argument("--comp-outlier", type=float, default=0.0,
-                   help="leave tokens whose stream entering a block exceeds this multiple of the median norm out "
-                        "of the fit (compensation.outlier; 0 = every token)")
     p.add_argument("--no-plain", action="store_true", help="score only the compensated variants")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-dense", action="store_true", help="skip the dense row")
@@ -244,13 +241,12 @@ def main() -> None:
             model = bench.fresh_model()
             remove_layers(model, drop)
             if variant == ("scalar",):
-                compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="scalar",
-                           outlier=args.comp_outlier)
+                compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="scalar")
             elif variant is not None:
                 compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="lstsq",
                            ridge=float(variant[1]), activations=variant[0],
                            form=variant[2] if len(variant) > 2 else "full",
-                           rank=int(variant[3]) if len(variant) > 3 else None, outlier=args.comp_outlier)
+                           rank=int(variant[3]) if len(variant) > 3 else None)
             if args.heal:
                 model = run_heal(model=model, batches=bench.batches(seed_offset=2), steps=args.heal,
                                  lr=cfg.stage2.lr).model.eval()

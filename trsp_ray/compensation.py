@@ -76,14 +76,12 @@ class Stats:
     mtm: torch.Tensor  # sum M^T M, [d, d]
     mty: torch.Tensor  # sum M^T Y, [d, d]
     yty: torch.Tensor  # sum ||Y||^2, scalar
-    tokens: int  # tokens in the sums
-    skipped: int = 0  # tokens forwarded but left out of the sums (`outliers`)
+    tokens: int
 
     def reduced(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Stats:
-        """These sums combined across ranks by `reduce` (a sum); the token counts travel with them."""
-        tail = reduce(torch.stack([self.yty, *self.yty.new_tensor([float(self.tokens), float(self.skipped)])]))
-        return Stats(self.block, reduce(self.mtm), reduce(self.mty), tail[0], int(round(tail[1].item())),
-                     int(round(tail[2].item())))
+        """These sums combined across ranks by `reduce` (a sum); the token count travels with them."""
+        tail = reduce(torch.stack([self.yty, self.yty.new_tensor(float(self.tokens))]))
+        return Stats(self.block, reduce(self.mtm), reduce(self.mty), tail[0], int(round(tail[1].item())))
 
     def residual(self, t: torch.Tensor) -> float:
         """||M T - Y||^2 summed over the tokens, from the sums alone."""
@@ -180,27 +178,11 @@ def _run(model, batch, wanted: dict[int, str], *, stop_after: int | None, mlp_ou
     return store
 
 
-def outliers(stream: torch.Tensor, factor: float) -> torch.Tensor | None:
-    """The rows of `stream` [n, d] whose norm exceeds `factor` x the median row norm (a boolean
-    mask), None when there are none or `factor` is 0. These are attention sinks: a pre-norm LLM
-    writes a massive stream at the first token of a window (and at some delimiters) that its norms
-    hide; in SmolLM2-135M the first token's stream entering layer 12 has norm ~23,000 against ~140
-    for the rest and carries 99.98% of M^T M, so a fit over every row would fit the sink."""
-    if not factor:
-        return None
-    norms = stream.norm(dim=1)
-    mask = norms > factor * norms.median()
-    return mask if bool(mask.any()) else None
-
-
-def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor, skip: torch.Tensor | None = None) -> Stats:
+def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor) -> Stats:
     if stats is None:
         d = m.shape[1]
         z = m.new_zeros(d, d)
         stats = Stats(block, z, z.clone(), m.new_zeros(()), 0)
-    if skip is not None:
-        stats.skipped += int(skip.sum())
-        m, y = m[~skip], y[~skip]
     stats.mtm += m.T @ m
     stats.mty += m.T @ y
     stats.yty += (y * y).sum()
@@ -210,7 +192,7 @@ def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor, skip: tor
 
 @torch.no_grad()
 def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | None = None, stop: bool = True,
-               mlp_output=None, outlier: float = 0.0) -> list[Stats | None]:
+               mlp_output=None) -> list[Stats | None]:
     """The sums of every block of `drop` over `windows` (batches of token ids [B, S]; None for a
     block when `windows` is empty).
 
@@ -219,9 +201,7 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
     come from pruned's copy of layer a-1 and the target from dense ("sequential" form).
     `stop=False` runs every pass to the end (a ZeRO-3 forward is a collective that must not stop
     inside DeepSpeed's gather hooks); `mlp_output(layer, model)` finds the projection
-    (families.mlp_output by default; a partitioned model needs its layer gathered to look).
-    `outlier` > 0 leaves out of a block's sums the tokens whose stream entering the block is an
-    outlier (`outliers`); their count is the sums' `skipped`."""
+    (families.mlp_output by default; a partitioned model needs its layer gathered to look)."""
     num = families.num_layers(dense)
     spans = blocks(drop, num) if block is None else [block]
     if spans and spans[0][0] == 0:
@@ -246,8 +226,7 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
             src = {(a, b): (got[(new, "out")], got[(new, "mlp")], target)}
         for s, (out, m, target) in src.items():
             m = m.double()  # the differences too: Y is small beside the stream it is taken from
-            stats[s] = _add(stats[s], s, m, target.to(m.device).double() - (out.double() - m),
-                            skip=outliers(out, outlier))
+            stats[s] = _add(stats[s], s, m, target.to(m.device).double() - (out.double() - m))
     return [stats[s] for s in spans]
 
 
@@ -255,8 +234,6 @@ def describe(comp) -> dict:
     """The manifest's and results' record of a CompensationConfig: the method, and for least
     squares its form and ridge."""
     out = {"compensation": comp.method}
-    if comp.method != "none":
-        out["compensation_outlier"] = comp.outlier
     if comp.method == "lstsq":
         out.update(compensation_form=f"lowrank {comp.rank}" if comp.form == "lowrank" else comp.form,
                    compensation_ridge=comp.ridge)
@@ -277,19 +254,16 @@ def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense", stop
 
 
 def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: float = 1e-4,
-               activations: str = "dense", form: str = "full", rank: int | None = None, outlier: float = 0.0,
+               activations: str = "dense", form: str = "full", rank: int | None = None,
                reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict:
     """Fold one least-squares map (`method="lstsq"`) or one scale (`"scalar"`) per removed block of
     `drop` into `model` (the layer-removed copy of `dense`, original indices in `drop`), from
     calibration `windows` (this rank's shard).
 
-    `form` / `rank`: which maps least squares may fit (trsp_ray/compensation_forms.py); `outlier`
-    > 0: tokens whose stream entering a block exceeds that multiple of the median norm (attention
-    sinks) are forwarded but left out of its fit (`outliers`).
+    `form` / `rank`: which maps least squares may fit (trsp_ray/compensation_forms.py).
     `reduce(t)` returns the sum of tensor `t` over ranks (float64, on the activations' device; an
     NCCL caller moves it); every rank gets the same sums, solves the same T and folds it.
-    Returns {"blocks", "tokens" (forwarded, after `reduce`), "skipped" (per block: tokens left out
-    of its fit), "residual", "residual_identity"} (the summed
+    Returns {"blocks", "tokens" (after `reduce`), "residual", "residual_identity"} (the summed
     squared boundary error with the map and without it, per block; the scalar fold adds "scales")."""
     if activations not in ACTIVATIONS:
         raise TrspError(f"compensation.activations={activations!r} is not valid; "
@@ -298,32 +272,29 @@ def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: flo
     total = int(round(reduce(torch.tensor(float(tokens), dtype=torch.float64)).item()))  # float32 is exact to 2^24
     check_request(model=dense, method=method, tokens=total, drop=drop, form=form, rank=rank)
     if method == "none":
-        return {"blocks": [], "tokens": 0, "skipped": [], "residual": [], "residual_identity": []}
+        return {"blocks": [], "tokens": 0, "residual": [], "residual_identity": []}
     if method == "scalar":
         if activations != "dense":
             raise TrspError(f"compensation.activations={activations!r} is not used by the scalar fold (its scales "
                             "come from the dense model); use compensation.activations=dense")
         from trsp_ray.compensation_scalar import compensate_scalar
 
-        return compensate_scalar(model=model, dense=dense, drop=drop, windows=windows, reduce=reduce,
-                                 outlier=outlier)
+        return compensate_scalar(model=model, dense=dense, drop=drop, windows=windows, reduce=reduce)
     num = families.num_layers(dense)
     spans = blocks(drop, num)
     kept = [i for i in range(num) if i not in set(drop)]
     layers = families.decoder_layers(model)
-    dense_stats = (accumulate(dense=dense, windows=windows, drop=drop, outlier=outlier)
-                   if activations == "dense" else None)
-    info: dict = {"blocks": spans, "tokens": 0, "skipped": [], "residual": [], "residual_identity": []}
+    dense_stats = accumulate(dense=dense, windows=windows, drop=drop) if activations == "dense" else None
+    info: dict = {"blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
     for k, span in enumerate(spans):
         if dense_stats is not None:
             stats = dense_stats[k]
         else:
-            stats, = accumulate(dense=dense, windows=windows, drop=drop, pruned=model, block=span, outlier=outlier)
+            stats, = accumulate(dense=dense, windows=windows, drop=drop, pruned=model, block=span)
         stats = stats.reduced(reduce)
         t = solve(stats.mtm, stats.mty, ridge=ridge, form=form, rank=rank)
         fold(model=model, layer=layers[kept.index(span[0] - 1)], t=t)
-        info["tokens"] = stats.tokens + stats.skipped
-        info["skipped"].append(stats.skipped)
+        info["tokens"] = stats.tokens
         info["residual"].append(stats.residual(t))
         info["residual_identity"].append(stats.residual(torch.eye(t.shape[0], dtype=t.dtype)))
     return info

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from trsp_ray import families
-from trsp_ray.compensation import _hidden, _Stop, blocks, outliers
+from trsp_ray.compensation import _hidden, _Stop, blocks
 
 
 @dataclass
@@ -30,15 +30,12 @@ class ScalarSums:
     that give the boundary error of a scale."""
 
     block: tuple[int, int]
-    sums: torch.Tensor  # [sum ||h||, sum ||y||, sum <h,h>, sum <h,y>, sum <y,y>, tokens, skipped tokens]
+    sums: torch.Tensor  # [sum ||h||, sum ||y||, sum <h,h>, sum <h,y>, sum <y,y>, tokens]
 
     @property
     def tokens(self) -> int:
         return int(round(self.sums[5].item()))
 
-    @property
-    def skipped(self) -> int:
-        return int(round(self.sums[6].item()))
 
     def scale(self, num_layers: int) -> float:
         """s = sum ||y|| / sum ||h||; 1 for a block ending at the last layer (only the final norm follows)."""
@@ -52,14 +49,13 @@ class ScalarSums:
 
 
 @torch.no_grad()
-def scalar_sums(*, dense, windows, drop, stop: bool = True, outlier: float = 0.0) -> list[ScalarSums]:
+def scalar_sums(*, dense, windows, drop, stop: bool = True) -> list[ScalarSums]:
     """The sums of every block of `drop` over `windows`, from `dense` (one pass per batch; a block
-    ending at the last layer still gets its sums, its scale is 1). `stop=False`: whole passes.
-    `outlier` > 0 leaves out the tokens whose h is an outlier (`outliers`)."""
+    ending at the last layer still gets its sums, its scale is 1). `stop=False`: whole passes."""
     num = families.num_layers(dense)
     spans = blocks(drop, num)
     layers = families.decoder_layers(dense)
-    out = [ScalarSums(s, torch.zeros(7, dtype=torch.float64)) for s in spans]
+    out = [ScalarSums(s, torch.zeros(6, dtype=torch.float64)) for s in spans]
     last = max((b for _, b in spans), default=-1)
     store: dict = {}
 
@@ -88,13 +84,8 @@ def scalar_sums(*, dense, windows, drop, stop: bool = True, outlier: float = 0.0
                 pass
             for acc in out:
                 h, y = store[("in", acc.block[0])].double(), store[("out", acc.block[1])].double()
-                skip = outliers(h, outlier)
-                n_skip = 0 if skip is None else int(skip.sum())
-                if skip is not None:
-                    h, y = h[~skip], y[~skip]
                 acc.sums += torch.stack([h.norm(dim=1).sum(), y.norm(dim=1).sum(), (h * h).sum(), (h * y).sum(),
-                                         (y * y).sum(), h.new_tensor(float(h.shape[0])),
-                                         h.new_tensor(float(n_skip))]).cpu()
+                                         (y * y).sum(), h.new_tensor(float(h.shape[0]))]).cpu()
     finally:
         for handle in handles:
             handle.remove()
@@ -125,14 +116,13 @@ def fold_scales(*, model, drop, scales: list[float], num_layers: int, layers: di
                     p.copy_((p.double() * factor).to(p.dtype))
 
 
-def compensate_scalar(*, model, dense, drop, windows, reduce, outlier: float) -> dict:
+def compensate_scalar(*, model, dense, drop, windows, reduce) -> dict:
     num = families.num_layers(dense)
-    sums = scalar_sums(dense=dense, windows=windows, drop=drop, outlier=outlier)
+    sums = scalar_sums(dense=dense, windows=windows, drop=drop)
     for acc in sums:
         acc.sums = reduce(acc.sums).cpu()
     scales = [acc.scale(num) for acc in sums]
     fold_scales(model=model, drop=drop, scales=scales, num_layers=num)
-    return {"blocks": [acc.block for acc in sums], "tokens": sums[0].tokens + sums[0].skipped if sums else 0,
-            "skipped": [acc.skipped for acc in sums], "scales": scales,
+    return {"blocks": [acc.block for acc in sums], "tokens": sums[0].tokens if sums else 0, "scales": scales,
             "residual": [acc.residual(s) for acc, s in zip(sums, scales)],
             "residual_identity": [acc.residual(1.0) for acc in sums]}

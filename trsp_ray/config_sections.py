@@ -180,17 +180,12 @@ class CompensationConfig:
     # diagonal (one scale per channel), lowrank (the identity plus a rank-`rank` correction)
     form: str = "full"
     rank: int = 64  # the lowrank form's rank (at most the hidden size)
-    # a calibration token whose stream entering a removed block exceeds `outlier` x the median token
-    # norm of its batch (an attention sink: the first token of every window) is left out of that
-    # block's fit; 0 fits every token (compensation.outliers)
-    outlier: float = 0.0
 
     def __post_init__(self):
         _choice("compensation.method", self.method, ("none", "lstsq", "scalar"))
         check_form(self.form, self.rank)
         _positive("compensation.ridge", self.ridge, allow_zero=True)
         _positive("compensation.windows", self.windows)
-        _positive("compensation.outlier", self.outlier, allow_zero=True)
         _choice("compensation.activations", self.activations, ("dense", "sequential"))
         if self.method == "scalar" and self.activations != "dense":
             raise TrspError(f"compensation.activations={self.activations!r} is not used by the scalar fold (its "

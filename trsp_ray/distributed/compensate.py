@@ -82,7 +82,7 @@ def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[t
 
 @torch.no_grad()
 def fit_scalar(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int,
-               outlier: float = 0.0, reduce=all_reduce_sum) -> dict:
+               reduce=all_reduce_sum) -> dict:
     """The scalar fold's scales of every block of `drop` from this rank's shard of `windows`,
     all-reduced. Returns {"scales", "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
     t0 = time.time()
@@ -92,17 +92,15 @@ def fit_scalar(*, model, gates, drop: list[int], windows: list[torch.Tensor], ra
         families.residual_writers(layers[0], model)  # a family the fold cannot serve fails before any forward
     mine, padding = shard(windows, rank=rank, world=world)
     with gates.state(gated=False, bypass=[]):
-        sums = compensation_scalar.scalar_sums(dense=model, windows=mine, drop=drop, stop=False,
-                                               outlier=outlier)
+        sums = compensation_scalar.scalar_sums(dense=model, windows=mine, drop=drop, stop=False)
         device = next(model.parameters()).device
         for _ in range(padding):  # the collective forwards of the other ranks' extra windows
             model(input_ids=windows[0][:1].to(device), use_cache=False)
     for acc in sums:
         acc.sums = reduce(acc.sums).cpu()
     scales = [acc.scale(num) for acc in sums]
-    tokens = sums[0].tokens + sums[0].skipped if sums else 0
+    tokens = sums[0].tokens if sums else 0
     return {"scales": scales, "blocks": [acc.block for acc in sums], "tokens": tokens,
-            "skipped": [acc.skipped for acc in sums],
             "residual": [acc.residual(x) for acc, x in zip(sums, scales)],
             "residual_identity": [acc.residual(1.0) for acc in sums],
             "cost": compensation.cost(drop=drop, num_layers=num, tokens=tokens, stops=False),
@@ -134,7 +132,7 @@ def apply(*, model, drop: list[int], info: dict) -> None:
 
 @torch.no_grad()
 def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int, ridge: float,
-        form: str = "full", map_rank: int | None = None, outlier: float = 0.0, reduce=all_reduce_sum) -> dict:
+        form: str = "full", map_rank: int | None = None, reduce=all_reduce_sum) -> dict:
     """The maps of every block of `drop`, from the dense model's activations over all `windows`
     (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
     float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
@@ -151,13 +149,12 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
                         f"a {hidden} x {hidden} map needs; raise compensation.windows")
     mine, padding = shard(windows, rank=rank, world=world)
     with gates.state(gated=False, bypass=[]):
-        stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve,
-                                        outlier=outlier)
+        stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve)
         device = next(model.parameters()).device
         for _ in range(padding):  # the collective forwards of the other ranks' extra windows
             model(input_ids=windows[0][:1].to(device), use_cache=False)
     spans = compensation.blocks(drop, num)
-    info: dict = {"maps": [], "blocks": spans, "tokens": 0, "skipped": [], "residual": [], "residual_identity": []}
+    info: dict = {"maps": [], "blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
     for k, span in enumerate(spans):
         if stats[k] is None:  # this rank had no window: zeros of the right shape join the sum
             z = torch.zeros(hidden, hidden, dtype=torch.float64, device=device)
@@ -165,8 +162,7 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
         summed = stats[k].reduced(reduce)
         t = compensation.solve(summed.mtm, summed.mty, ridge=ridge, form=form, rank=map_rank)
         info["maps"].append((span, t.cpu()))
-        info["tokens"] = summed.tokens + summed.skipped
-        info["skipped"].append(summed.skipped)
+        info["tokens"] = summed.tokens
         info["residual"].append(summed.residual(t))
         info["residual_identity"].append(summed.residual(torch.eye(hidden, dtype=t.dtype, device=t.device)))
         del summed, t

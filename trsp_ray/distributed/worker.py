@@ -271,11 +271,10 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
     windows = fixed_windows(_batches(cfg, bench, 300), c.windows)
     if c.method == "scalar":
         info = compensate.fit_scalar(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
-                                     world=bench.world, outlier=c.outlier)
+                                     world=bench.world)
     else:
         info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
-                              world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank,
-                              outlier=c.outlier)
+                              world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank)
     events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
     return info
 
