@@ -138,3 +138,26 @@ def test_bad_forms_fail_in_one_line_before_any_forward():
         with pytest.raises(TrspError, match=message):
             load_config(overrides=override.split())
 
+
+
+@pytest.mark.parametrize("form, rank", [("diagonal", None), ("lowrank", 8)])
+def test_the_workers_fit_uses_the_configured_form(form, rank):
+    """distributed/compensate.fit (what a Ray Train worker runs) solves each form like one process:
+    one rank, no all-reduce, on an unpartitioned model (the ZeRO-3 sums are checked in the slow tier)."""
+    from trsp_ray.distributed import compensate
+    from trsp_ray.gates import attach_gates
+
+    dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
+    one = copy_model(dense, torch.device("cpu"))
+    remove_layers(one, drop)
+    compensation.compensate(model=one, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form, rank=rank)
+    workers = copy_model(dense, torch.device("cpu"))
+    info = compensate.fit(model=workers, gates=attach_gates(workers), drop=drop, windows=windows, rank=0, world=1,
+                          ridge=1e-3, form=form, map_rank=rank, reduce=lambda t: t)
+    (block, t), = info["maps"]
+    assert block == (2, 3)
+    eye = torch.eye(t.shape[0], dtype=t.dtype)
+    assert torch.linalg.matrix_rank(t - eye).item() == (64 if form == "diagonal" else 8)
+    compensate.fold(model=workers, maps=info["maps"])
+    assert torch.allclose(workers.model.layers[1].mlp.down_proj.weight, one.model.layers[1].mlp.down_proj.weight,
+                          rtol=1e-5, atol=1e-7)
