@@ -23,17 +23,8 @@ Where M and h_mid come from (`activations`):
       (block by block from the first), Y's target still from the dense model: map k repairs the
       boundary a_k-1 -> b_k+1 for the stream that actually reaches it. Costs a pass per block.
 
-The scalar fold (Prune&Comp's form, `method="scalar"`): removing block [a..b] leaves layer b+1 the
-stream h that entered layer a instead of the dense y that left layer b, and later layers add their
-contributions to a stream of the wrong magnitude. s = sum ||y|| / sum ||h|| over the calibration
-tokens (the ratio of mean token norms, dense activations) says by how much. Scaling the stream at
-the cut by s is exact to fold in a pre-norm network, whose norms ignore a scale: the SPEC's form
-scales the embeddings and every earlier layer's output projections (untying a tied lm_head);
-here the equivalent is folded after the cut instead, with no untie: every kept layer after b has
-its attention and MLP output projections scaled by 1/s, so the stream from b+1 on is the s-scaled
-stream divided by s, which the final norm (and every layer's input norm) does not see. Blocks
-compose: a layer after several blocks gets the product of their 1/s. A block that ends at the last
-layer feeds only the final norm, where a scale does nothing: its s is 1.
+The scalar fold (Prune&Comp's form, `method="scalar"`) lives in trsp_ray/compensation_scalar.py;
+the map's restricted forms (diagonal, low-rank) in trsp_ray/compensation_forms.py.
 
 Data parallel: each rank accumulates its own window shard; `reduce` (identity in one process, an
 all-reduce sum under torch.distributed) is applied to the sums before the solve, so every rank
