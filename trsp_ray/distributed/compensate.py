@@ -127,7 +127,7 @@ def apply(*, model, drop: list[int], info: dict) -> None:
             continue
         with gather_layer(layer):
             compensation_scalar.fold_scales(model=model, drop=drop, scales=info["scales"], num_layers=num,
-                                     layers={index: layer})
+                                            layers={index: layer})
 
 
 @torch.no_grad()
@@ -144,7 +144,9 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     total = sum(int(w.numel()) for w in windows)
     hidden = families.text_config(model).hidden_size
     compensation.check_form(form, map_rank, hidden)
-    if total < (1 if form == "diagonal" else hidden):
+    if form == "diagonal" and total < 1:
+        raise TrspError(f"compensation has {total} calibration tokens; the diagonal map needs at least 1")
+    if form != "diagonal" and total < hidden:
         raise TrspError(f"compensation has {total} calibration tokens, fewer than the hidden size {hidden} "
                         f"a {hidden} x {hidden} map needs; raise compensation.windows")
     mine, padding = shard(windows, rank=rank, world=world)
