@@ -39,24 +39,12 @@ from dataclasses import dataclass
 import torch
 
 from trsp_ray import families
+from trsp_ray.boundaries import Stop, blocks, hidden
 from trsp_ray.compensation_forms import check_form, solve  # noqa: F401 (re-exported for the workers)
 from trsp_ray.errors import TrspError
 
 METHODS = ("none", "lstsq", "scalar")
 ACTIVATIONS = ("dense", "sequential")
-
-
-def blocks(drop, num_layers: int) -> list[tuple[int, int]]:
-    """Maximal contiguous runs of dropped layers as (first, last) original indices, ascending."""
-    out: list[tuple[int, int]] = []
-    for i in sorted(int(j) for j in drop):
-        if not 0 <= i < num_layers:
-            raise TrspError(f"drop set {sorted(drop)} is not valid for a {num_layers}-layer model")
-        if out and out[-1][1] == i - 1:
-            out[-1] = (out[-1][0], i)
-        else:
-            out.append((i, i))
-    return out
 
 
 @dataclass
@@ -120,14 +108,6 @@ def fold(*, model, layer, t: torch.Tensor) -> None:
         proj.bias.copy_((tt @ proj.bias.double()).to(proj.bias.dtype))
 
 
-class _Stop(Exception):
-    """Raised by a hook once the last layer a pass needs has run: the rest is not computed."""
-
-
-def _hidden(output) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
-
-
 def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int | None, mlp_output=None) -> list:
     """Forward hooks on `model` writing store[(index, 'out')] (a decoder layer's output) and
     store[(index, 'mlp')] (its MLP output projection's output), flattened to [n, d]; the pass
@@ -138,10 +118,10 @@ def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int | Non
 
     def saver(key, stop):
         def hook(_module, _inputs, output):
-            h = _hidden(output)
+            h = hidden(output)
             store[key] = h.reshape(-1, h.shape[-1])
             if stop:
-                raise _Stop
+                raise Stop
         return hook
 
     for index, what in wanted.items():
@@ -161,7 +141,7 @@ def _run(model, batch, wanted: dict[int, str], *, stop_after: int | None, mlp_ou
     handles = _record(model, wanted, store, stop_after=stop_after, mlp_output=mlp_output)
     try:
         model(input_ids=batch.to(next(model.parameters()).device), use_cache=False)
-    except _Stop:
+    except Stop:
         pass
     finally:
         for h in handles:

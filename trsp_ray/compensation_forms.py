@@ -17,9 +17,12 @@ full map fitted on one domain overfits it (SPEC section 7, issue 21's measuremen
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from trsp_ray.errors import TrspError
+
+if TYPE_CHECKING:  # torch is imported where a map is solved: the config validates forms without it
+    import torch
 
 FORMS = ("full", "diagonal", "lowrank")
 
@@ -42,6 +45,8 @@ def _shift(a: torch.Tensor, ridge: float) -> torch.Tensor:
 def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-4, form: str = "full",
           rank: int | None = None) -> torch.Tensor:
     """The map T [d, d] (float64) of `form` minimising ||M T - Y||^2 + r ||T - I||^2 (module doc)."""
+    import torch
+
     a, b = mtm.double(), mty.double()
     check_form(form, rank, a.shape[0])
     r = _shift(a, ridge)
@@ -66,6 +71,8 @@ def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-4, form: st
 def objective(mtm: torch.Tensor, mty: torch.Tensor, yty: torch.Tensor, t: torch.Tensor, *,
               ridge: float) -> float:
     """||M T - Y||^2 + r ||T - I||^2 from the sums (what every form minimises over its maps)."""
+    import torch
+
     a, b, t = mtm.double(), mty.double(), t.double()
     eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     fit = yty.double() - 2 * (t * b).sum() + (t * (a @ t)).sum()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from trsp_ray import families
-from trsp_ray.compensation import _hidden, _Stop, blocks
+from trsp_ray.boundaries import Stop, blocks, hidden
 
 
 @dataclass
@@ -67,10 +67,10 @@ def scalar_sums(*, dense, windows, drop, stop: bool = True) -> list[ScalarSums]:
 
     def leave(b):
         def hook(_module, _inputs, output):
-            h = _hidden(output)
+            h = hidden(output)
             store[("out", b)] = h.reshape(-1, h.shape[-1])
             if stop and b == last:
-                raise _Stop
+                raise Stop
         return hook
 
     handles = [layers[a].register_forward_pre_hook(enter(a), with_kwargs=True) for a, _ in spans]
@@ -80,7 +80,7 @@ def scalar_sums(*, dense, windows, drop, stop: bool = True) -> list[ScalarSums]:
             store.clear()
             try:
                 dense(input_ids=batch.to(next(dense.parameters()).device), use_cache=False)
-            except _Stop:
+            except Stop:
                 pass
             for acc in out:
                 h, y = store[("in", acc.block[0])].double(), store[("out", acc.block[1])].double()
