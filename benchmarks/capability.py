@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--shortlist-bi", type=int, default=0, help="greedy probes only the k lowest-BI layers left")
     p.add_argument("--lambada", type=int, default=500)
     p.add_argument("--heal", type=int, default=0, help="heal steps (stage2.lr, batch x seqlen of the config)")
-    p.add_argument("--comp", nargs="*", default=[], metavar="ACTIVATIONS:RIDGE[:FORM[:RANK]]",
+    p.add_argument("--comp", nargs="*", default=[], metavar="ACTIVATIONS:RIDGE[:FORM[:RANK[:WEIGHTING]]]",
                    help="also score each set compensated: least squares (dense:1e-4, sequential:1e-2, "
                         "dense:1e-2:diagonal, dense:1e-2:lowrank:32) or the scalar fold (scalar)")
     p.add_argument("--comp-windows", type=int, default=32, help="calibration windows (data.seqlen) of the fit")
@@ -246,7 +246,8 @@ def main() -> None:
                 compensate(model=model, dense=bench.model, drop=drop, windows=fit, method="lstsq",
                            ridge=float(variant[1]), activations=variant[0],
                            form=variant[2] if len(variant) > 2 else "full",
-                           rank=int(variant[3]) if len(variant) > 3 else None)
+                           rank=int(variant[3]) if len(variant) > 3 and variant[3] != "-" else None,
+                           weighting=variant[4] if len(variant) > 4 else "none")
             if args.heal:
                 model = run_heal(model=model, batches=bench.batches(seed_offset=2), steps=args.heal,
                                  lr=cfg.stage2.lr).model.eval()

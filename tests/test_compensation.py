@@ -55,6 +55,15 @@ def _m_and_y(dense, windows, a, b):
     return m, outs[b] - (outs[a - 1] - m)
 
 
+def _error(out, target, weighting):
+    """The summed squared boundary error; under "norm" weighting each token's is relative to its
+    target's norm."""
+    diff = out - target
+    if weighting == "norm":
+        diff = diff / target.norm(dim=-1, keepdim=True)
+    return (diff ** 2).sum().item()
+
+
 def test_compensation_imports_no_distributed_or_tracking_library():
     tree = ast.parse((ROOT / "trsp_ray" / "compensation.py").read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -69,10 +78,15 @@ def test_blocks_are_maximal_contiguous_runs():
         compensation.blocks([10], 10)
 
 
-def test_accumulated_sums_give_the_least_squares_solution_of_the_gathered_activations():
+@pytest.mark.parametrize("weighting", ["none", "norm"])
+def test_accumulated_sums_give_the_least_squares_solution_of_the_gathered_activations(weighting):
     dense, windows = tiny_model("llama", layers=6), _windows()
     m, y = _m_and_y(dense, windows, 2, 3)
-    stats, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3])
+    if weighting == "norm":  # the weighted regression: each token's rows over its target's norm
+        w = _outputs(dense, windows, [3])[3].norm(dim=-1, keepdim=True)
+        assert w.max() > 1.5 * w.min()  # the weights differ between tokens, so the two fits do too
+        m, y = m / w, y / w
+    stats, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3], weighting=weighting)
     assert stats.tokens == m.shape[0] == 4 * 4 * 32
     t = compensation.solve(stats.mtm, stats.mty, ridge=0.0)
     expected = torch.linalg.lstsq(m, y).solution
@@ -97,35 +111,39 @@ def test_the_ridge_shrinks_the_map_towards_the_identity_not_towards_zero():
     assert stats.residual(eye) > stats.residual(t) > stats.residual(compensation.solve(stats.mtm, stats.mty, ridge=0.0))
 
 
+@pytest.mark.parametrize("weighting", ["none", "norm"])
 @pytest.mark.parametrize("ridge", [0.0, 1e-4])
-def test_the_fold_reproduces_the_solve_residual_in_the_compensated_model(ridge):
+def test_the_fold_reproduces_the_solve_residual_in_the_compensated_model(ridge, weighting):
     dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
     model = _pruned(dense, drop)
     before = _outputs(model, windows, [1])[1]
-    info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=ridge)
+    info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=ridge,
+                                   weighting=weighting)
     target = _outputs(dense, windows, [3])[3]
     after = _outputs(model, windows, [1])[1]  # pruned index 1 is original layer 1 = a - 1
-    measured = ((after - target) ** 2).sum().item()
+    measured = _error(after, target, weighting)
     assert measured == pytest.approx(info["residual"][0], rel=1e-4)
-    assert info["residual_identity"][0] == pytest.approx(((before - target) ** 2).sum().item(), rel=1e-4)
+    assert info["residual_identity"][0] == pytest.approx(_error(before, target, weighting), rel=1e-4)
     assert measured < 0.8 * info["residual_identity"][0]
 
 
+@pytest.mark.parametrize("weighting", ["none", "norm"])
 @pytest.mark.parametrize("activations", ["dense", "sequential"])
-def test_a_non_contiguous_drop_set_is_repaired_block_by_block(activations):
+def test_a_non_contiguous_drop_set_is_repaired_block_by_block(activations, weighting):
     dense, windows, drop = tiny_model("llama", layers=7), _windows(), [4, 1, 2]
     model = _pruned(dense, drop)  # kept: 0 3 5 6
     plain = _pruned(dense, drop)
-    info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, activations=activations)
+    info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, activations=activations,
+                                   weighting=weighting)
     assert info["blocks"] == [(1, 2), (4, 4)]
     layers, untouched = families.decoder_layers(model), families.decoder_layers(plain)
     changed = [not torch.equal(layers[i].mlp.down_proj.weight, untouched[i].mlp.down_proj.weight) for i in range(4)]
     assert changed == [True, True, False, False]  # kept layers 0 and 3 precede the two blocks
     targets = _outputs(dense, windows, [2, 4])
     outs = _outputs(model, windows, [0, 1])
-    first = ((outs[0] - targets[2]) ** 2).sum().item()
+    first = _error(outs[0], targets[2], weighting)
     assert first == pytest.approx(info["residual"][0], rel=1e-4)
-    second = ((outs[1] - targets[4]) ** 2).sum().item()
+    second = _error(outs[1], targets[4], weighting)
     if activations == "sequential":  # fitted on the stream that reaches the second boundary
         assert second == pytest.approx(info["residual"][1], rel=1e-4)
         assert second < info["residual_identity"][1]
@@ -285,8 +303,9 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path):
     assert results["heldout_ppl"] != pytest.approx(plain["heldout_ppl"], rel=1e-6)
     manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
     assert manifest["config"]["compensation"] == {"method": "lstsq", "ridge": 1e-4, "windows": 4,
-                                                  "activations": "dense", "form": "full", "rank": 64}
-    assert (manifest["metrics"]["compensation_form"], manifest["metrics"]["compensation_ridge"]) == ("full", 1e-4)
+                                                  "activations": "dense", "form": "full", "rank": 64,
+                                                  "weighting": "norm"}
+    assert [manifest["metrics"][f"compensation_{k}"] for k in ("form", "ridge", "weighting")] == ["full", 1e-4, "norm"]
     assert manifest["metrics"]["compensation_tokens"] == 4 * 32
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
 

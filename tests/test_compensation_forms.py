@@ -43,7 +43,7 @@ def _gathered(dense, windows, a, b):
 @pytest.fixture(scope="module")
 def block():
     dense, windows = tiny_model("llama", layers=6), _windows()
-    stats, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3])
+    stats, = compensation.accumulate(dense=dense, windows=windows, drop=[2, 3], weighting="none")
     m, y = _gathered(dense, windows, 2, 3)
     return stats, m, y
 
@@ -94,7 +94,7 @@ def test_the_folded_model_reproduces_each_forms_residual(form, rank):
     model = copy_model(dense, torch.device("cpu"))
     remove_layers(model, drop)
     info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form,
-                                   rank=rank)
+                                   rank=rank, weighting="none")  # the absolute residual, measured below
     layers, dense_layers, outs, targets = families.decoder_layers(model), families.decoder_layers(dense), [], []
     hooks = [layers[1].register_forward_hook(lambda _m, _i, out: outs.append(_h(out))),
              dense_layers[3].register_forward_hook(lambda _m, _i, out: targets.append(_h(out)))]
@@ -117,6 +117,8 @@ def test_bad_forms_fail_in_one_line_before_any_forward():
     calls = []
     dense.register_forward_hook(lambda *_: calls.append(1))
     for change, message in ((dict(form="tucker"), "compensation.form='tucker' is not valid; choose one of full"),
+                            (dict(weighting="tokens"), "compensation.weighting='tokens' is not valid; choose one of "
+                                                       "norm, none"),
                             (dict(form="lowrank", rank=0), "compensation.rank=0 is not valid .* 1..64"),
                             (dict(form="lowrank", rank=65), "compensation.rank=65 is not valid .* 1..64")):
         model = copy_model(dense, torch.device("cpu"))
@@ -134,30 +136,40 @@ def test_bad_forms_fail_in_one_line_before_any_forward():
     info = compensation.compensate(model=model, dense=dense, drop=[2, 3], windows=few, form="diagonal", ridge=1e-2)
     assert info["tokens"] == 16 and info["residual"][0] < info["residual_identity"][0]
     for override, message in (("compensation.form=tucker", "choose one of full, diagonal, lowrank"),
-                              ("compensation.form=lowrank compensation.rank=0", "compensation.rank=0")):
+                              ("compensation.form=lowrank compensation.rank=0", "compensation.rank=0"),
+                              ("compensation.weighting=tokens", "compensation.weighting='tokens' is not valid")):
         with pytest.raises(TrspError, match=message):
             load_config(overrides=override.split())
 
 
 
-@pytest.mark.parametrize("form, rank", [("diagonal", None), ("lowrank", 8)])
-def test_the_workers_fit_uses_the_configured_form(form, rank):
-    """distributed/compensate.fit (what a Ray Train worker runs) solves each form like one process:
-    one rank, no all-reduce, on an unpartitioned model (the ZeRO-3 sums are checked in the slow tier)."""
+@pytest.mark.parametrize("form, rank, weighting", [("diagonal", None, "norm"), ("lowrank", 8, "none"),
+                                                   ("full", None, "none")])
+def test_the_workers_fit_uses_the_configured_form(form, rank, weighting):
+    """distributed/compensate.fit (what a Ray Train worker runs) solves each form and token weighting
+    like one process: one rank, no all-reduce, on an unpartitioned model (the ZeRO-3 sums are checked
+    in the slow tier). The two weightings fold different weights, so a dropped setting fails."""
     from trsp_ray.distributed import compensate
     from trsp_ray.gates import attach_gates
 
     dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
     one = copy_model(dense, torch.device("cpu"))
     remove_layers(one, drop)
-    compensation.compensate(model=one, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form, rank=rank)
+    compensation.compensate(model=one, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form, rank=rank,
+                            weighting=weighting)
+    other = copy_model(dense, torch.device("cpu"))
+    remove_layers(other, drop)
+    compensation.compensate(model=other, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form, rank=rank,
+                            weighting="none" if weighting == "norm" else "norm")
+    assert not torch.allclose(other.model.layers[1].mlp.down_proj.weight, one.model.layers[1].mlp.down_proj.weight,
+                              rtol=1e-3, atol=1e-5)
     workers = copy_model(dense, torch.device("cpu"))
     info = compensate.fit(model=workers, gates=attach_gates(workers), drop=drop, windows=windows, rank=0, world=1,
-                          ridge=1e-3, form=form, map_rank=rank, reduce=lambda t: t)
+                          ridge=1e-3, form=form, map_rank=rank, weighting=weighting, reduce=lambda t: t)
     (block, t), = info["maps"]
     assert block == (2, 3)
     eye = torch.eye(t.shape[0], dtype=t.dtype)
-    assert torch.linalg.matrix_rank(t - eye).item() == (64 if form == "diagonal" else 8)
+    assert torch.linalg.matrix_rank(t - eye).item() == {"diagonal": 64, "lowrank": 8, "full": 64}[form]
     compensate.fold(model=workers, maps=info["maps"])
     assert torch.allclose(workers.model.layers[1].mlp.down_proj.weight, one.model.layers[1].mlp.down_proj.weight,
                           rtol=1e-5, atol=1e-7)

@@ -95,7 +95,8 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         method = c.method if c.method != "none" else "lstsq"
         how = ("one scale per block from dense token norms" if method == "scalar"
                else f"{c.form if c.form != 'lowrank' else f'rank-{c.rank}'} map, {c.activations} activations, "
-                    f"ridge {c.ridge} towards the identity")
+                    f"ridge {c.ridge} towards the identity, "
+                    f"{'norm-weighted' if c.weighting == 'norm' else 'unweighted'} tokens")
         parts.append(f"+comp rows: {method} compensation after removal ({how}, {c.windows} calibration windows of "
                      f"{d.seqlen} tokens), folded into the weights before any heal.")
     if cut:

@@ -180,6 +180,9 @@ class CompensationConfig:
     # diagonal (one scale per channel), lowrank (the identity plus a rank-`rank` correction)
     form: str = "full"
     rank: int = 64  # the lowrank form's rank (at most the hidden size)
+    # norm: each token's error relative to its stream's norm (attention-sink tokens do not own the
+    # fit); none: absolute errors, ReplaceMe's form (trsp_ray/compensation.py, module doc)
+    weighting: str = "norm"
 
     def __post_init__(self):
         _choice("compensation.method", self.method, ("none", "lstsq", "scalar"))
@@ -187,6 +190,7 @@ class CompensationConfig:
         _positive("compensation.ridge", self.ridge, allow_zero=True)
         _positive("compensation.windows", self.windows)
         _choice("compensation.activations", self.activations, ("dense", "sequential"))
+        _choice("compensation.weighting", self.weighting, ("norm", "none"))
         if self.method == "scalar" and self.activations != "dense":
             raise TrspError(f"compensation.activations={self.activations!r} is not used by the scalar fold (its "
                             "scales come from the dense model); use compensation.activations=dense")

@@ -284,7 +284,7 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         windows = fixed_windows(bench.batches(seed_offset=300), comp.windows)
         done = compensation.compensate(model=model, dense=bench.model, drop=drop, windows=windows, method=comp.method,
                                        ridge=comp.ridge, activations=comp.activations, form=comp.form,
-                                       rank=comp.rank)
+                                       rank=comp.rank, weighting=comp.weighting)
         info.update(**compensation.describe(comp), compensation_tokens=done["tokens"],
                     compensation_seconds=time.time() - t3,
                     compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],

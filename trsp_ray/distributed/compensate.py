@@ -132,7 +132,7 @@ def apply(*, model, drop: list[int], info: dict) -> None:
 
 @torch.no_grad()
 def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int, ridge: float,
-        form: str = "full", map_rank: int | None = None, reduce=all_reduce_sum) -> dict:
+        form: str = "full", map_rank: int | None = None, weighting: str = "norm", reduce=all_reduce_sum) -> dict:
     """The maps of every block of `drop`, from the dense model's activations over all `windows`
     (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
     float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
@@ -151,7 +151,8 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
                         f"a {hidden} x {hidden} map needs; raise compensation.windows")
     mine, padding = shard(windows, rank=rank, world=world)
     with gates.state(gated=False, bypass=[]):
-        stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve)
+        stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve,
+                                        weighting=weighting)
         device = next(model.parameters()).device
         for _ in range(padding):  # the collective forwards of the other ranks' extra windows
             model(input_ids=windows[0][:1].to(device), use_cache=False)

@@ -274,7 +274,8 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
                                      world=bench.world)
     else:
         info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
-                              world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank)
+                              world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank,
+                              weighting=c.weighting)
     events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
     return info
 

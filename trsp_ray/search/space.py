@@ -22,7 +22,7 @@ from trsp_ray.stage1_store import content_key
 # one stage 1 (stage1_store.stage1_content leaves them out).
 SEARCHABLE = ("ratio", "stage1.lambda1", "stage2.lambda2", "stage1.lr", "stage1.first_round_steps",
               "stage1.steps_per_round", "stage2.trainable", "stage2.steps", "stage2.lr", "compensation.method",
-              "compensation.ridge", "compensation.form", "compensation.rank")
+              "compensation.ridge", "compensation.form", "compensation.rank", "compensation.weighting")
 ALGORITHMS = ("grid", "random", "optuna")
 RANGES = ("uniform", "loguniform", "int")
 
