@@ -186,6 +186,22 @@ def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
     assert recovery_cost(info) == 37.0 and total_cost(info) == 137.0
 
 
+def test_comp_compute_rows_get_the_compensations_cost_as_heal_steps():
+    """'@comp': ShortGPT's set of SmolLM2 (8 of 30), 32 x 128 calibration tokens, 512 tokens a step."""
+    from trsp_ray.comparison_jobs import compensation_steps
+
+    drop = [12, 13, 14, 15, 16, 17, 25, 26]
+    cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "compensation.windows=32"])
+    # dense activations: one pass to layer 26, 4096 x 27/30 = 3686 tokens, 3686 / 1536 = 2.4 steps
+    assert compensation_steps(cfg, drop, num_layers=30) == 2
+    # sequential: per block a dense pass to b and a pruned one to a-1: 4096 x (18 + 12 + 27 + 19) / 30 = 6.8
+    seq = load_config(None, ["data.batch_size=4", "data.seqlen=128", "compensation.windows=32",
+                             "compensation.activations=sequential"])
+    assert compensation_steps(seq, drop, num_layers=30) == 7
+    row = registry.ROWS["shortgpt+heal@comp"]
+    assert row.comp_compute and not row.is_default and not row.compensate
+
+
 def test_plan_runs_trained_rows_per_budget_and_needs_trsp_for_equal_compute():
     rows = registry.rows(["dense", "shortgpt", "shortgpt+heal@compute"])
     jobs = plan_jobs(rows, [0], (1, 4))
@@ -239,8 +255,9 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
     from trsp_ray.comparison import run_benchmark
     from trsp_ray.comparison_jobs import equal_compute_steps
 
-    names = ["trsp-no-stage2", "shortgpt", "shortgpt+comp", "shortgpt+heal@compute"]
-    by = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir, "compensation.windows=4"), names, lambada_limit=3)}
+    names = ["trsp-no-stage2", "shortgpt", "shortgpt+comp", "shortgpt+heal@compute", "shortgpt+comp+heal",
+             "shortgpt+heal@comp"]
+    by = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir, "compensation.windows=16"), names, lambada_limit=3)}
     assert by["shortgpt+comp"]["drop"] == by["shortgpt"]["drop"]
     assert by["shortgpt+comp"]["held-out PPL"]["mean"] != pytest.approx(by["shortgpt"]["held-out PPL"]["mean"])
     assert by["shortgpt+comp"]["recovery cost"] > 0 == by["shortgpt"]["recovery cost"]
@@ -249,6 +266,10 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
                                 {"info": {"select_cost": by["trsp-no-stage2"]["select cost"]}})
     assert extra > 0
     assert by["shortgpt+heal@compute"]["weight tokens"] == (cfg.stage2.steps + extra) * 2 * 32
+    # '@comp' heals with the compensation's compute instead: the two rows' totals within one heal step
+    comp, healed = by["shortgpt+comp+heal"], by["shortgpt+heal@comp"]
+    assert healed["weight tokens"] > comp["weight tokens"] == cfg.stage2.steps * 2 * 32
+    assert abs(healed["total cost"] - comp["total cost"]) <= 0.5 * 3 * 2 * 32
     for s in by.values():
         lam = s["LAMBADA acc"]
         assert 0.0 <= lam["mean"] <= 1.0 and lam["n"] == 1 and lam["se"] >= 0.0

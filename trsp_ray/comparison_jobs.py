@@ -85,6 +85,21 @@ def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None)
     return compute.extra_heal_steps(extra, tokens_per_step=cfg.data.batch_size * cfg.data.seqlen)
 
 
+def with_compensation(cfg: RunConfig) -> RunConfig:
+    """The config of a +comp row: the configured compensation, least squares when it is none."""
+    return cfg if cfg.compensation.method != "none" else replace(cfg, **{"compensation.method": "lstsq"})
+
+
+def compensation_steps(cfg: RunConfig, drop, *, num_layers: int) -> int:
+    """Heal steps that spend what a +comp row's compensation of `drop` costs (an '@comp' row's extra)."""
+    from trsp_ray import compensation
+
+    c = with_compensation(cfg).compensation
+    cost = compensation.cost(drop=drop, num_layers=num_layers, tokens=c.windows * cfg.data.seqlen,
+                             activations=c.activations)
+    return compute.extra_heal_steps(cost, tokens_per_step=cfg.data.batch_size * cfg.data.seqlen)
+
+
 def lambada(bench, model, *, limit: int) -> dict:
     """LAMBADA last-word accuracy (lm-eval's lambada_openai rule) on the first `limit` test passages,
     with its standard error, through lm-eval's offline task."""
@@ -129,8 +144,8 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     budget = options.get("budget", 1)
     row = registry.ROWS[row_name]
     cfg = seeded(cfg_dict, seed)
-    if row.compensate and cfg.compensation.method == "none":
-        cfg = replace(cfg, **{"compensation.method": "lstsq"})
+    if row.compensate:
+        cfg = with_compensation(cfg)
     bench = prepare(cfg)
     t0 = time.time()
     history: list = []
@@ -138,6 +153,8 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
         model, drop, info = bench.scoring_model(), [], {}
     else:
         extra = equal_compute_steps(bench.cfg, selection, reference) if row.equal_compute else 0
+        if row.comp_compute:
+            extra += compensation_steps(bench.cfg, selection["drops"][row.method], num_layers=bench.num_layers)
         s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
         out = apply_method(bench, row.method, drop=selection["drops"][row.method], stage2=row.recovery == "stage2",
                            stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))

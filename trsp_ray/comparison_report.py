@@ -90,15 +90,18 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
     if zeroshot_limit:
         parts.append(f"zero-shot: mean acc over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, {zeroshot_limit} items "
                      f"per task, ± standard error.")
-    if any(registry.ROWS[s["row"]].compensate for s in summary):
-        c = cfg.compensation
-        method = c.method if c.method != "none" else "lstsq"
+    if any(registry.ROWS[s["row"]].compensate or registry.ROWS[s["row"]].comp_compute for s in summary):
+        from trsp_ray.comparison_jobs import with_compensation
+
+        c = with_compensation(cfg).compensation
+        method = c.method
         how = ("one scale per block from dense token norms" if method == "scalar"
                else f"{c.form if c.form != 'lowrank' else f'rank-{c.rank}'} map, {c.activations} activations, "
                     f"ridge {c.ridge} towards the identity, "
                     f"{'norm-weighted' if c.weighting == 'norm' else 'unweighted'} tokens")
         parts.append(f"+comp rows: {method} compensation after removal ({how}, {c.windows} calibration windows of "
-                     f"{d.seqlen} tokens), folded into the weights before any heal.")
+                     f"{d.seqlen} tokens), folded into the weights before any heal; '@comp' rows heal instead "
+                     "with what that compensation of their drop set costs as extra steps.")
     if cut:
         parts.append(cut)
     default = next((s["row"] for s in summary if registry.ROWS[s["row"]].is_default), None)

@@ -67,7 +67,7 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int) -> dict
          "total cost": statistics.fmean(r["info"].get("total_cost", 0.0) for r in runs),
          "weight tokens": first["info"].get("weight_tokens", 0),
          "seconds": statistics.fmean(r["seconds"] for r in runs), "is_baseline": row.is_baseline,
-         "equal_compute": row.equal_compute}
+         "equal_compute": row.equal_compute, "comp_compute": row.comp_compute}
     for col in ("held-out PPL", "domain-2 PPL"):
         s[col] = stats([r[col] for r in runs])
     if all("lambada" in r for r in runs):
@@ -109,7 +109,7 @@ def summarize(results: list[dict], rows: list[registry.Row], *, dense_params: in
     for budget in budgets:
         for group in ("selection", "trained"):
             members = [s for s in out if s["group"] == group and s["budget"] == budget]
-            tokens = [s for s in members if s["is_baseline"] and not s["equal_compute"]]
+            tokens = [s for s in members if s["is_baseline"] and not s["equal_compute"] and not s["comp_compute"]]
             computes = [s for s in members if s["is_baseline"] and s["equal_compute"]]
             for s in members:
                 if tokens:

@@ -85,12 +85,15 @@ class Row:
     # the drop set is compensated in closed form after removal (trsp_ray/compensation.py; the
     # configured compensation.method, least squares when it is none), before any heal
     compensate: bool = False
+    # a healed row that gets what the +comp rows' compensation of its drop set costs as extra heal
+    # steps: is a closed-form fit worth more than the same compute spent healing? (SPEC section 5)
+    comp_compute: bool = False
 
     @property
     def is_default(self) -> bool:
         """The row that is what `trsp-ray prune` runs with no --method (DEFAULT_METHOD)."""
         return (self.method is not None and recipe(self.name) == recipe(DEFAULT_METHOD)
-                and not self.equal_compute and not self.compensate)
+                and not self.equal_compute and not self.compensate and not self.comp_compute)
 
     @property
     def is_baseline(self) -> bool:
@@ -120,6 +123,7 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("shortgpt+comp", "shortgpt", "none", "selection", compensate=True),
     Row("trsp-selection+comp+heal", "trsp+heal", "heal", "trained", compensate=True),
     Row("shortgpt+comp+heal", "shortgpt", "heal", "trained", compensate=True),
+    Row("shortgpt+heal@comp", "shortgpt", "heal", "trained", comp_compute=True),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
