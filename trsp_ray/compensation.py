@@ -243,7 +243,7 @@ def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense", stop
     return sum(tokens * (b + 1 + kept.index(a - 1) + 1) / num_layers for a, b in spans)
 
 
-def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: float = 1e-4,
+def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: float = 1e-2,
                activations: str = "dense", form: str = "full", rank: int | None = None, weighting: str = "norm",
                reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict:
     """Fold one least-squares map (`method="lstsq"`) or one scale (`"scalar"`) per removed block of

@@ -42,7 +42,7 @@ def _shift(a: torch.Tensor, ridge: float) -> torch.Tensor:
     return ridge * a.diagonal().mean()
 
 
-def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-4, form: str = "full",
+def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-2, form: str = "full",
           rank: int | None = None) -> torch.Tensor:
     """The map T [d, d] (float64) of `form` minimising ||M T - Y||^2 + r ||T - I||^2 (module doc)."""
     import torch
