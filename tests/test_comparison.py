@@ -257,7 +257,9 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
 
     names = ["trsp-no-stage2", "shortgpt", "shortgpt+comp", "shortgpt+heal@compute", "shortgpt+comp+heal",
              "shortgpt+heal@comp"]
-    by = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir, "compensation.windows=16"), names, lambada_limit=3)}
+    # the method set for the whole run configures the +comp rows' fit; the other rows stay uncompensated
+    cfg = _cfg(tiny_dir, "compensation.windows=16", "compensation.method=lstsq")
+    by = {s["row"]: s for s in run_benchmark(cfg, names, lambada_limit=3)}
     assert by["shortgpt+comp"]["drop"] == by["shortgpt"]["drop"]
     assert by["shortgpt+comp"]["held-out PPL"]["mean"] != pytest.approx(by["shortgpt"]["held-out PPL"]["mean"])
     assert by["shortgpt+comp"]["recovery cost"] > 0 == by["shortgpt"]["recovery cost"]
@@ -269,6 +271,7 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
     # '@comp' heals with the compensation's compute instead: the two rows' totals within one heal step
     comp, healed = by["shortgpt+comp+heal"], by["shortgpt+heal@comp"]
     assert healed["weight tokens"] > comp["weight tokens"] == cfg.stage2.steps * 2 * 32
+    assert healed["recovery cost"] == 3 * healed["weight tokens"] < comp["recovery cost"] + 3 * 2 * 32
     assert abs(healed["total cost"] - comp["total cost"]) <= 0.5 * 3 * 2 * 32
     for s in by.values():
         lam = s["LAMBADA acc"]

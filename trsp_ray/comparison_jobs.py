@@ -144,8 +144,9 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     budget = options.get("budget", 1)
     row = registry.ROWS[row_name]
     cfg = seeded(cfg_dict, seed)
-    if row.compensate:
-        cfg = with_compensation(cfg)
+    # only +comp rows compensate: a --set compensation.method=... configures their fit, it does not
+    # turn every row into a compensated one (it did: shortgpt+heal and shortgpt+comp+heal were one model)
+    cfg = with_compensation(cfg) if row.compensate else replace(cfg, **{"compensation.method": "none"})
     bench = prepare(cfg)
     t0 = time.time()
     history: list = []
