@@ -117,6 +117,20 @@ def recall_positions(window, *, common: set, min_gap: int = 16):
     return mask
 
 
+def recall_accuracy(model, windows, masks) -> tuple[float, int]:
+    """(top-1 accuracy, positions) of `model` at the recall positions of `windows` (1-D token ids):
+    a calibration-only analogue of LAMBADA's last word, a token the passage named earlier."""
+    import torch
+
+    right = total = 0
+    with torch.no_grad():
+        for w, mask in zip(windows, masks):
+            pred = model(input_ids=w[None], use_cache=False).logits[0, :-1].argmax(-1)
+            right += int((pred[mask] == w[1:][mask]).sum())
+            total += int(mask.sum())
+    return right / max(1, total), total
+
+
 def recall_score(model, gates, windows, masks, *, drop, teacher):
     """KL(dense || pruned) over every position + the CE increase at recall positions (nats)."""
     import torch
@@ -224,10 +238,15 @@ def main() -> None:
             print(f"greedy {args.greedy} round {r + 1}: drop {best} (KL {scores[best]:.4f})", flush=True)
         sets.append(drop)
 
+    # the calibration tail's recall positions (never trained or fitted on): the "tail recall" column
+    tail = list(make_windows(bench.val_ids, 512, bos=bench.bos))
+    tail_common = set(torch.argsort(torch.bincount(bench.calib_ids), descending=True)[:200].tolist())
+    tail_masks = [recall_positions(w, common=tail_common) for w in tail]
     rows = []
     if not args.no_dense:
         dense_acc = lambada_accuracy(bench.model, bench.tokenizer, passages, bos=bench.bos)
-        rows.append(("dense", "-", 0.0, 0.0, bench.validation_ppl(bench.model), bench.heldout_ppl(bench.model),
+        rows.append(("dense", "-", 0.0, 0.0, bench.validation_ppl(bench.model),
+                     recall_accuracy(bench.model, tail, tail_masks)[0], bench.heldout_ppl(bench.model),
                      domain2_ppl(bench, bench.model), dense_acc))
     from trsp_ray.compensation import compensate
     from trsp_ray.methods import fixed_windows
@@ -256,15 +275,18 @@ def main() -> None:
             if variant is not None or args.heal:  # the scored model's own calibration KL
                 kl_all = model_kl(model, probe_batches, teacher)
             rows.append((name, " ".join(map(str, sorted(drop))), kl_all, kl_late, bench.validation_ppl(model),
-                         bench.heldout_ppl(model), domain2_ppl(bench, model), acc))
+                         recall_accuracy(model, tail, tail_masks)[0], bench.heldout_ppl(model),
+                         domain2_ppl(bench, model), acc))
             print(rows[-1], flush=True)
-    print(f"\n{'row':30} {'drop set':28} {'KL all':>7} {'KL late':>7} {'tail PPL':>9} {'held PPL':>9} "
+    print(f"\n{'row':30} {'drop set':28} {'KL all':>7} {'KL late':>7} {'tail PPL':>9} {'recall':>7} {'held PPL':>9} "
           f"{'news PPL':>9} LAMBADA acc")
-    for name, d, ka, kl, vp, hp, np_, (acc, se) in rows:
-        print(f"{name:30} {d:28} {ka:7.4f} {kl:7.4f} {vp:9.2f} {hp:9.2f} {np_:9.2f} {acc:.3f} ±{se:.3f}")
+    for name, d, ka, kl, vp, rc, hp, np_, (acc, se) in rows:
+        print(f"{name:30} {d:28} {ka:7.4f} {kl:7.4f} {vp:9.2f} {rc:7.3f} {hp:9.2f} {np_:9.2f} {acc:.3f} ±{se:.3f}")
+    print(f"recall: top-1 accuracy at the calibration tail's {sum(int(m.sum()) for m in tail_masks)} recall positions "
+          "(a rare token the window named at least 16 tokens earlier; calibration only, a LAMBADA analogue)")
     print(f"\nprobe: {args.probe_windows} x {args.probe_seqlen} calibration tokens, late = positions >= {args.start} "
-          "(KL all: the scored model's own; KL late: its plain drop set's; tail PPL: the calibration tail, "
-          "the only column a choice may use besides the KLs); "
+          "(KL all: the scored model's own; KL late: its plain drop set's; tail PPL and recall: the calibration "
+          "tail, the only columns a choice may use besides the KLs); "
           f"LAMBADA: first {len(passages)} test passages; heal {args.heal} steps; "
           f"wall {time.time() - t0:.0f}s at load {os.getloadavg()[0]:.1f}")
 
