@@ -279,7 +279,7 @@ def test_two_gloo_workers_fold_the_one_process_map(tmp_path):
         assert torch.allclose(got["weight"], one, rtol=1e-5, atol=1e-6)
 
 
-def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path):
+def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     import json
 
     from trsp_ray import driver
@@ -291,11 +291,14 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path):
                  f"data.eval_text={root / 'eval.txt'}", "data.seqlen=32", "data.eval_seqlen=64",
                  "data.eval_max_windows=2", "method=random", "ratio=0.34", "threads=1", "tracking.enabled=false"]
     plain = driver.run(load_config(overrides=overrides))
+    assert "random (" not in capsys.readouterr().out  # the summary table names no compensation
     cfg = load_config(overrides=[*overrides, "compensation.method=lstsq", "compensation.windows=4",
                                  f"output={tmp_path / 'out'}"])
     with pytest.raises(TrspError, match="fewer than the hidden size 64"):
         driver.run(load_config(overrides=[*overrides, "compensation.method=lstsq", "compensation.windows=1"]))
+    capsys.readouterr()
     results = driver.run(cfg)
+    assert "random (lstsq compensation)" in capsys.readouterr().out  # the summary table says what ran
     assert results["dropped_layers"] == plain["dropped_layers"]
     assert results["compensation"] == "lstsq" and results["compensation_tokens"] == 4 * 32
     spans = compensation.blocks(results["dropped_layers"], 6)

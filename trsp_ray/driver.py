@@ -97,8 +97,10 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         tracker.log_metrics({"heldout_ppl": ppl, "dense_ppl": dense_ppl, "num_layers_kept": len(outcome.kept)})
         tracker.log_dict(manifest, "trsp_ray.json")
         tracker.log_dict({"drop_order": outcome.drop}, "drop_order.json")
+    comp = cfg.compensation.method
+    label = cfg.method if comp == "none" else f"{cfg.method} ({comp} compensation)"
     print(render([{"method": "dense", "layers": bench.num_layers, "held-out PPL": dense_ppl},
-                  {"method": cfg.method, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
+                  {"method": label, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
                    "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
     print(f"(held-out text: {bench.texts.heldout_source})")
     return results
