@@ -196,9 +196,9 @@ def main() -> None:
     teacher_late = [t[:, args.start:] for t in teacher]
 
     sets = [[int(x) for x in s.split(",")] for s in args.sets]
+    # the calibration text's 200 most frequent tokens: never a recall position
+    common = set(torch.argsort(torch.bincount(bench.calib_ids), descending=True)[:200].tolist())
     if args.greedy == "recall":
-        counts = torch.bincount(bench.calib_ids)
-        common = set(torch.argsort(counts, descending=True)[:200].tolist())
         flat = list(probe)
         masks = [recall_positions(w, common=common) for w in flat]
         with torch.no_grad(), gates.state(gated=False, bypass=[]):
@@ -240,8 +240,7 @@ def main() -> None:
 
     # the calibration tail's recall positions (never trained or fitted on): the "tail recall" column
     tail = list(make_windows(bench.val_ids, 512, bos=bench.bos))
-    tail_common = set(torch.argsort(torch.bincount(bench.calib_ids), descending=True)[:200].tolist())
-    tail_masks = [recall_positions(w, common=tail_common) for w in tail]
+    tail_masks = [recall_positions(w, common=common) for w in tail]
     rows = []
     if not args.no_dense:
         dense_acc = lambada_accuracy(bench.model, bench.tokenizer, passages, bos=bench.bos)

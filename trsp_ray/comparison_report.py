@@ -94,12 +94,11 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         from trsp_ray.comparison_jobs import with_compensation
 
         c = with_compensation(cfg).compensation
-        method = c.method
-        how = ("one scale per block from dense token norms" if method == "scalar"
+        how = ("one scale per block from dense token norms" if c.method == "scalar"
                else f"{c.form if c.form != 'lowrank' else f'rank-{c.rank}'} map, {c.activations} activations, "
                     f"ridge {c.ridge} towards the identity, "
                     f"{'norm-weighted' if c.weighting == 'norm' else 'unweighted'} tokens")
-        parts.append(f"+comp rows: {method} compensation after removal ({how}, {c.windows} calibration windows of "
+        parts.append(f"+comp rows: {c.method} compensation after removal ({how}, {c.windows} calibration windows of "
                      f"{d.seqlen} tokens), folded into the weights before any heal; '@comp' rows heal instead "
                      "with what that compensation of their drop set costs as extra steps.")
     if cut:

@@ -50,12 +50,11 @@ import torch
 
 from trsp_ray import families
 from trsp_ray.boundaries import Stop, blocks, hidden
-from trsp_ray.compensation_forms import check_form, solve  # noqa: F401 (re-exported for the workers)
+from trsp_ray.compensation_forms import WEIGHTINGS, check_form, solve  # noqa: F401 (re-exported for the workers)
 from trsp_ray.errors import TrspError
 
 METHODS = ("none", "lstsq", "scalar")
 ACTIVATIONS = ("dense", "sequential")
-WEIGHTINGS = ("norm", "none")
 
 
 @dataclass

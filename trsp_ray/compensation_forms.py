@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # torch is imported where a map is solved: the config validat
     import torch
 
 FORMS = ("full", "diagonal", "lowrank")
+# how tokens count in the fit (trsp_ray/compensation.py): relative to their stream's norm, or absolute
+WEIGHTINGS = ("norm", "none")
 
 
 def check_form(form: str, rank: int | None, hidden: int | None = None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trsp_ray.compensation_forms import check_form
+from trsp_ray.compensation_forms import WEIGHTINGS, check_form
 from trsp_ray.errors import TrspError
 
 
@@ -194,7 +194,7 @@ class CompensationConfig:
         _positive("compensation.ridge", self.ridge, allow_zero=True)
         _positive("compensation.windows", self.windows)
         _choice("compensation.activations", self.activations, ("dense", "sequential"))
-        _choice("compensation.weighting", self.weighting, ("norm", "none"))
+        _choice("compensation.weighting", self.weighting, WEIGHTINGS)
         if self.method == "scalar" and self.activations != "dense":
             raise TrspError(f"compensation.activations={self.activations!r} is not used by the scalar fold (its "
                             "scales come from the dense model); use compensation.activations=dense")
