@@ -70,9 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="meta-llama/Llama-2-70b-hf", help="model directory, hub id or smollm2-135m")
     p.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.WORKER_METHODS,
-                   help="shortgpt+heal (default): Block-Influence selection on the workers, then the stage-2 budget "
-                        "spent healing the pruned model (best at equal total compute, README); trsp+heal: TRSP's "
-                        "stage-1 selection + the same heal; trsp: the paper's stage 2")
+                   help="shortgpt+comp+heal (default): Block-Influence selection on the workers, a least-squares "
+                        "fold of each cut fitted data-parallel, then the stage-2 budget spent healing the pruned "
+                        "model (best at equal total compute, README); shortgpt+heal: the same without the fold; "
+                        "trsp+heal: TRSP's stage-1 selection + the heal; trsp: the paper's stage 2")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0)
@@ -113,8 +114,11 @@ def main(argv=None) -> int:
         from trsp_ray.distributed.deepspeed_config import build_ds_config
         from trsp_ray.driver import with_budget
         from trsp_ray.export import check_export_target
+        from trsp_ray.workbench import method_config
 
-        cfg = with_budget(job_config(args))  # --set heal.compute_budget=N: the heal steps it buys
+        # the compensation the method runs (the default's least squares), then the heal steps that
+        # --set heal.compute_budget=N buys after it
+        cfg = with_budget(method_config(job_config(args)))
         options = parse_options(args.deepspeed)
         ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
         plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds)

@@ -10,26 +10,41 @@ from test_pipeline import SMALL, _args, tiny_dir  # noqa: F401
 
 from trsp_ray.cli import main
 
-# SMALL: ShortGPT scores baselines.calib_windows=2 windows of 32 tokens; a heal step is 2 x 32 tokens
-SELECT, STEP = 2 * 32, 3 * 2 * 32
+# SMALL: ShortGPT scores baselines.calib_windows=2 windows of 32 tokens; a heal step is 2 x 32 tokens;
+# the default's compensation is planned at one dense pass over its 4 x 32 calibration tokens
+SELECT, COMP, STEP = 2 * 32, 4 * 32, 3 * 2 * 32
+FOUR = ["--set", "compensation.windows=4"]
 
 
-def test_the_budget_buys_the_heal_steps_the_selection_leaves(tiny_dir, tmp_path):  # noqa: F811
+def test_the_budget_buys_the_heal_steps_the_selection_and_compensation_leave(tiny_dir, tmp_path):  # noqa: F811
     out = tmp_path / "pruned"
-    budget = SELECT + 5 * STEP + STEP - 1  # one token short of a sixth step
-    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow",
+    budget = SELECT + COMP + 5 * STEP + STEP - 1  # one token short of a sixth step
+    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow", *FOUR,
                                  "--compute-budget", str(budget), "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
     assert code == 0
     manifest = json.loads((out / "trsp_ray.json").read_text())
     metrics = manifest["metrics"]
-    assert manifest["method"] == "shortgpt+heal" and metrics["heal_steps"] == 5  # stage2.steps=4 is replaced
+    assert manifest["method"] == "shortgpt+comp+heal" and metrics["heal_steps"] == 5  # stage2.steps=4 is replaced
     assert metrics["select_cost"] == SELECT and metrics["weight_tokens"] == 5 * 2 * 32
-    assert metrics["select_cost"] + 3 * metrics["weight_tokens"] <= budget
+    assert 0 < metrics["compensation_cost"] <= COMP  # the plan bounds what the fit spends
+    assert metrics["select_cost"] + metrics["compensation_cost"] + 3 * metrics["weight_tokens"] <= budget
     assert manifest["config"]["heal"]["compute_budget"] == budget
 
 
+def test_without_the_compensation_the_same_budget_buys_more_heal(tiny_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "pruned"
+    budget = SELECT + COMP + 5 * STEP + STEP - 1
+    code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow", *FOUR,
+                                 "--method", "shortgpt+heal", "--compute-budget", str(budget),
+                                 "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
+    assert code == 0
+    metrics = json.loads((out / "trsp_ray.json").read_text())["metrics"]
+    # (budget - SELECT) // STEP: the compensation's 128 tokens and the 191 left over buy a sixth step
+    assert metrics["heal_steps"] == 6 and "compensation_tokens" not in metrics
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["--compute-budget", str(SELECT + STEP - 1)], f"raise it to at least {SELECT + STEP}"),
+    ([*FOUR, "--compute-budget", str(SELECT + COMP + STEP - 1)], f"raise it to at least {SELECT + COMP + STEP}"),
     (["--compute-budget", "1M", "--method", "trsp+heal"], "known only after it runs"),
     (["--compute-budget", "1M", "--method", "shortgpt"], "does not heal"),
 ])
@@ -65,7 +80,7 @@ def test_the_planned_compensation_cost_bounds_what_the_compensation_spends():
     of n_drop layers can have, so the budget is never overrun by the fit."""
     from trsp_ray import compensation
     from trsp_ray.budget import planned_compensation_cost
-    from trsp_ray.config import load_config
+    from trsp_ray.config import for_method, load_config
 
     for activations in ("dense", "sequential"):
         cfg = load_config(None, ["ratio=0.25", "data.seqlen=32", "compensation.method=lstsq", "compensation.windows=4",
@@ -74,4 +89,6 @@ def test_the_planned_compensation_cost_bounds_what_the_compensation_spends():
         for drop in ([1, 2, 3], [1, 3, 5], [8, 9, 10], [2, 6, 10]):  # 3 of 12 layers, 1 to 3 blocks
             spent = compensation.cost(drop=drop, num_layers=12, tokens=4 * 32, activations=activations)
             assert spent <= bound, (activations, drop, spent, bound)
-    assert planned_compensation_cost(load_config(None, []), num_layers=12) == 0.0
+    assert planned_compensation_cost(load_config(None, ["method=shortgpt+heal"]), num_layers=12) == 0.0
+    default = for_method(load_config(None, ["data.seqlen=32", "compensation.windows=4"]))  # compensates
+    assert planned_compensation_cost(default, num_layers=12) == 4 * 32

@@ -78,7 +78,8 @@ def test_the_ray_driver_starts_the_critical_path_first_whenever_a_worker_frees()
 
     assert [take(set()), take(set())] == ["trsp", "shortgpt"]  # both selections start at once
     shortgpt, trsp = ("shortgpt", 0), ("trsp", 0)
-    assert take({shortgpt}) == "shortgpt+heal"  # a trained row before the untrained ones
+    # the trained rows before the untrained ones
+    assert {take({shortgpt}), take({shortgpt})} == {"shortgpt+heal", "shortgpt+comp+heal"}
     assert take({shortgpt}) == "shortgpt"  # TRSP's rows are not ready: the next ShortGPT row
     assert take({shortgpt, trsp}) == "trsp-selection+heal"  # ready now: before the dense row
     assert [take({shortgpt, trsp}), take({shortgpt, trsp})] == ["trsp-no-stage2", "dense"]
@@ -142,7 +143,7 @@ def test_summary_compares_each_row_with_its_own_groups_best_baseline():
 def test_trained_rows_are_judged_at_equal_tokens_and_at_equal_compute_on_every_column():
     """Accuracies count beside perplexity: a row that wins PPL but loses LAMBADA beyond 2 SE is
     told so, and the '@compute' baseline (more heal steps) is a separate comparison."""
-    rows = registry.rows(["trsp-selection+heal", "shortgpt+heal", "shortgpt+heal@compute"])
+    rows = registry.rows(["trsp-selection+heal", "shortgpt+comp+heal", "shortgpt+heal@compute"])
 
     def res(row, seed, ppl, acc, cost):
         r = _result(row, seed, ppl, weight=64)
@@ -151,22 +152,22 @@ def test_trained_rows_are_judged_at_equal_tokens_and_at_equal_compute_on_every_c
         return r
 
     results = [res("trsp-selection+heal", s, 30.0 + s, 0.09, 900) for s in (0, 1)]
-    results += [res("shortgpt+heal", s, 33.0 + s, 0.15, 100) for s in (0, 1)]
+    results += [res("shortgpt+comp+heal", s, 33.0 + s, 0.15, 100) for s in (0, 1)]
     results += [res("shortgpt+heal@compute", s, 29.0 + s / 10, 0.10, 100) for s in (0, 1)]
     by = {s["row"]: s for s in summarize(results, rows, dense_params=100)}
     v = by["trsp-selection+heal"]["verdicts"]
-    assert v["held-out PPL"] == ("better", "shortgpt+heal")  # 30.5 vs 33.5, spreads 1
-    assert v["LAMBADA acc"] == ("worse", "shortgpt+heal")  # 0.06 apart > 2 x hypot(0.01, 0.01)
+    assert v["held-out PPL"] == ("better", "shortgpt+comp+heal")  # 30.5 vs 33.5, spreads 1
+    assert v["LAMBADA acc"] == ("worse", "shortgpt+comp+heal")  # 0.06 apart > 2 x hypot(0.01, 0.01)
     assert "shortgpt+heal@compute" not in {b for _, b in v.values()}  # equal tokens: not the @compute row
     c = by["trsp-selection+heal"]["verdicts at equal compute"]
     assert c["held-out PPL"] == ("worse", "shortgpt+heal@compute")
     assert c["LAMBADA acc"] == ("tie", "shortgpt+heal@compute")
-    assert by["trsp-selection+heal"]["total cost"] == 1092 and by["shortgpt+heal"]["LAMBADA acc"]["se"] == 0.01
-    # the default (shortgpt+heal) is also judged against TRSP's rows, and only it
-    d = by["shortgpt+heal"]["verdicts vs TRSP"]
+    assert by["trsp-selection+heal"]["total cost"] == 1092 and by["shortgpt+comp+heal"]["LAMBADA acc"]["se"] == 0.01
+    # the default (shortgpt+comp+heal) is also judged against TRSP's rows, and only it
+    d = by["shortgpt+comp+heal"]["verdicts vs TRSP"]
     assert d["held-out PPL"] == ("worse", "trsp-selection+heal")
     assert d["LAMBADA acc"] == ("better", "trsp-selection+heal")
-    assert [s["row"] for s in by.values() if "verdicts vs TRSP" in s] == ["shortgpt+heal"]
+    assert [s["row"] for s in by.values() if "verdicts vs TRSP" in s] == ["shortgpt+comp+heal"]
 
 
 def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
@@ -219,11 +220,12 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir, capsys):
     from trsp_ray.comparison import run_benchmark
 
     names = ["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal", "shortgpt",
-             "shortgpt+heal", "sleb", "sleb+heal", "random", "random+heal"]
-    summary = run_benchmark(_cfg(tiny_dir), names, seeds=2)
+             "shortgpt+heal", "shortgpt+comp+heal", "sleb", "sleb+heal", "random", "random+heal"]
+    summary = run_benchmark(_cfg(tiny_dir, "compensation.windows=4"), names, seeds=2)
     by = {s["row"]: s for s in summary}
     budget = 3 * 2 * 32  # stage2.steps x batch x seqlen
-    for name in ("trsp", "trsp-oneshot", "trsp-selection+heal", "shortgpt+heal", "sleb+heal", "random+heal"):
+    for name in ("trsp", "trsp-oneshot", "trsp-selection+heal", "shortgpt+heal", "shortgpt+comp+heal", "sleb+heal",
+                 "random+heal"):
         assert by[name]["weight tokens"] == budget, name
         assert by[name]["group"] == "trained"
     for name in ("trsp-no-stage2", "shortgpt", "sleb", "random", "dense"):
@@ -243,8 +245,12 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir, capsys):
     assert by["dense"]["held-out PPL"]["spread"] == 0.0  # the dense model does not depend on the seed
     assert by["shortgpt+heal"]["held-out PPL"]["mean"] != by["shortgpt"]["held-out PPL"]["mean"]
     out = capsys.readouterr().out
-    assert "default `trsp-ray prune` (method shortgpt+heal) = row shortgpt+heal." in out
-    assert "shortgpt+heal x1 (the default) against TRSP's best row" in out
+    assert "default `trsp-ray prune` (method shortgpt+comp+heal) = row shortgpt+comp+heal." in out
+    assert "shortgpt+comp+heal x1 (the default) against TRSP's best row" in out
+    # the default's row is the uncompensated heal's drop set, compensated: another model, its fit counted
+    assert by["shortgpt+comp+heal"]["drop"] == by["shortgpt+heal"]["drop"]
+    assert by["shortgpt+comp+heal"]["recovery cost"] > by["shortgpt+heal"]["recovery cost"]
+    assert by["shortgpt+comp+heal"]["held-out PPL"]["mean"] != by["shortgpt+heal"]["held-out PPL"]["mean"]
     assert "SLEB scored its removals on 2 calibration windows" in out  # a SLEB row ran
 
 

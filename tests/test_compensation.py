@@ -313,6 +313,30 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
 
 
+def test_the_default_runs_without_the_fold_on_a_family_no_fold_reaches(tmp_path, capsys):
+    """Gemma 2 normalises the MLP output after the projection, so no fold can take a map: the default
+    method (which compensates with no compensation setting) runs as shortgpt+heal there, says so in
+    the log and records that method; a compensation asked for by name is refused in one line instead."""
+    from trsp_ray import driver, registry
+    from trsp_ray.config import load_config
+    from trsp_ray.tiny import tiny_workspace
+
+    root = tiny_workspace(tmp_path / "ws", layers=6, calib_chars=20000, eval_chars=8000, family="gemma2")
+    overrides = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
+                 f"data.eval_text={root / 'eval.txt'}", "data.seqlen=32", "data.eval_seqlen=64",
+                 "data.eval_max_windows=2", "ratio=0.34", "threads=1", "tracking.enabled=false",
+                 "baselines.calib_windows=2", "stage2.steps=1", "compensation.windows=4"]
+    assert registry.method(load_config(overrides=overrides).method).compensate  # the default
+    results = driver.run(load_config(overrides=overrides))
+    printed = capsys.readouterr()
+    assert results["method"] == "shortgpt+heal" and "compensation_tokens" not in results
+    assert results["heal_steps"] == 1
+    assert "no compensation on this model (its post_feedforward_layernorm" in printed.out + printed.err
+    with pytest.raises(TrspError, match="post_feedforward_layernorm.*--method shortgpt[+]heal instead") as err:
+        driver.run(load_config(overrides=[*overrides, "compensation.method=lstsq"]))
+    assert "\n" not in str(err.value)
+
+
 SCALAR_FAMILIES = ["llama", "opt", "gpt_neox", "qwen3"]  # RMSNorm and LayerNorm, biases, parallel residual
 
 

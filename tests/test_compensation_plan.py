@@ -39,20 +39,28 @@ def test_llama2_70b_compensation_memory_at_d_8192():
     assert cp.memory.total == pytest.approx(41.0, abs=0.05)
 
 
-def test_plan_command_prints_the_compensation_only_when_asked():
+def test_plan_command_prints_the_compensation_the_method_runs():
+    """The default method compensates, so its plan counts the least-squares sums with no flag; a
+    method that does not compensate counts them only when asked; a plan that would leave out the
+    default's compensation is refused."""
     args = [sys.executable, "-m", "trsp_ray.cli", "plan", "--model-config", LLAMA2_70B, "--workers", "16",
             "--gpu-memory-gb", "80", "--activation-checkpointing"]
-    with_comp = subprocess.run([*args, "--compensation", "lstsq"], capture_output=True, text=True, timeout=300)
-    assert with_comp.returncode == 0, with_comp.stderr
-    for figure in ("compensation (lstsq, after stage 1): 41.0 GB per worker (fits), host 10.0 GB",
-                   "sums M^T M, M^T Y (float64, 20 blocks): 20.00 GB", "solve (reduced sums, eye, ridge copy, "
-                   "LU, T in float64): 3.00 GB"):
-        assert figure in with_comp.stdout, figure
-    plain = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    default = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    asked = subprocess.run([*args, "--method", "shortgpt+heal", "--compensation", "lstsq"], capture_output=True,
+                           text=True, timeout=300)
+    for run in (default, asked):
+        assert run.returncode == 0, run.stderr
+        for figure in ("compensation (lstsq, after the selection): 41.0 GB per worker (fits), host 10.0 GB",
+                       "sums M^T M, M^T Y (float64, 20 blocks): 20.00 GB", "solve (reduced sums, eye, ridge copy, "
+                       "LU, T in float64): 3.00 GB"):
+            assert figure in run.stdout, figure
+    plain = subprocess.run([*args, "--method", "shortgpt+heal"], capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0 and "compensation" not in plain.stdout
+    refused = subprocess.run([*args, "--compensation", "none"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--method shortgpt+heal for no compensation" in refused.stderr
     small = subprocess.run([*args[:-3], "--gpu-memory-gb", "30", "--activation-checkpointing", "--compensation",
                             "lstsq"], capture_output=True, text=True, timeout=300)
-    assert "compensation (lstsq, after stage 1): " in small.stdout and "(DOES NOT FIT)" in small.stdout
+    assert "compensation (lstsq, after the selection): " in small.stdout and "(DOES NOT FIT)" in small.stdout
 
 
 def test_a_run_whose_compensation_does_not_fit_is_refused_before_any_worker():

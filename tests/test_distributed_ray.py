@@ -398,7 +398,9 @@ def test_sleb_heal_on_workers_heals_the_drop_set_chosen_in_one_process(tiny_dir,
 def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path, local_ray, checkpointing):
     """The default method on 2 ZeRO-3 workers: Block Influence summed over the ranks' shares of the
     calibration windows (5 windows in forwards of 2 on 2 ranks: rank 1 runs a padding forward that
-    must count nowhere) chooses the single process's drop set, and the healed export gives its logits."""
+    must count nowhere) chooses the single process's drop set; the least-squares fold the default
+    switches on with no compensation setting (its sums all-reduced over the ranks) and the heal give
+    an export with the single process's logits."""
     from trsp_ray import registry
     from trsp_ray.baselines import block_influence
     from trsp_ray.config import load_config
@@ -407,9 +409,10 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     from trsp_ray.methods import _windows
     from trsp_ray.workbench import prepare
 
-    assert registry.DEFAULT_METHOD == "shortgpt+heal"
-    mine = ["method=shortgpt+heal", "baselines.calib_windows=5", "stage2.steps=2",
-            f"distributed.activation_checkpointing={str(checkpointing).lower()}"]
+    assert registry.DEFAULT_METHOD == "shortgpt+comp+heal"
+    # 4 x 32 calibration tokens >= hidden size 64; compensation.method is left at none: the method compensates
+    mine = [f"method={registry.DEFAULT_METHOD}", "baselines.calib_windows=5", "stage2.steps=2",
+            "compensation.windows=4", f"distributed.activation_checkpointing={str(checkpointing).lower()}"]
     base = [f"model={tiny_dir}"] + OVERRIDES + mine
     result = _run(tiny_dir, tmp_path, extra=mine)
     single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", "distributed.workers=0",
@@ -422,6 +425,11 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     assert got["selector"] == "shortgpt" and got["select_cost"] == 5 * 32
     assert max(abs(got["block_influence"][str(i)] - v) for i, v in expected.items()) < 1e-5
     assert not any(e["event"] == "round" for e in result.events)  # no TRSP stage 1 ran
+    record = next(e for e in result.events if e["event"] == "compensation")
+    metrics = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())["metrics"]
+    assert record["tokens"] == metrics["compensation_tokens"] == single["compensation_tokens"] == 4 * 32
+    assert metrics["compensation"] == single["compensation"] == "lstsq"
+    assert metrics["compensation_weighting"] == "norm"
     diff = (_logits(tmp_path / "single") - _logits(tmp_path / "out")).abs().max().item()
-    print("max |logit difference| ZeRO-3 vs single process, shortgpt+heal:", diff)
+    print("max |logit difference| ZeRO-3 vs single process, shortgpt+comp+heal:", diff)
     assert diff < 1e-4

@@ -119,10 +119,11 @@ def test_trsp_heal_is_trsp_selection_then_a_heal_with_stage2s_budget(tiny_dir, t
     assert not torch.equal(pruned[key.format(0)], original[key.format(first_kept)])
 
 
-def test_default_prune_is_shortgpt_selection_then_a_heal_with_stage2s_budget(tiny_dir, tmp_path):
-    """The default method (shortgpt+heal, the best pipeline at equal total compute) drops the layers
-    whose input and output are most alike, computed here from transformers' own hidden states on
-    the same calibration windows, runs no stage 1 and heals for stage2.steps batches."""
+def test_default_prune_is_shortgpt_selection_compensation_then_a_heal_with_stage2s_budget(tiny_dir, tmp_path):
+    """The default method (shortgpt+comp+heal, the best pipeline at equal total compute) drops the
+    layers whose input and output are most alike, computed here from transformers' own hidden
+    states on the same calibration windows, runs no stage 1, folds the norm-weighted least-squares
+    compensation with no compensation setting given, and heals for stage2.steps batches."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -130,14 +131,17 @@ def test_default_prune_is_shortgpt_selection_then_a_heal_with_stage2s_budget(tin
     from trsp_ray.workbench import prepare
 
     cfg = load_config(None, [])
-    assert cfg.method == "shortgpt+heal"
+    assert cfg.method == "shortgpt+comp+heal" and cfg.compensation.method == "none"  # the method switches it on
     out = tmp_path / "pruned"
     code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow",
                                  "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])
     assert code == 0
     manifest = json.loads((out / "trsp_ray.json").read_text())
     metrics = manifest["metrics"]
-    assert manifest["method"] == "shortgpt+heal" and metrics["heal_steps"] == 4
+    assert manifest["method"] == "shortgpt+comp+heal" and metrics["heal_steps"] == 4
+    assert (metrics["compensation"], metrics["compensation_weighting"]) == ("lstsq", "norm")
+    assert metrics["compensation_tokens"] == 128 * 32  # compensation.windows x data.seqlen
+    assert manifest["config"]["compensation"]["method"] == "lstsq"  # the config recorded is the one that ran
     assert metrics["weight_tokens"] == 4 * 2 * 32 and "stage1_rounds_computed" not in metrics
     bench = prepare(load_config(None, [f"model={tiny_dir / 'model'}", f"data.calib_text={tiny_dir / 'calib.txt'}",
                                        f"data.eval_text={tiny_dir / 'eval.txt'}", *SMALL]))

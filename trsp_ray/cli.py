@@ -157,9 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prune", help="prune one model with one method and export it")
     add_run_arguments(p)
     p.add_argument("--method", default=None, choices=METHODS,
-                   help="default shortgpt+heal: ShortGPT's Block-Influence selection, then a heal with stage 2's "
-                        "budget (the best pipeline on perplexity and LAMBADA at equal total compute, README); "
-                        "trsp+heal = TRSP's stage-1 selection + the same heal; trsp = the paper's stage 2")
+                   help="default shortgpt+comp+heal: ShortGPT's Block-Influence selection, a least-squares fold "
+                        "of each cut (compensation.*), then a heal with stage 2's budget (the best pipeline at "
+                        "equal total compute, README); shortgpt+heal = the same without the fold; trsp+heal = "
+                        "TRSP's stage-1 selection + the heal; trsp = the paper's stage 2")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--compute-budget", type=_tokens, default=None, metavar="TOKENS",
                    help="total dense-forward tokens (e.g. 200k, 1.5M) for selection + compensation + heal: the "

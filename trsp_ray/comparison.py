@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from trsp_ray import registry
-from trsp_ray.comparison_jobs import domain2_ids, row_job, selection_job, with_compensation
-from trsp_ray.config import RunConfig
+from trsp_ray.comparison_jobs import domain2_ids, row_job, selection_job
+from trsp_ray.config import RunConfig, compensated
 from trsp_ray.errors import TrspError
 
 DEFAULT_ROWS = registry.DEFAULT_ROWS  # --full: every baseline in both budget groups
@@ -122,7 +122,7 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     if any(r.compensate for r in selected):  # a family or calibration size it cannot serve: refused now
         from trsp_ray.compensation import check_request as check_compensation
 
-        c = with_compensation(cfg).compensation
+        c = compensated(cfg).compensation
         check_compensation(model=bench.model, method=c.method, tokens=c.windows * cfg.data.seqlen, form=c.form,
                            rank=c.rank)
     _, domain2_source = assets.domain2_text(cfg.data.domain2_text)

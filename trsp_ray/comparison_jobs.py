@@ -14,7 +14,7 @@ import math
 import time
 
 from trsp_ray import compute, registry
-from trsp_ray.config import RunConfig, from_dict, replace
+from trsp_ray.config import RunConfig, compensated, from_dict, replace
 
 
 def seeded(cfg_dict: dict, seed: int) -> RunConfig:
@@ -85,16 +85,11 @@ def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None)
     return compute.extra_heal_steps(extra, tokens_per_step=cfg.data.batch_size * cfg.data.seqlen)
 
 
-def with_compensation(cfg: RunConfig) -> RunConfig:
-    """The config of a +comp row: the configured compensation, least squares when it is none."""
-    return cfg if cfg.compensation.method != "none" else replace(cfg, **{"compensation.method": "lstsq"})
-
-
 def compensation_steps(cfg: RunConfig, drop, *, num_layers: int) -> int:
     """Heal steps that spend what a +comp row's compensation of `drop` costs (an '@comp' row's extra)."""
     from trsp_ray import compensation
 
-    c = with_compensation(cfg).compensation
+    c = compensated(cfg).compensation
     cost = compensation.cost(drop=drop, num_layers=num_layers, tokens=c.windows * cfg.data.seqlen,
                              activations=c.activations)
     return compute.extra_heal_steps(cost, tokens_per_step=cfg.data.batch_size * cfg.data.seqlen)
@@ -146,7 +141,7 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     cfg = seeded(cfg_dict, seed)
     # only +comp rows compensate: a --set compensation.method=... configures their fit, it does not
     # turn every row into a compensated one (it did: shortgpt+heal and shortgpt+comp+heal were one model)
-    cfg = with_compensation(cfg) if row.compensate else replace(cfg, **{"compensation.method": "none"})
+    cfg = compensated(cfg) if row.compensate else replace(cfg, **{"compensation.method": "none"})
     bench = prepare(cfg)
     t0 = time.time()
     history: list = []

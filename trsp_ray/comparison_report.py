@@ -91,9 +91,9 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         parts.append(f"zero-shot: mean acc over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, {zeroshot_limit} items "
                      f"per task, ± standard error.")
     if any(registry.ROWS[s["row"]].compensate or registry.ROWS[s["row"]].comp_compute for s in summary):
-        from trsp_ray.comparison_jobs import with_compensation
+        from trsp_ray.config import compensated
 
-        c = with_compensation(cfg).compensation
+        c = compensated(cfg).compensation
         how = ("one scale per block from dense token norms" if c.method == "scalar"
                else f"{c.form if c.form != 'lowrank' else f'rank-{c.rank}'} map, {c.activations} activations, "
                     f"ridge {c.ridge} towards the identity, "

@@ -103,7 +103,7 @@ def check_request(*, model, method: str, tokens: int, drop=None, form: str = "fu
                         f"a {hidden} x {hidden} map needs; raise compensation.windows")
     if drop is not None and 0 in set(drop):
         raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
-                        "compensation; use compensation.method=none or protect layer 0 (gates.protect_head)")
+                        f"compensation; {families.NO_COMPENSATION}, or protect layer 0 (gates.protect_head)")
 
 
 @torch.no_grad()
@@ -193,7 +193,7 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
     spans = blocks(drop, num) if block is None else [block]
     if spans and spans[0][0] == 0:
         raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
-                        "compensation; use compensation.method=none or protect layer 0 (gates.protect_head)")
+                        f"compensation; {families.NO_COMPENSATION}, or protect layer 0 (gates.protect_head)")
     stats: dict[tuple[int, int], Stats | None] = {s: None for s in spans}
     kept = [i for i in range(num) if i not in set(drop)]
     for batch in windows:

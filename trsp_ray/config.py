@@ -30,6 +30,7 @@ from trsp_ray.config_sections import (  # noqa: F401 (re-exported: the sections 
 )
 from trsp_ray.errors import TrspError
 from trsp_ray.registry import DEFAULT_METHOD, METHOD_NAMES
+from trsp_ray.registry import method as method_spec
 
 METHODS = METHOD_NAMES  # the registry names them; kept here for the CLI's choices
 
@@ -37,7 +38,8 @@ METHODS = METHOD_NAMES  # the registry names them; kept here for the CLI's choic
 @dataclass(frozen=True)
 class RunConfig:
     model: str = "smollm2-135m"
-    method: str = DEFAULT_METHOD  # ShortGPT selection + heal: best at equal total compute (README)
+    # ShortGPT selection + least-squares compensation + heal: best at equal total compute (README)
+    method: str = DEFAULT_METHOD
     ratio: float = 0.25  # fraction of decoder layers to drop; n_drop = round(ratio * L)
     output: str | None = None  # export directory; None = do not export
     seed: int = 0
@@ -189,6 +191,21 @@ def _yaml_value(v: Any) -> str:
     import yaml
 
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def compensated(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its compensation switched on: the configured compensation.method, least squares
+    (with the configured form, weighting, windows and ridge) when it is none."""
+    return cfg if cfg.compensation.method != "none" else replace(cfg, **{"compensation.method": "lstsq"})
+
+
+def for_method(cfg: RunConfig, method: str | None = None) -> RunConfig:
+    """`cfg` as `method` (default cfg.method) runs it: a compensating method (shortgpt+comp+heal, the
+    default) compensates whatever compensation.method says (compensated); any other method as
+    configured. Applied where a run starts (driver.run, the Ray Train path, the jobs, the planner),
+    so the manifest, MLflow params, the budget and the plan all see the compensation that runs."""
+    spec = method_spec(method or cfg.method)
+    return compensated(cfg) if spec.compensate else cfg
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

@@ -47,7 +47,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     from trsp_ray.table import render
     from trsp_ray.tracking import make_tracker
 
-    cfg = with_budget(cfg)
+    # the compensation the method runs on this family, then the heal a budget buys
+    cfg = with_budget(workbench.method_config(cfg))
     chosen = route_for(cfg)  # config.json only: no weights are read before the output is checked
     check_export_target(cfg.output, overwrite=overwrite, plan=chosen.plan, ratio=cfg.ratio)
     log(f"route: {chosen.describe()}")

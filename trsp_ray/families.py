@@ -26,6 +26,9 @@ class Family:
 
 
 _DEFAULT = "model.layers"
+# how a run without compensation is asked for: a compensating method (the default shortgpt+comp+heal)
+# fits least squares whatever compensation.method says, so its advice names the method too
+NO_COMPENSATION = "use compensation.method=none, and --method shortgpt+heal instead of shortgpt+comp+heal"
 _POST_FFN_NORM = ("its post_feedforward_layernorm normalises the MLP output before the residual add, "
                   "so a linear map folded into down_proj is undone by the norm")
 FAMILIES: dict[str, Family] = {
@@ -72,14 +75,25 @@ def set_decoder_layers(model, layers) -> None:
     setattr(_get(model, parent_path), leaf, layers)
 
 
+def fold_refusal(config) -> str:
+    """Why a model of this config.json (a transformers config) cannot take a fold into its layer
+    outputs (a norm after them); "" when it can or its family is unknown (family_of refuses that)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None:
+        return ""
+    if family.mlp_fold_refusal:
+        return family.mlp_fold_refusal
+    if family.name == "opt" and not getattr(_get(config, family.config_path), "do_layer_norm_before", True):
+        return "with do_layer_norm_before=False its final_layer_norm follows the residual add"
+    return ""
+
+
 def _refuse_fold(model) -> None:
     """A one-line error for a family whose layer outputs a fold cannot reach (a norm after them)."""
     family = family_of(model)
-    reason = family.mlp_fold_refusal
-    if not reason and family.name == "opt" and not getattr(text_config(model), "do_layer_norm_before", True):
-        reason = "with do_layer_norm_before=False its final_layer_norm follows the residual add"
+    reason = fold_refusal(model.config)
     if reason:
-        raise TrspError(f"compensation cannot fold into family {family.name!r}: {reason}; use compensation.method=none")
+        raise TrspError(f"compensation cannot fold into family {family.name!r}: {reason}; {NO_COMPENSATION}")
 
 
 def _linear(layer, path: str, family: Family, what: str):
@@ -89,7 +103,7 @@ def _linear(layer, path: str, family: Family, what: str):
         module = None
     if getattr(getattr(module, "weight", None), "dim", lambda: 0)() != 2:
         raise TrspError(f"family {family.name!r} has no separate {what} output projection at "
-                        f"{path!r}; use compensation.method=none")
+                        f"{path!r}; {NO_COMPENSATION}")
     return module
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trsp_ray import compensation, registry
+from trsp_ray.config import for_method
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
 from trsp_ray.logs import log as _log
@@ -255,7 +256,7 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     cfg = bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
-    comp = cfg.compensation
+    comp = for_method(cfg, method).compensation  # a compensating method fits least squares by default
     if comp.method != "none":  # a family or calibration size it cannot serve fails before any work
         compensation.check_request(model=bench.model, method=comp.method, tokens=comp.windows * cfg.data.seqlen,
                                    form=comp.form, rank=comp.rank)

@@ -1,10 +1,13 @@
 """The methods and the benchmark rows, by name: what each one selects with, and how it recovers.
 
 A *method* is what `trsp-ray prune --method` runs: a selector (how the drop set is chosen) plus
-the recovery that follows by default: TRSP's stage 2, a heal of the pruned model, or none.
-`shortgpt+heal` (ShortGPT's Block-Influence selection, then a heal with stage 2's weight-update
-budget) is the default: it is the best pipeline the comparison found on perplexity *and* task
-accuracy at equal total compute (README, "What wins"; `trsp+heal` wins held-out perplexity at equal
+the recovery that follows by default: TRSP's stage 2, a heal of the pruned model, or none, with or
+without a closed-form compensation of the cut before it. `shortgpt+comp+heal` (ShortGPT's
+Block-Influence selection, a norm-weighted least-squares fold of each removed block's boundary, then
+a heal with stage 2's weight-update budget) is the default: it is the best pipeline the comparison
+found at equal total compute (README, "What wins": against `shortgpt+heal` given the compensation's
+compute as extra heal steps it wins held-out perplexity beyond the seed spread and ties news
+perplexity, LAMBADA and the zero-shot tasks; `trsp+heal` wins held-out perplexity at equal
 weight-update tokens only, at 3x the compute, and loses LAMBADA). A *row* of the comparison is a
 method's drop set with one recovery (none, TRSP's stage 2, or a heal) in one budget group (SPEC
 section 5):
@@ -35,6 +38,9 @@ class Method:
     ranking: str = "order"  # trsp only: "order" = the iterative drop order, "round1" = one-shot ranking
     stage2: bool = False  # TRSP's stage 2 runs by default (stage2.enabled can still turn it off)
     heal: bool = False  # the pruned model is healed with stage 2's budget (stage2.steps, lr, trainable)
+    # the cut is compensated in closed form after removal, before the heal: the configured
+    # compensation (compensation.*), least squares when compensation.method is none (config.for_method)
+    compensate: bool = False
 
     @property
     def uses_stage1(self) -> bool:
@@ -48,18 +54,19 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("trsp-oneshot", "trsp", ranking="round1", stage2=True),
     Method("shortgpt", "shortgpt"),
     Method("shortgpt+heal", "shortgpt", heal=True),
+    Method("shortgpt+comp+heal", "shortgpt", heal=True, compensate=True),
     Method("sleb", "sleb"),
     Method("sleb+heal", "sleb", heal=True),
     Method("random", "random"),
 )}
 METHOD_NAMES = tuple(METHODS)
 # the best pipeline found on every column at equal total compute; config.py's and the jobs' default
-DEFAULT_METHOD = "shortgpt+heal"
+DEFAULT_METHOD = "shortgpt+comp+heal"
 STAGE1_ONLY = "trsp-no-stage2"  # the TRSP method that runs stage 1 alone (shared stage-1 cells and plans)
 TRSP_METHODS = tuple(m.name for m in METHODS.values() if m.uses_stage1)  # what a search tunes
-# what Ray Train workers run: the TRSP methods, and ShortGPT + heal (Block Influence on the workers'
-# shards, then the workers' heal)
-WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal",)
+# what Ray Train workers run: the TRSP methods, and ShortGPT + heal with or without the compensation
+# (Block Influence on the workers' shards, the workers' data-parallel fit, then the workers' heal)
+WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal", "shortgpt+comp+heal")
 # heal methods whose drop set one process chooses and hands to the workers, which heal it: SLEB's
 # layer-by-layer replay is not built on the workers; its forward-only selection fits one device
 HANDED_OVER_METHODS = tuple(m.name for m in METHODS.values() if m.heal and m.name not in WORKER_METHODS)
@@ -93,7 +100,8 @@ class Row:
     def is_default(self) -> bool:
         """The row that is what `trsp-ray prune` runs with no --method (DEFAULT_METHOD)."""
         return (self.method is not None and recipe(self.name) == recipe(DEFAULT_METHOD)
-                and not self.equal_compute and not self.compensate and not self.comp_compute)
+                and self.compensate == METHODS[DEFAULT_METHOD].compensate
+                and not self.equal_compute and not self.comp_compute)
 
     @property
     def is_baseline(self) -> bool:
@@ -113,7 +121,7 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("trsp", "trsp", "stage2", "trained"),
     Row("trsp-oneshot", "trsp-oneshot", "stage2", "trained", default=False),  # the paper's ablation
     Row("trsp-selection+heal", "trsp+heal", "heal", "trained", quick=True),  # = `prune --method trsp+heal`
-    Row("shortgpt+heal", "shortgpt", "heal", "trained", quick=True),  # = the default `prune` pipeline
+    Row("shortgpt+heal", "shortgpt", "heal", "trained", quick=True),  # = `prune --method shortgpt+heal`
     Row("sleb+heal", "sleb", "heal", "trained"),
     Row("random+heal", "random", "heal", "trained"),
     # (not quick: its 89 heal steps alone take longer than the README job's 15 minutes on 2 cores)
@@ -122,7 +130,7 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("trsp-no-stage2+comp", "trsp-no-stage2", "none", "selection", compensate=True),
     Row("shortgpt+comp", "shortgpt", "none", "selection", compensate=True),
     Row("trsp-selection+comp+heal", "trsp+heal", "heal", "trained", compensate=True),
-    Row("shortgpt+comp+heal", "shortgpt", "heal", "trained", compensate=True),
+    Row("shortgpt+comp+heal", "shortgpt", "heal", "trained", quick=True, compensate=True),  # = the default `prune`
     Row("shortgpt+heal@comp", "shortgpt", "heal", "trained", comp_compute=True),
 )}
 ROW_NAMES = tuple(ROWS)

@@ -52,8 +52,9 @@ def tiny_model(family: str, *, layers: int = 6, seed: int = 0, vocab: int = VOCA
     return model.eval()
 
 
-def tiny_workspace(root, *, layers: int = 8, calib_chars: int = 60000, eval_chars: int = 20000):
-    """A directory with a tiny random Llama + SmolLM2's real tokenizer (`model/`) and short
+def tiny_workspace(root, *, layers: int = 8, calib_chars: int = 60000, eval_chars: int = 20000,
+                   family: str = "llama"):
+    """A directory with a tiny random model of `family` (default Llama) + SmolLM2's real tokenizer (`model/`) and short
     calibration / held-out texts (`calib.txt`, `eval.txt`) cut from the shipped Wikipedia data:
     what tests and benchmarks run the whole pipeline on in seconds. Returns `root` as a Path."""
     from pathlib import Path
@@ -64,7 +65,7 @@ def tiny_workspace(root, *, layers: int = 8, calib_chars: int = 60000, eval_char
 
     root = Path(root)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    tiny_model("llama", layers=layers, vocab=len(tokenizer)).save_pretrained(root / "model")
+    tiny_model(family, layers=layers, vocab=len(tokenizer)).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     texts = load_texts()
     (root / "calib.txt").write_text(texts.calibration[:calib_chars])

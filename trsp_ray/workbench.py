@@ -173,6 +173,34 @@ def encode_cached(tokenizer, text: str) -> torch.Tensor:
     return ids
 
 
+def method_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` as its method runs on its model (config.json only, before any weights): a compensating
+    method (the default shortgpt+comp+heal) fits least squares (config.for_method); on a family whose
+    layer outputs no fold can reach (Gemma 2/3's norm after the MLP) and with no compensation asked
+    for, it runs as shortgpt+heal, said in the log and recorded as the method. A compensation set
+    explicitly (compensation.method=lstsq|scalar) is honoured or refused, never dropped."""
+    from dataclasses import replace as _replace
+
+    from transformers import AutoConfig
+
+    from trsp_ray import registry
+    from trsp_ray.config import for_method
+
+    spec = registry.method(cfg.method)
+    if not spec.compensate or cfg.compensation.method != "none":
+        return for_method(cfg)
+    try:
+        reason = families.fold_refusal(AutoConfig.from_pretrained(assets.resolve_model(cfg.model)))
+    except (OSError, ValueError):
+        reason = ""  # an unreadable config.json is check_inputs' one-line error, raised next
+    if not reason:
+        return for_method(cfg)
+    plain = next(m.name for m in registry.METHODS.values()
+                 if (m.selector, m.heal, m.stage2, m.compensate) == (spec.selector, spec.heal, spec.stage2, False))
+    log(f"method {cfg.method}: no compensation on this model ({reason}); running {plain}")
+    return _replace(cfg, method=plain)
+
+
 def check_inputs(cfg: RunConfig) -> int:
     """Validate model, texts and ratio from config.json alone, before any weights are loaded.
 

@@ -45,8 +45,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=registry.WORKER_METHODS, default=registry.DEFAULT_METHOD,
                         help="what the workers run (default %(default)s: no stage-1 probes; the TRSP methods "
                              "add stage 1's removal probes and refinement)")
-    parser.add_argument("--compensation", choices=("none", "lstsq", "scalar"), default="none",
-                        help="closed-form compensation after stage 1 (its float64 sums, solve and fold)")
+    parser.add_argument("--compensation", choices=("none", "lstsq", "scalar"), default=None,
+                        help="closed-form compensation after the selection (its float64 sums, solve and fold); "
+                             "default: lstsq for a method that compensates (shortgpt+comp+heal), else none")
 
 
 def setup_from_args(args: argparse.Namespace):
@@ -87,13 +88,18 @@ def _shortgpt_lines(cfg, result) -> list[str]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from trsp_ray import registry
-    from trsp_ray.config import load_config
+    from trsp_ray.config import for_method, load_config
     from trsp_ray.distributed import planner
     from trsp_ray.distributed.probe_plan import ProbeSetup, format_probe_plan, probe_plan
     from trsp_ray.errors import TrspError
 
+    if args.compensation == "none" and registry.method(args.method).compensate:
+        raise TrspError(f"--compensation none does not plan --method {args.method}, which compensates; use "
+                        "--compensation lstsq|scalar, or --method shortgpt+heal for no compensation")
     # the probes' settings: the config's stage1 / gates defaults (stage-1 settings are not flags)
-    cfg = load_config(None, [f"method={args.method}"] + ([] if args.ratio is None else [f"ratio={args.ratio}"]))
+    overrides = [f"method={args.method}"] + ([] if args.ratio is None else [f"ratio={args.ratio}"])
+    overrides += [f"compensation.method={args.compensation}"] if args.compensation else []
+    cfg = for_method(load_config(None, overrides))  # the compensation the method runs
     from trsp_ray.distributed.zero3_plan import with_frozen_drop_set
 
     shape = planner.read_shape(args.model_config)
@@ -105,10 +111,10 @@ def run_plan(args: argparse.Namespace) -> int:
     after = format_probe_plan(probes, result.setup) if registry.method(cfg.method).uses_stage1 else \
         _shortgpt_lines(cfg, result)
     comp_fits = True
-    if args.compensation == "scalar":
-        after += ["  compensation (scalar, after stage 1): six float64 sums per block and one layer's output "
+    if cfg.compensation.method == "scalar":
+        after += ["  compensation (scalar, after the selection): six float64 sums per block and one layer's output "
                   "projections gathered at a time to scale: within stage 1's memory"]
-    elif args.compensation != "none":
+    elif cfg.compensation.method != "none":
         from trsp_ray.distributed.compensation_plan import compensation_plan, format_compensation_plan
 
         comp = compensation_plan(result.shape, result.setup, ratio=cfg.ratio, protect_head=cfg.gates.protect_head,

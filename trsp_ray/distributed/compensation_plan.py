@@ -67,7 +67,8 @@ def compensation_plan(s: Shape, st: Setup, *, ratio: float, protect_head: int = 
 def format_compensation_plan(cp: CompensationPlan, st: Setup) -> list[str]:
     m = cp.memory
     verdict = "fits" if m.total <= st.gpu_memory_gb else "DOES NOT FIT"
-    lines = [f"  compensation (lstsq, after stage 1): {m.total:.1f} GB per worker ({verdict}), host {m.host:.1f} GB "
+    lines = [f"  compensation (lstsq, after the selection): {m.total:.1f} GB per worker ({verdict}), "
+             f"host {m.host:.1f} GB "
              f"(its {cp.blocks} maps T kept until the fold: at most {cp.blocks} blocks in a drop set of {cp.n_drop})"]
     lines += [f"      {k}: {v:.2f} GB" for k, v in m.parts.items()]
     return lines
