@@ -1,9 +1,11 @@
 """Prune 25% of the layers of Llama-2-70B / Llama-3-70B on a Ray GPU cluster (ZeRO-3 workers).
 
-The default method is shortgpt+heal (Block Influence scored data-parallel on the workers, then a
-heal with stage 2's budget): the best pipeline the comparison found on perplexity and task accuracy
-at equal total compute (README). `--method trsp+heal` selects with TRSP's stage 1 instead,
-`--method trsp` runs the paper's stage 2.
+The default method is shortgpt+comp+heal (Block Influence scored data-parallel on the workers; a
+norm-weighted least-squares map of each removed block, its float64 sums all-reduced over the ranks,
+solved once and folded into the down_proj before the block; then a heal with stage 2's budget): the
+best pipeline the comparison found at equal total compute (README). `--method shortgpt+heal` skips
+the fold, `--method trsp+heal` selects with TRSP's stage 1 instead, `--method trsp` runs the paper's
+stage 2.
 
     ray job submit --runtime-env cluster/runtime_env.yaml -- python jobs/prune_70b.py \
         --model meta-llama/Llama-2-70b-hf --storage-path s3://my-bucket/trsp --output /shared/pruned/llama2-70b
@@ -18,7 +20,9 @@ checkpointing): stage 1 trains only the 80 gate scalars and needs ~25 GB per GPU
 stage 2 trains all 69B weights, ~16 bytes per parameter of model state (1.1 TB): on 16
 GPUs that is ~74 GB per GPU, which fits without offload. On one 8-GPU node it fits only with
 `--offload-optimizer` (then ~26 GB per GPU and ~130 GB host memory per GPU, slower steps), or
-with `--set stage2.trainable=lora` once LoRA is supported under ZeRO-3.
+with `--set stage2.trainable=lora` once LoRA is supported under ZeRO-3. The fold's sums (two
+8192 x 8192 float64 matrices per removed block, at most 20 blocks) add up to ~41 GB per GPU while
+they are fitted, before the heal's optimizer exists; `trsp-ray plan` counts them.
 
 The same script on this CPU machine (fp32, gloo), with SmolLM2 or a tiny model directory:
 
