@@ -313,6 +313,42 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
 
 
+def test_on_a_gpu_run_the_fit_reads_a_transient_dense_copy_while_the_pruned_copy_waits_in_host_memory():
+    """On a GPU run the original model waits in host memory; the dense fit must not run its passes
+    there (a 7B forward over 16k tokens on the CPU) nor hold two models on the device. A stand-in
+    original on the meta device plays the host copy: the fit reads the run-device copy that
+    scoring_model hands out (once), releases it, and folds the same map as reading the original."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from trsp_ray.methods import _dense_beside
+
+    dense, drop, windows = tiny_model("llama", layers=6), [2, 3], _windows()
+    direct = _pruned(dense, drop)
+    compensation.compensate(model=direct, dense=dense, drop=drop, windows=windows)
+    handed = []
+
+    def scoring_model():
+        handed.append(copy_model(dense, torch.device("cpu")))
+        return handed[-1]
+
+    bench = SimpleNamespace(model=tiny_model("llama", layers=6).to("meta"), scoring_model=scoring_model)
+    swapped = _pruned(dense, drop)
+    with _dense_beside(bench, swapped, activations="dense") as used:
+        assert used is handed[0]
+        compensation.compensate(model=swapped, dense=used, drop=drop, windows=windows)
+    gone = weakref.ref(handed.pop())
+    del used
+    gc.collect()
+    assert gone() is None  # nothing keeps the transient copy alive after the fit
+    for a, b in zip(direct.parameters(), swapped.parameters()):
+        assert torch.equal(a, b)
+    assert {p.device.type for p in swapped.parameters()} == {"cpu"}  # back on the run's device
+    with _dense_beside(bench, swapped, activations="sequential") as used:  # needs both models in each pass
+        assert used is bench.model and not handed
+
+
 def test_the_default_runs_without_the_fold_on_a_family_no_fold_reaches(tmp_path, capsys):
     """Gemma 2 normalises the MLP output after the projection, so no fold can take a map: the default
     method (which compensates with no compensation setting) runs as shortgpt+heal there, says so in

@@ -99,7 +99,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         tracker.log_dict(manifest, "trsp_ray.json")
         tracker.log_dict({"drop_order": outcome.drop}, "drop_order.json")
     comp = cfg.compensation.method
-    label = cfg.method if comp == "none" else f"{cfg.method} ({comp} compensation)"
+    named = registry.method(cfg.method).compensate and comp == "lstsq"  # the method's name says it
+    label = cfg.method if comp == "none" or named else f"{cfg.method} ({comp} compensation)"
     print(render([{"method": "dense", "layers": bench.num_layers, "held-out PPL": dense_ppl},
                   {"method": label, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
                    "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from trsp_ray import compensation, registry
@@ -244,6 +245,36 @@ def method_heal(cfg):
                    trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank)
 
 
+@contextmanager
+def _dense_beside(bench, model, *, activations: str):
+    """The dense model a compensation of `model` (the pruned working copy) reads, where its passes
+    run at the device's speed without the device holding two models. On CPU: the original (both
+    live in host memory). On a GPU run the original waits in host memory, so for dense activations
+    (and the scalar fold, which reads only the dense model) the pruned copy steps out to host memory
+    while a transient dense copy on the device computes the sums; the fold lands in the pruned copy
+    there and it returns to the device. Sequential activations need both models in every pass: the
+    original's passes then run in host memory (slow for a large model; the dense fit is the default)."""
+    import gc
+
+    import torch
+
+    device = next(model.parameters()).device
+    here = next(bench.model.parameters()).device
+    if here == device or activations != "dense":
+        yield bench.model
+        return
+    model.to("cpu")
+    dense = bench.scoring_model()  # a transient copy on the run's device
+    try:
+        yield dense
+    finally:
+        del dense
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model.to(device)
+
+
 def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,
                  stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
                  on_model: Callable[[object], None] | None = None) -> Outcome:
@@ -283,9 +314,10 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     if comp.method != "none":
         t3 = time.time()
         windows = fixed_windows(bench.batches(seed_offset=300), comp.windows)
-        done = compensation.compensate(model=model, dense=bench.model, drop=drop, windows=windows, method=comp.method,
-                                       ridge=comp.ridge, activations=comp.activations, form=comp.form,
-                                       rank=comp.rank, weighting=comp.weighting)
+        with _dense_beside(bench, model, activations=comp.activations) as dense:
+            done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method=comp.method,
+                                           ridge=comp.ridge, activations=comp.activations, form=comp.form,
+                                           rank=comp.rank, weighting=comp.weighting)
         info.update(**compensation.describe(comp), compensation_tokens=done["tokens"],
                     compensation_seconds=time.time() - t3,
                     compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],
