@@ -179,12 +179,10 @@ def method_config(cfg: RunConfig) -> RunConfig:
     layer outputs no fold can reach (Gemma 2/3's norm after the MLP) and with no compensation asked
     for, it runs as shortgpt+heal, said in the log and recorded as the method. A compensation set
     explicitly (compensation.method=lstsq|scalar) is honoured or refused, never dropped."""
-    from dataclasses import replace as _replace
-
     from transformers import AutoConfig
 
     from trsp_ray import registry
-    from trsp_ray.config import for_method
+    from trsp_ray.config import for_method, replace
 
     spec = registry.method(cfg.method)
     if not spec.compensate or cfg.compensation.method != "none":
@@ -198,7 +196,7 @@ def method_config(cfg: RunConfig) -> RunConfig:
     plain = next(m.name for m in registry.METHODS.values()
                  if (m.selector, m.heal, m.stage2, m.compensate) == (spec.selector, spec.heal, spec.stage2, False))
     log(f"method {cfg.method}: no compensation on this model ({reason}); running {plain}")
-    return _replace(cfg, method=plain)
+    return replace(cfg, method=plain)
 
 
 def check_inputs(cfg: RunConfig) -> int:
