@@ -139,4 +139,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trsp_ray.process_exit import exit_after
+
+    exit_after(main)  # the commands' one exit: a finished run cannot fail in the teardown

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from trsp_ray.config import METHODS
 from trsp_ray.run_args import add_run_arguments, run_config
@@ -214,25 +213,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `trsp-ray` command: `main()`, then the exit the interpreter would make, minus its teardown.
+    """The `trsp-ray` command: `main()`, then the one exit of the commands and jobs (process_exit.py:
+    the interpreter's thread shutdown and atexit handlers, without its module teardown)."""
+    from trsp_ray.process_exit import exit_after
 
-    After the last line is printed, tearing down torch's and transformers' modules took 3-4 s of a
-    2-core machine on every command (measured: 2.2 s for importing torch and transformers alone).
-    So, like the interpreter, this waits for the non-daemon threads and runs every atexit handler
-    (MLflow's, Ray's shutdown, logging's flush), flushes stdout and stderr, and then exits with
-    main's status without destroying the modules one object at a time."""
-    import atexit
-    import os
-    import threading
-
-    code = main()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    exit_after(main)
 
 
 if __name__ == "__main__":

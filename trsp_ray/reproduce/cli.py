@@ -66,6 +66,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
+    from trsp_ray.process_exit import exit_after
+
     parser = argparse.ArgumentParser(prog="trsp-ray reproduce")
     add_arguments(parser)
-    sys.exit(run_from_args(parser.parse_args()))
+    exit_after(lambda: run_from_args(parser.parse_args()))
