@@ -16,11 +16,23 @@ from trsp_ray.tiny import VOCAB, tiny_model
 from trsp_ray.workbench import copy_model
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDABLE = [f for f, fam in families.FAMILIES.items() if not fam.mlp_fold_refusal]  # every family a fold reaches
 
 
 def _windows(count=4, batch=4, seqlen=32, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seqlen), generator=gen) for _ in range(count)]
+
+
+@torch.no_grad()
+def _biased(model, seed=5):
+    """`model` with random biases: transformers initialises them to zero, where a fold that dropped
+    the bias (OPT's, GPT-NeoX's) would still look exact."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+    return model
 
 
 def _pruned(dense, drop):
@@ -111,10 +123,11 @@ def test_the_ridge_shrinks_the_map_towards_the_identity_not_towards_zero():
     assert stats.residual(eye) > stats.residual(t) > stats.residual(compensation.solve(stats.mtm, stats.mty, ridge=0.0))
 
 
+@pytest.mark.parametrize("family", FOLDABLE)  # biases (OPT, GPT-NeoX), a parallel residual (GPT-NeoX)
 @pytest.mark.parametrize("weighting", ["none", "norm"])
 @pytest.mark.parametrize("ridge", [0.0, 1e-4])
-def test_the_fold_reproduces_the_solve_residual_in_the_compensated_model(ridge, weighting):
-    dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
+def test_the_fold_reproduces_the_solve_residual_in_the_compensated_model(ridge, weighting, family):
+    dense, windows, drop = _biased(tiny_model(family, layers=6)), _windows(), [2, 3]
     model = _pruned(dense, drop)
     before = _outputs(model, windows, [1])[1]
     info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=ridge,
@@ -147,11 +160,13 @@ def test_a_non_contiguous_drop_set_is_repaired_block_by_block(activations, weigh
     if activations == "sequential":  # fitted on the stream that reaches the second boundary
         assert second == pytest.approx(info["residual"][1], rel=1e-4)
         assert second < info["residual_identity"][1]
-    else:  # fitted on the dense stream: the pruned model's second boundary differs from that fit
-        assert second != pytest.approx(info["residual"][1], rel=1e-3)
-
-
-FOLDABLE = [f for f, fam in families.FAMILIES.items() if not fam.mlp_fold_refusal]
+    else:  # fitted on the dense stream: the residual is the dense boundary's under the map solved
+        # from activations gathered here (the pruned stream reaching it differs, so it is not `second`)
+        m, y = _m_and_y(dense, windows, 4, 4)
+        w = targets[4].norm(dim=-1, keepdim=True) if weighting == "norm" else torch.ones(1, dtype=torch.float64)
+        t = compensation.solve((m / w).T @ (m / w), (m / w).T @ (y / w), ridge=1e-2)  # compensate's default ridge
+        assert info["residual"][1] == pytest.approx((((m @ t - y) / w) ** 2).sum().item(), rel=1e-6)
+        assert info["residual_identity"][1] == pytest.approx((((m - y) / w) ** 2).sum().item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("method", ["lstsq", "scalar"])
@@ -218,7 +233,7 @@ def test_bad_requests_fail_in_one_line_before_any_forward():
         assert "\n" not in str(err.value)
     assert not calls and torch.equal(weight, dense.model.layers[1].mlp.down_proj.weight)
     for override, message in (("compensation.activations=sequential compensation.method=scalar", "scalar fold"),
-                              ("compensation.method=full", "choose one of none, lstsq, scalar"),
+                              ("compensation.method=full", "choose one of auto, none, lstsq, scalar"),
                               ("compensation.windows=0", "must be > 0"),
                               ("compensation.ridge=-1", "must be >= 0")):
         with pytest.raises(TrspError, match=message):
@@ -373,7 +388,7 @@ def test_the_default_runs_without_the_fold_on_a_family_no_fold_reaches(tmp_path,
     assert "\n" not in str(err.value)
 
 
-SCALAR_FAMILIES = ["llama", "opt", "gpt_neox", "qwen3"]  # RMSNorm and LayerNorm, biases, parallel residual
+SCALAR_FAMILIES = FOLDABLE  # RMSNorm and LayerNorm, biases, parallel residual
 
 
 @torch.no_grad()
@@ -449,3 +464,86 @@ def test_two_shards_summed_give_the_one_process_scales():
         summed = rank0.sums + rank1.sums
         assert torch.allclose(summed, one.sums, rtol=1e-10)
         assert int(summed[5]) == 6 * 4 * 32
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """config.json and two texts: what a dry run and the checks before any work read (no weights)."""
+    from trsp_ray.tiny import tiny_config
+
+    root = tmp_path_factory.mktemp("ws")
+    tiny_config("llama", layers=6).save_pretrained(root / "model")
+    for name in ("calib.txt", "eval.txt"):
+        (root / name).write_text("The quick brown fox jumps over the lazy dog.\n" * 200)
+    return root
+
+
+def _prune(root, *extra):
+    """`trsp-ray prune --dry-run` on the tiny workspace: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from trsp_ray import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["prune", "--dry-run", "--model", str(root / "model"), "--calib-text", str(root / "calib.txt"),
+            "--eval-text", str(root / "eval.txt"), "--set", "tracking.enabled=false", *extra]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_compensation_none_with_the_default_is_refused_wherever_a_run_starts(workspace):
+    """Issue 33 item 7: `--set compensation.method=none` under shortgpt+comp+heal used to fit least
+    squares anyway. Left at auto the default fits least squares and says so in the dry run; none is
+    one line naming the method without the fold, before any work, on every path."""
+    from trsp_ray.config import for_method, load_config
+    from trsp_ray.distributed.train import run_distributed
+
+    assert for_method(load_config()).compensation.method == "lstsq"
+    assert for_method(load_config(overrides=["method=shortgpt+heal"])).compensation.method == "none"
+    assert for_method(load_config(overrides=["method=shortgpt+heal", "compensation.method=none"])) \
+        .compensation.method == "none"
+    none = load_config(overrides=[f"model={workspace / 'model'}", "compensation.method=none",
+                                  "distributed.workers=2"])
+    for start in (for_method, run_distributed):  # run_distributed: the Ray Train path, before Ray starts
+        with pytest.raises(TrspError, match="compensation.method='none' is not valid with --method "
+                                            "shortgpt[+]comp[+]heal.*use --method shortgpt[+]heal") as err:
+            start(none)
+        assert "\n" not in str(err.value)
+    code, out, err = _prune(workspace, "--set", "compensation.method=none")
+    assert code == 2 and not out and err.count("\n") == 1 and "use --method shortgpt+heal" in err
+    code, out, _ = _prune(workspace)
+    assert code == 0 and "compensation: lstsq (form full, ridge 0.01, weighting norm), fitted after the selection " \
+                         "on 128 windows x 128 tokens" in out
+    code, out, _ = _prune(workspace, "--method", "shortgpt+heal")
+    assert code == 0 and "compensation: none (shortgpt+heal fits nothing)" in out
+
+
+def test_a_compensation_after_stage2_is_refused_before_any_work(workspace):
+    """Issue 33 item 5: the fit reads the dense model's activations; after TRSP's stage 2 it would fold
+    into weights stage 2 trained. Refused in one line naming the methods that can be compensated, on
+    the one-process path (apply_method, before the model is copied), the dry run and the workers."""
+    from types import SimpleNamespace
+
+    from trsp_ray.config import for_method, load_config
+    from trsp_ray.distributed.train import run_distributed
+    from trsp_ray.methods import apply_method
+
+    trained = load_config(overrides=[f"model={workspace / 'model'}", "method=trsp", "compensation.method=lstsq",
+                                     "distributed.workers=2"])
+    message = "compensation.method='lstsq' is not available with --method trsp: its stage 2 trains.*trsp[+]heal"
+    untouched = SimpleNamespace(cfg=trained)  # no model: a refusal after any work would fail differently
+    for start in (for_method, run_distributed, lambda cfg: apply_method(untouched, "trsp")):
+        with pytest.raises(TrspError, match=message) as err:
+            start(trained)
+        assert "\n" not in str(err.value)
+    code, out, err = _prune(workspace, "--method", "trsp", "--set", "compensation.method=scalar")
+    assert code == 2 and err.count("\n") == 1 and "compensation.method='scalar' is not available" in err
+    # without stage 2 the fit runs as asked
+    assert for_method(trained, stage2=False).compensation.method == "lstsq"
+    assert for_method(load_config(overrides=["method=trsp", "compensation.method=lstsq", "stage2.enabled=false"])) \
+        .compensation.method == "lstsq"
+    assert for_method(load_config(overrides=["method=trsp-no-stage2", "compensation.method=lstsq"])) \
+        .compensation.method == "lstsq"
+    assert for_method(load_config(overrides=["method=trsp"])).compensation.method == "none"  # auto: no fit

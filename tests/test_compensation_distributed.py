@@ -48,12 +48,47 @@ def test_what_the_workers_cannot_serve_is_refused_before_they_start():
                                                             "compensation.activations=sequential"]))
     with pytest.raises(TrspError, match="stage1.train_base=true trains them"):
         compensate.check_for_workers(load_config(overrides=["compensation.method=lstsq", "stage1.train_base=true"]))
-    compensate.check_for_workers(load_config(overrides=["compensation.activations=sequential"]))  # method none
+    compensate.check_for_workers(load_config(overrides=["method=shortgpt+heal",  # no compensation
+                                                        "compensation.activations=sequential"]))
     from trsp_ray.distributed.train import check_worker_settings  # prepare_run's refusals, before Ray starts
 
     with pytest.raises(TrspError, match="not run on Ray Train workers"):
         check_worker_settings(load_config(overrides=["compensation.method=lstsq",
                                                      "compensation.activations=sequential"]))
+
+
+def test_fewer_windows_than_workers_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """Issue 33 item 2: a rank with no calibration window never enters the fit's batch loop, where the
+    other ranks' first lookup of a ZeRO-3 projection is a collective: a hang. Refused in one line where
+    a run is checked (prepare_run), routed (`prune` and its dry run) and planned (`trsp-ray plan`)."""
+    from types import SimpleNamespace
+
+    from trsp_ray import cli, driver, workbench
+    from trsp_ray.config import load_config
+    from trsp_ray.distributed import route
+    from trsp_ray.distributed.train import check_worker_settings
+    from trsp_ray.tiny import tiny_config
+
+    few = load_config(overrides=["compensation.windows=3", "distributed.workers=4"])  # the default compensates
+    for check in (compensate.check_for_workers, check_worker_settings):
+        with pytest.raises(TrspError, match="compensation.windows=3 is fewer than the 4 workers.*windows >= 4") as err:
+            check(few)
+        assert "\n" not in str(err.value)
+    compensate.check_for_workers(few, workers=3)  # a window per rank
+    compensate.check_for_workers(load_config(overrides=["compensation.windows=3", "distributed.workers=4",
+                                                        "method=shortgpt+heal"]))  # no fit, nothing to wait on
+    # the route (what `prune` and `prune --dry-run` call) sends the run to 4 workers: refused there
+    for name in ("resolve_device", "check_inputs"):
+        monkeypatch.setattr(workbench, name, lambda *a, **k: None)
+    monkeypatch.setattr(workbench, "device_kind", lambda cfg: ("gpu", 80.0))
+    monkeypatch.setattr(route, "route", lambda cfg, **kw: SimpleNamespace(workers=4))
+    with pytest.raises(TrspError, match="compensation.windows=3 is fewer than the 4 workers"):
+        driver.route_for(load_config(overrides=["compensation.windows=3"]))
+    assert driver.route_for(load_config(overrides=["compensation.windows=4"])).workers == 4
+    tiny_config("llama").save_pretrained(tmp_path)  # config.json: all `trsp-ray plan` reads
+    assert cli.main(["plan", "--model-config", str(tmp_path), "--workers", "129"]) == 2  # 128 windows by default
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compensation.windows=128 is fewer than the 129 workers" in err
 
 
 def test_whole_passes_cost_one_dense_forward_per_token():

@@ -131,7 +131,7 @@ def test_default_prune_is_shortgpt_selection_compensation_then_a_heal_with_stage
     from trsp_ray.workbench import prepare
 
     cfg = load_config(None, [])
-    assert cfg.method == "shortgpt+comp+heal" and cfg.compensation.method == "none"  # the method switches it on
+    assert cfg.method == "shortgpt+comp+heal" and cfg.compensation.method == "auto"  # the method decides: lstsq
     out = tmp_path / "pruned"
     code = main(["prune", *_args(tiny_dir, "--ratio", "0.25", "--output", str(out), "--no-mlflow",
                                  "--set", f"checkpoint_dir={tmp_path / 'ckpt'}")])

@@ -43,9 +43,10 @@ def planned_compensation_cost(cfg, *, num_layers: int) -> float:
     fold) one pass over the calibration tokens, stopping after the last block; "sequential" per
     block a dense pass to its end and a pruned pass to its boundary, each at most the whole depth,
     for at most n_drop blocks."""
+    from trsp_ray.config import for_method
     from trsp_ray.stage1 import n_drop_for
 
-    c = cfg.compensation
+    c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
     if c.method == "none":
         return 0.0
     tokens = float(c.windows * cfg.data.seqlen)

@@ -17,8 +17,11 @@ def _prune(args) -> int:
 
         cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
     if args.dry_run:
-        cfg = with_budget(cfg)
+        from trsp_ray.workbench import method_config
+
+        cfg = with_budget(method_config(cfg))  # as driver.run resolves it: the fit that runs, then the heal
         print(_describe(route_for(cfg)))
+        print(_fit_line(cfg))
         return 0
     run(cfg, overwrite=args.overwrite)
     return 0
@@ -47,6 +50,18 @@ def _describe(chosen) -> str:
         lines.append(f"  {stage.name}: {stage.total:.2f} GB")
         lines += [f"      {k}: {v:.2f} GB" for k, v in stage.parts.items()]
     return "\n".join(lines)
+
+
+def _fit_line(cfg) -> str:
+    """Which compensation the run fits (compensation.method resolved by config.for_method)."""
+    from trsp_ray.compensation import describe
+
+    c = cfg.compensation
+    if c.method == "none":
+        return f"compensation: none ({cfg.method} fits nothing)"
+    how = ", ".join(f"{k.removeprefix('compensation_')} {v}" for k, v in describe(c).items() if k != "compensation")
+    return (f"compensation: {c.method}" + (f" ({how})" if how else "") + f", fitted after the selection on "
+            f"{c.windows} windows x {cfg.data.seqlen} tokens")
 
 
 # What the README's quick `trsp-ray benchmark` runs and what `--full` adds (the quick run fits 15

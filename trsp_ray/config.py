@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trsp_ray import registry
 from trsp_ray.config_sections import (  # noqa: F401 (re-exported: the sections are part of the config API)
     FULL_SLEB_WINDOWS,
     BaselineConfig,
@@ -193,19 +194,56 @@ def _yaml_value(v: Any) -> str:
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def compensated(cfg: RunConfig) -> RunConfig:
-    """`cfg` with its compensation switched on: the configured compensation.method, least squares
-    (with the configured form, weighting, windows and ridge) when it is none."""
-    return cfg if cfg.compensation.method != "none" else replace(cfg, **{"compensation.method": "lstsq"})
+def uncompensated(method: str) -> str:
+    """The method that runs as `method` without its compensation (shortgpt+comp+heal -> shortgpt+heal)."""
+    spec = method_spec(method)
+    return next(m.name for m in registry.METHODS.values()
+                if (m.selector, m.heal, m.stage2, m.compensate) == (spec.selector, spec.heal, spec.stage2, False))
 
 
-def for_method(cfg: RunConfig, method: str | None = None) -> RunConfig:
-    """`cfg` as `method` (default cfg.method) runs it: a compensating method (shortgpt+comp+heal, the
-    default) compensates whatever compensation.method says (compensated); any other method as
-    configured. Applied where a run starts (driver.run, the Ray Train path, the jobs, the planner),
-    so the manifest, MLflow params, the budget and the plan all see the compensation that runs."""
-    spec = method_spec(method or cfg.method)
-    return compensated(cfg) if spec.compensate else cfg
+def compensated(cfg: RunConfig, *, method: str | None = None) -> RunConfig:
+    """`cfg` with its compensation switched on for `method` (a compensating method, or a +comp row
+    when None): compensation.method as configured, least squares for auto (the default). An explicit
+    none is refused in one line: the fit a compensating method names never runs against the config,
+    and is never dropped without the method's name saying so."""
+    c = cfg.compensation.method
+    if c == "none":
+        instead = (f"--method {uncompensated(method)} for no compensation" if method is not None
+                   else "the rows without +comp for no compensation")
+        where = f"--method {method}, which compensates" if method is not None else "the +comp rows"
+        raise TrspError(f"compensation.method='none' is not valid with {where}; use {instead}, or leave "
+                        "compensation.method at auto (least squares) or set lstsq|scalar")
+    return cfg if c != "auto" else replace(cfg, **{"compensation.method": "lstsq"})
+
+
+def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None = None) -> RunConfig:
+    """`cfg` as `method` (default cfg.method) runs it, with compensation.method resolved: auto is least
+    squares for a compensating method (shortgpt+comp+heal, the default; compensated) and none for
+    any other; an explicit lstsq|scalar after any other method's selection is run as configured.
+    Applied where a run starts (driver.run and `prune --dry-run` through workbench.method_config, the
+    Ray Train path, the jobs, the planner, methods.apply_method), so the manifest, MLflow params, the
+    budget and the plan all see the compensation that runs.
+
+    A compensation after TRSP's stage 2 is refused in one line: the fit reads the dense model's
+    activations and would fold into weights stage 2 has trained. `stage2`: whether stage 2 runs
+    (default: as the method and stage2.enabled / stage2.steps say)."""
+    name = method or cfg.method
+    spec = method_spec(name)
+    if spec.compensate:
+        out = compensated(cfg, method=name)
+    elif cfg.compensation.method == "auto":
+        out = replace(cfg, **{"compensation.method": "none"})
+    else:
+        out = cfg
+    if stage2 is None:
+        stage2 = spec.stage2 and cfg.stage2.enabled and cfg.stage2.steps > 0
+    comp = out.compensation.method
+    if stage2 and comp != "none":
+        able = ", ".join(m.name for m in registry.METHODS.values() if not m.stage2)
+        raise TrspError(f"compensation.method={comp!r} is not available with --method {name}: its stage 2 trains "
+                        "the weights that a fit on the dense model's activations would fold into; compensate one "
+                        f"of {able}, or set stage2.enabled=false")
+    return out
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

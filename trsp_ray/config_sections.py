@@ -170,7 +170,10 @@ class CompensationConfig:
     form) rescales the stream at each cut by the ratio of dense token norms, folded into the output
     projections of the layers after it."""
 
-    method: str = "none"  # none | lstsq | scalar
+    # auto: what the method runs (lstsq for a compensating method such as the default, none for any
+    # other; config.for_method); none | lstsq | scalar: as set (none with a compensating method and
+    # any compensation after TRSP's stage 2 are refused)
+    method: str = "auto"
     # ridge, relative to the mean diagonal of M^T M; windows of data.seqlen tokens (at least the
     # hidden size in tokens). Chosen on SmolLM2's calibration KL (ShortGPT's set, norm weighting):
     # 32 windows overfit (KL 1.07, tail PPL 47.2 > held-out 39.7), 64 need ridge 1e-1 (0.97),
@@ -189,7 +192,7 @@ class CompensationConfig:
     weighting: str = "norm"
 
     def __post_init__(self):
-        _choice("compensation.method", self.method, ("none", "lstsq", "scalar"))
+        _choice("compensation.method", self.method, ("auto", "none", "lstsq", "scalar"))
         check_form(self.form, self.rank)
         _positive("compensation.ridge", self.ridge, allow_zero=True)
         _positive("compensation.windows", self.windows)

@@ -128,7 +128,12 @@ def route_for(cfg: RunConfig):
     workbench.resolve_device(cfg.device)
     workbench.check_inputs(cfg)
     kind, memory = workbench.device_kind(cfg)
-    return route.route(cfg, device=kind, memory_gb=memory)
+    chosen = route.route(cfg, device=kind, memory_gb=memory)
+    if chosen.workers:  # what the workers cannot fit, refused before the run (and in `prune --dry-run`)
+        from trsp_ray.distributed.compensate import check_for_workers
+
+        check_for_workers(cfg, workers=chosen.workers)
+    return chosen
 
 
 def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:

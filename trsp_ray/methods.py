@@ -287,7 +287,9 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     cfg = bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
-    comp = for_method(cfg, method).compensation  # a compensating method fits least squares by default
+    use_stage2 = (registry.method(method).stage2 and s2.enabled) if stage2 is None else stage2
+    # a compensating method fits least squares by default; a fit after stage 2 is refused here
+    comp = for_method(cfg, method, stage2=bool(use_stage2) and s2.steps > 0).compensation
     if comp.method != "none":  # a family or calibration size it cannot serve fails before any work
         compensation.check_request(model=bench.model, method=comp.method, tokens=comp.windows * cfg.data.seqlen,
                                    form=comp.form, rank=comp.rank)
@@ -302,7 +304,6 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         drop, info = list(drop), {}
     info["select_seconds"] = time.time() - t0
     _log(f"{method}: drop set {drop}")
-    use_stage2 = (registry.method(method).stage2 and s2.enabled) if stage2 is None else stage2
     if use_stage2 and s2.steps > 0:
         t1 = time.time()
         _log(f"{method}: stage 2 ({s2.steps} steps, schedule {s2.schedule}, lambda2 {s2.lambda2})")

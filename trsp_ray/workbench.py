@@ -176,16 +176,15 @@ def encode_cached(tokenizer, text: str) -> torch.Tensor:
 def method_config(cfg: RunConfig) -> RunConfig:
     """`cfg` as its method runs on its model (config.json only, before any weights): a compensating
     method (the default shortgpt+comp+heal) fits least squares (config.for_method); on a family whose
-    layer outputs no fold can reach (Gemma 2/3's norm after the MLP) and with no compensation asked
-    for, it runs as shortgpt+heal, said in the log and recorded as the method. A compensation set
-    explicitly (compensation.method=lstsq|scalar) is honoured or refused, never dropped."""
+    layer outputs no fold can reach (Gemma 2/3's norm after the MLP) and with compensation.method
+    left at auto, it runs as shortgpt+heal, said in the log and recorded as the method. A compensation
+    set explicitly (compensation.method=none|lstsq|scalar) is honoured or refused, never dropped."""
     from transformers import AutoConfig
 
     from trsp_ray import registry
-    from trsp_ray.config import for_method, replace
+    from trsp_ray.config import for_method, replace, uncompensated
 
-    spec = registry.method(cfg.method)
-    if not spec.compensate or cfg.compensation.method != "none":
+    if not registry.method(cfg.method).compensate or cfg.compensation.method != "auto":
         return for_method(cfg)
     try:
         reason = families.fold_refusal(AutoConfig.from_pretrained(assets.resolve_model(cfg.model)))
@@ -193,10 +192,9 @@ def method_config(cfg: RunConfig) -> RunConfig:
         reason = ""  # an unreadable config.json is check_inputs' one-line error, raised next
     if not reason:
         return for_method(cfg)
-    plain = next(m.name for m in registry.METHODS.values()
-                 if (m.selector, m.heal, m.stage2, m.compensate) == (spec.selector, spec.heal, spec.stage2, False))
+    plain = uncompensated(cfg.method)
     log(f"method {cfg.method}: no compensation on this model ({reason}); running {plain}")
-    return replace(cfg, method=plain)
+    return for_method(replace(cfg, method=plain))
 
 
 def check_inputs(cfg: RunConfig) -> int:

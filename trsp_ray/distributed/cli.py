@@ -100,8 +100,10 @@ def run_plan(args: argparse.Namespace) -> int:
     overrides = [f"method={args.method}"] + ([] if args.ratio is None else [f"ratio={args.ratio}"])
     overrides += [f"compensation.method={args.compensation}"] if args.compensation else []
     cfg = for_method(load_config(None, overrides))  # the compensation the method runs
+    from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.zero3_plan import with_frozen_drop_set
 
+    check_for_workers(cfg, workers=args.workers)  # what a run on these workers would refuse
     shape = planner.read_shape(args.model_config)
     result = planner.plan(shape, with_frozen_drop_set(cfg, setup_from_args(args), shape))  # as a run plans
     disk = result.disk_problem()

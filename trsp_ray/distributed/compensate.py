@@ -31,9 +31,18 @@ from trsp_ray import compensation, compensation_scalar, families
 from trsp_ray.errors import TrspError
 
 
-def check_for_workers(cfg) -> None:
-    """Refuse, before any worker starts, a compensation the workers do not run (one line)."""
-    c = cfg.compensation
+def check_for_workers(cfg, *, workers: int | None = None) -> None:
+    """Refuse, before any worker starts, a compensation the workers do not run (one line); `workers`
+    defaults to distributed.workers (a route or a plan passes the count it chose)."""
+    from trsp_ray.config import for_method
+
+    c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
+    workers = cfg.distributed.workers if workers is None else workers
+    if c.method != "none" and c.windows < workers:
+        # a rank without a window never enters the fit's batch loop, where every other rank's first
+        # lookup of a ZeRO-3 projection gathers it: a collective the empty rank never joins (a hang)
+        raise TrspError(f"compensation.windows={c.windows} is fewer than the {workers} workers: every worker "
+                        f"fits on its share of the windows; use compensation.windows >= {workers} or fewer workers")
     if c.method != "none" and cfg.stage1.train_base:
         raise TrspError("compensation on Ray Train workers needs the dense weights after stage 1, and "
                         "stage1.train_base=true trains them; use stage1.train_base=false or distributed.workers=0")

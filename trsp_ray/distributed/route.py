@@ -84,7 +84,9 @@ def worker_extras_problem(cfg, plan: Plan) -> str | None:
         return (f"stage 1's removal probes need {probed.memory.total:.1f} GB per worker (logits over the "
                 f"vocabulary of each probe window), more than the {available:g} GB available; use more workers, "
                 "a shorter data.seqlen or stage1.probe=0")
-    if cfg.compensation.method == "lstsq":
+    from trsp_ray.config import for_method
+
+    if for_method(cfg).compensation.method == "lstsq":  # the compensation the method runs (auto resolved)
         from trsp_ray.distributed.compensation_plan import compensation_plan
 
         g = cfg.gates
