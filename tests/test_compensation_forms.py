@@ -19,6 +19,17 @@ def _windows(count=4, batch=4, seqlen=32, seed=1):
     return [torch.randint(0, VOCAB, (batch, seqlen), generator=gen) for _ in range(count)]
 
 
+@torch.no_grad()
+def _biased(model, seed=5):
+    """`model` with random biases: transformers initialises them to zero, where a fold that dropped
+    the bias (OPT's, GPT-NeoX's) would still look exact."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+    return model
+
+
 def _h(out):
     return (out[0] if isinstance(out, tuple) else out).flatten(0, -2)
 
@@ -88,9 +99,13 @@ def test_the_lowrank_form_is_the_best_rank_k_correction(block, ridge):
     assert torch.allclose(whole, full, atol=1e-8)
 
 
+FOLDABLE = [f for f, fam in families.FAMILIES.items() if not fam.mlp_fold_refusal]  # every family a fold reaches
+
+
+@pytest.mark.parametrize("family", FOLDABLE)
 @pytest.mark.parametrize("form, rank", [("diagonal", None), ("lowrank", 8)])
-def test_the_folded_model_reproduces_each_forms_residual(form, rank):
-    dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
+def test_the_folded_model_reproduces_each_forms_residual(form, rank, family):
+    dense, windows, drop = _biased(tiny_model(family, layers=6)), _windows(), [2, 3]
     model = copy_model(dense, torch.device("cpu"))
     remove_layers(model, drop)
     info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form,
@@ -143,16 +158,17 @@ def test_bad_forms_fail_in_one_line_before_any_forward():
 
 
 
+@pytest.mark.parametrize("family", FOLDABLE)
 @pytest.mark.parametrize("form, rank, weighting", [("diagonal", None, "norm"), ("lowrank", 8, "none"),
                                                    ("full", None, "none")])
-def test_the_workers_fit_uses_the_configured_form(form, rank, weighting):
+def test_the_workers_fit_uses_the_configured_form(form, rank, weighting, family):
     """distributed/compensate.fit (what a Ray Train worker runs) solves each form and token weighting
     like one process: one rank, no all-reduce, on an unpartitioned model (the ZeRO-3 sums are checked
     in the slow tier). The two weightings fold different weights, so a dropped setting fails."""
     from trsp_ray.distributed import compensate
     from trsp_ray.gates import attach_gates
 
-    dense, windows, drop = tiny_model("llama", layers=6), _windows(), [2, 3]
+    dense, windows, drop = _biased(tiny_model(family, layers=6)), _windows(), [2, 3]
     one = copy_model(dense, torch.device("cpu"))
     remove_layers(one, drop)
     compensation.compensate(model=one, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form, rank=rank,
@@ -161,8 +177,8 @@ def test_the_workers_fit_uses_the_configured_form(form, rank, weighting):
     remove_layers(other, drop)
     compensation.compensate(model=other, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form, rank=rank,
                             weighting="none" if weighting == "norm" else "norm")
-    assert not torch.allclose(other.model.layers[1].mlp.down_proj.weight, one.model.layers[1].mlp.down_proj.weight,
-                              rtol=1e-3, atol=1e-5)
+    proj = lambda m: families.mlp_output(families.decoder_layers(m)[1], m)  # the layer before the block
+    assert not torch.allclose(proj(other).weight, proj(one).weight, rtol=1e-3, atol=1e-5)
     workers = copy_model(dense, torch.device("cpu"))
     info = compensate.fit(model=workers, gates=attach_gates(workers), drop=drop, windows=windows, rank=0, world=1,
                           ridge=1e-3, form=form, map_rank=rank, weighting=weighting, reduce=lambda t: t)
@@ -171,5 +187,6 @@ def test_the_workers_fit_uses_the_configured_form(form, rank, weighting):
     eye = torch.eye(t.shape[0], dtype=t.dtype)
     assert torch.linalg.matrix_rank(t - eye).item() == {"diagonal": 64, "lowrank": 8, "full": 64}[form]
     compensate.fold(model=workers, maps=info["maps"])
-    assert torch.allclose(workers.model.layers[1].mlp.down_proj.weight, one.model.layers[1].mlp.down_proj.weight,
-                          rtol=1e-5, atol=1e-7)
+    for name in ("weight", "bias"):  # the workers keep every layer: layer 1 is layer 1 in both models
+        got, want = getattr(proj(workers), name, None), getattr(proj(one), name, None)
+        assert (got is None) == (want is None) and (got is None or torch.allclose(got, want, rtol=1e-5, atol=1e-7))
