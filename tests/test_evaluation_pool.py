@@ -80,7 +80,7 @@ def test_bad_candidates_and_settings_fail_on_one_line(tmp_path, candidates):
 
 
 def test_evaluator_measures_ppl_tasks_and_speed(candidates):
-    from trsp_ray.assets import load_texts
+    from trsp_ray.domains import load_texts
     from trsp_ray.perplexity import encode, perplexity
 
     settings = EvalSettings(tasks=("piqa", "arc_easy"), limit=3, ppl_windows=2, ppl_seqlen=64,

@@ -30,6 +30,12 @@ def _text(n_words: int, seed: int = 0) -> str:
     return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n_words,), generator=gen))
 
 
+def _worker_bench(bench):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(calib_ids=bench.calib_ids, calib_strata=bench.calib_strata, tokenizer=bench.tokenizer)
+
+
 def test_bos_token_reads_what_the_tokenizer_does():
     from transformers import AutoTokenizer
 
@@ -125,8 +131,6 @@ def test_every_path_starts_its_windows_with_bos(tmp_path):
     """SPEC section 5's one convention: stage 1's training and probe windows, ShortGPT's calibration,
     stage 2, the heal, validation and held-out perplexity, and the Ray Train workers' batch stream
     all start each window with BOS when the tokenizer adds one (the model sees nothing else)."""
-    from types import SimpleNamespace
-
     from trsp_ray.config import load_config
     from trsp_ray.distributed.worker import _batches
     from trsp_ray.methods import apply_method, run_stage1_for
@@ -157,7 +161,7 @@ def test_every_path_starts_its_windows_with_bos(tmp_path):
     bench.validation_ppl(model), bench.heldout_ppl(model)
     firsts = torch.cat(seen)
     assert len(seen) > 20 and (firsts == 1).all(), f"{int((firsts != 1).sum())} of {firsts.numel()} windows lack BOS"
-    worker = _batches(cfg, SimpleNamespace(calib_ids=bench.calib_ids, tokenizer=bench.tokenizer), seed_offset=0)
+    worker = _batches(cfg, _worker_bench(bench), seed_offset=0)
     assert (worker.next()[:, 0] == 1).all() and worker.next().shape == (cfg.data.batch_size, 16)
-    assert torch.equal(_batches(cfg, SimpleNamespace(calib_ids=bench.calib_ids, tokenizer=bench.tokenizer),
+    assert torch.equal(_batches(cfg, _worker_bench(bench),
                                 seed_offset=0).next(), bench.batches().next())  # the single process's stream

@@ -18,7 +18,8 @@ def tiny_preset(root: Path):
     """LOCAL with a 4-layer random Llama (SmolLM2's tokenizer), short texts and tiny budgets."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trsp_ray.assets import load_texts, smollm2_dir
+    from trsp_ray import domains
+    from trsp_ray.assets import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
@@ -26,9 +27,9 @@ def tiny_preset(root: Path):
                       num_attention_heads=2, num_key_value_heads=1)
     LlamaForCausalLM(cfg).save_pretrained(root / "tiny")
     tok.save_pretrained(root / "tiny")
-    texts = load_texts()
-    (root / "calib.txt").write_text(texts.calibration[:12000])
-    (root / "eval.txt").write_text(texts.heldout[:4000])
+    calibration, heldout = domains.texts("wiki")
+    (root / "calib.txt").write_text(calibration[:12000])
+    (root / "eval.txt").write_text(heldout[:4000])
     run = {"device": "cpu", "threads": 1, "tracking": {"enabled": False},
            "data": {"seqlen": 32, "batch_size": 2, "eval_seqlen": 32, "eval_max_windows": 4,
                     "calib_text": str(root / "calib.txt"), "eval_text": str(root / "eval.txt")},
@@ -88,11 +89,11 @@ def _check_resume(tmp_path: Path, use_ray: bool) -> None:
 
 
 def test_interrupted_run_resumes_without_redoing_cells_in_process(tmp_path, monkeypatch):
-    from trsp_ray import workbench
+    from trsp_ray import calibration
     from trsp_ray.perplexity import encode
 
     # The on-disk token cache is not what this test is about; keep its files out of ~/.cache.
-    monkeypatch.setattr(workbench, "encode_cached", encode, raising=False)
+    monkeypatch.setattr(calibration, "encode_cached", encode)
     _check_resume(tmp_path, use_ray=False)
 
 

@@ -253,7 +253,7 @@ def test_missing_device_is_a_one_line_error_before_any_work(monkeypatch, capsys)
     from trsp_ray.cli import main
 
     monkeypatch.setattr(workbench, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    monkeypatch.setattr(workbench.assets, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
+    monkeypatch.setattr(workbench.domains, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
     assert main(["prune", "--set", "device=cuda", "--no-mlflow"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "device='cuda'" in err
@@ -265,7 +265,7 @@ def test_plan_too_large_for_one_device_is_refused_before_any_work(monkeypatch, c
 
     monkeypatch.setattr(workbench, "device_kind", lambda cfg: ("gpu", 0.5))
     monkeypatch.setattr(workbench, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    monkeypatch.setattr(workbench.assets, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
+    monkeypatch.setattr(workbench.domains, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
     assert main(["prune", "--method", "shortgpt", "--no-mlflow"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "0.5 GB of one GPU" in err and "does not fit" in err

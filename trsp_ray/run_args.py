@@ -10,7 +10,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The run-config flags every command that runs a method takes (prune, benchmark, search)."""
     p.add_argument("--model", default=None, help="model dir, hub id, or smollm2-135m (default)")
     p.add_argument("--ratio", type=float, default=None, help="fraction of layers to drop, in (0, 1)")
-    p.add_argument("--calib-text", default=None, help="calibration text file (default: Wikipedia excerpt)")
+    p.add_argument("--calib-text", default=None, help="calibration text file (default: the domain mixture)")
+    p.add_argument("--calib-mix", default=None, metavar="SPEC",
+                   help="calibration mixture: SOURCE:WEIGHT,... of domains (wiki, news, code, math, prose) or text "
+                        "files, or a YAML file of source: weight (default: wiki:1,news:1,code:1,math:1)")
     p.add_argument("--eval-text", default=None, help="held-out text file (default: Wikipedia excerpt)")
     p.add_argument("--config", default=None, help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -23,7 +26,8 @@ def run_config(args, **extra):
     from trsp_ray.config import load_config
 
     base = {k: v for k, v in {"model": args.model, "ratio": args.ratio, **extra}.items() if v is not None}
-    data = {k: v for k, v in {"calib_text": args.calib_text, "eval_text": args.eval_text}.items() if v}
+    data = {k: v for k, v in {"calib_text": args.calib_text, "calib_mix": args.calib_mix,
+                              "eval_text": args.eval_text}.items() if v}
     if data:
         base["data"] = data
     if args.no_mlflow:

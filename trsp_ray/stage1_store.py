@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # Config fields stage 1 reads (data: only what shapes the calibration windows; the text itself
 # enters through the fingerprint).
 STAGE1_TOP = ("model", "seed", "device", "dtype")
-STAGE1_DATA = ("calib_text", "seqlen", "batch_size")
+STAGE1_DATA = ("calib_text", "seqlen", "batch_size")  # the mixture enters through the fingerprint
 STAGE1_SECTIONS = ("gates", "stage1")
 
 
@@ -75,18 +75,21 @@ def hub_revision(repo_id: str) -> str:
     return hub.config_file(repo_id).parent.name
 
 
-def text_fingerprint(path: str | None) -> str:
-    """The bytes of a text file, or the name of the default Wikipedia split."""
-    from trsp_ray import assets
+def text_fingerprint(path: str | None, calib_mix: str | None = None) -> str:
+    """The bytes of a calibration text file, or the mixture's sources and weights (a file source by
+    its bytes, a domain by its name and source: trsp_ray.domains)."""
+    from trsp_ray import domains
 
-    if not path:
-        return assets.WIKI_SOURCE
-    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
+    if path:
+        return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
+    mix = domains.parse_mix(calib_mix or domains.DEFAULT_MIX)
+    return content_key({(domains.DOMAINS[s].source if s in domains.DOMAINS else text_fingerprint(s)): w
+                        for s, w in mix.items()})
 
 
-def data_fingerprint(*, model: str, calib_text: str | None) -> str:
-    """Fingerprint of the model files and the calibration text: what the key needs beyond the config."""
-    return content_key({"model": model_fingerprint(model), "calib": text_fingerprint(calib_text)})
+def data_fingerprint(*, model: str, calib_text: str | None, calib_mix: str | None = None) -> str:
+    """Fingerprint of the model files and the calibration data: what the key needs beyond the config."""
+    return content_key({"model": model_fingerprint(model), "calib": text_fingerprint(calib_text, calib_mix)})
 
 
 def stage1_content(cfg: dict) -> dict:

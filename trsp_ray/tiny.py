@@ -61,13 +61,14 @@ def tiny_workspace(root, *, layers: int = 8, calib_chars: int = 60000, eval_char
 
     from transformers import AutoTokenizer
 
-    from trsp_ray.assets import load_texts, smollm2_dir
+    from trsp_ray import domains
+    from trsp_ray.assets import smollm2_dir
 
     root = Path(root)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     tiny_model(family, layers=layers, vocab=len(tokenizer)).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    texts = load_texts()
-    (root / "calib.txt").write_text(texts.calibration[:calib_chars])
-    (root / "eval.txt").write_text(texts.heldout[:eval_chars])
+    calibration, heldout = domains.texts("wiki")
+    (root / "calib.txt").write_text(calibration[:calib_chars])
+    (root / "eval.txt").write_text(heldout[:eval_chars])
     return root

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from trsp_ray import families
+from trsp_ray.calibration import interleave
 from trsp_ray.perplexity import windows
 
 Report = Callable[[dict, int], None]
@@ -34,10 +35,15 @@ class Batches:
     """
 
     def __init__(self, ids: torch.Tensor, *, seqlen: int, batch_size: int, seed: int = 0,
-                 max_windows: int | None = None, bos: int | None = None):
+                 max_windows: int | None = None, bos: int | None = None, strata: torch.Tensor | None = None):
         self.windows = windows(ids, seqlen, max_windows, bos=bos)
         gen = torch.Generator().manual_seed(seed)
-        self.order = torch.randperm(self.windows.shape[0], generator=gen)
+        n = self.windows.shape[0]
+        body = seqlen - (bos is not None)
+        if strata is not None and ids.numel() // body == strata.numel():
+            self.order = stratified_order(strata[:n], gen)
+        else:  # one source, or windows that do not line up with the mixture's chunks (another seqlen)
+            self.order = torch.randperm(n, generator=gen)
         self.batch_size = batch_size
         self.seqlen = seqlen
         self.position = 0
@@ -51,6 +57,20 @@ class Batches:
     @property
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.seqlen
+
+
+def stratified_order(strata: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A seeded shuffle of window indices that keeps each stratum's share within one window in every
+    prefix: each stratum's windows shuffled, then spread evenly (calibration.interleave)."""
+    labels = sorted(set(strata.tolist()))
+    pools = [torch.nonzero(strata == lab).flatten() for lab in labels]
+    pools = [p[torch.randperm(p.numel(), generator=gen)] for p in pools]
+    taken = [0] * len(pools)
+    order = []
+    for i in interleave([p.numel() for p in pools]):
+        order.append(int(pools[i][taken[i]]))
+        taken[i] += 1
+    return torch.tensor(order, dtype=torch.long)
 
 
 class Stepper(Protocol):

@@ -9,15 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from trsp_ray import assets, atomic, families
+from trsp_ray import assets, calibration, domains, families
 from trsp_ray.config import RunConfig
 from trsp_ray.errors import TrspError
 from trsp_ray.logs import log
-from trsp_ray.perplexity import bos_token, encode, perplexity
+from trsp_ray.perplexity import bos_token, perplexity
 from trsp_ray.stage1 import candidate_layers, check_drop_count, n_drop_for
 from trsp_ray.training import Batches, set_checkpointing
 
-VALIDATION_TOKENS = 4096
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -69,10 +68,12 @@ class Workbench:
     tokenizer: object
     calib_ids: torch.Tensor
     heldout_ids: torch.Tensor
-    texts: assets.TextSplit
+    texts: domains.TextSplit
     val_ids: torch.Tensor | None = None  # calibration tail, never trained on (for tuning)
     device: str = "cpu"  # where methods train and score; `model` (the original) stays in host memory
     bos: int | None = None  # the BOS id every evaluation window starts with (perplexity.bos_token)
+    calib_strata: torch.Tensor | None = None  # source of each calibration window (calibration.Calibration)
+    calibration: calibration.Calibration | None = None  # the stream calib_ids, val_ids and calib_strata come from
 
     @property
     def num_layers(self) -> int:
@@ -91,7 +92,7 @@ class Workbench:
     def batches(self, seed_offset: int = 0) -> Batches:
         d = self.cfg.data
         return Batches(self.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=self.cfg.seed + seed_offset,
-                       bos=self.bos)
+                       bos=self.bos, strata=self.calib_strata)
 
     def fixed_batches(self, count: int, seed_offset: int = 100) -> list[torch.Tensor]:
         stream = self.batches(seed_offset)
@@ -156,23 +157,6 @@ def _progress_printer(what: str):
     return progress
 
 
-def encode_cached(tokenizer, text: str) -> torch.Tensor:
-    """`encode`, cached on disk by tokenizer and text hash (a 700k-token text takes seconds to
-    tokenize, and every Ray worker of a benchmark would redo it)."""
-    import hashlib
-
-    vocab = tokenizer.get_vocab()
-    key = hashlib.sha256(text.encode("utf-8", "replace"))
-    key.update(str(sorted(vocab.items())[:: max(1, len(vocab) // 997)]).encode())
-    key.update(type(tokenizer).__name__.encode())
-    path = assets.cache_dir() / "tokens" / f"{key.hexdigest()[:32]}.pt"
-    if path.exists():
-        return torch.load(path)
-    ids = encode(tokenizer, text)
-    atomic.save_torch(path, ids)
-    return ids
-
-
 def method_config(cfg: RunConfig) -> RunConfig:
     """`cfg` as its method runs on its model (config.json only, before any weights): a compensating
     method (the default shortgpt+comp+heal) fits least squares (config.for_method); on a family whose
@@ -226,16 +210,6 @@ def check_inputs(cfg: RunConfig) -> int:
     return num
 
 
-def calibration_ids(tokenizer, text: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training ids, validation ids) of a calibration text; every path that trains uses this split.
-
-    The calibration tail is kept out of training: settings are tuned on it, never on held-out text.
-    """
-    ids = encode_cached(tokenizer, text)
-    n_val = min(VALIDATION_TOKENS, ids.numel() // 5)
-    return ids[:-n_val], ids[-n_val:]
-
-
 def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbench:
     """Check inputs (cheaply, first: the device, config.json, the single-process memory plan of
     `cfg.method` or of every method in `methods`), load the model and tokenize the texts."""
@@ -245,17 +219,27 @@ def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbe
     device = resolve_device(cfg.device)
     check_inputs(cfg)
     check_single_plan(cfg, methods=methods)
-    texts = assets.load_texts(cfg.data.calib_text, cfg.data.eval_text)
+    texts = domains.load_texts(cfg.data.eval_text)
     model, tokenizer = load_model(cfg.model, device="cpu", dtype=run_dtype(cfg))
-    calib_ids, val_ids = calibration_ids(tokenizer, texts.calibration)
-    heldout_ids = encode_cached(tokenizer, texts.heldout)
-    for name, ids, seqlen in (("calibration", calib_ids, cfg.data.seqlen),
-                              ("evaluation", heldout_ids, cfg.data.eval_seqlen)):
-        if ids.numel() < seqlen + 1:
-            raise TrspError(f"{name} text has {ids.numel()} tokens, fewer than one window of {seqlen}; "
-                            "pass a longer text")
-    return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=calib_ids, heldout_ids=heldout_ids,
-                     texts=texts, val_ids=val_ids, device=str(device), bos=bos_token(tokenizer))
+    bos = bos_token(tokenizer)
+    cal = calibration_of(cfg, tokenizer, bos=bos)
+    heldout_ids = calibration.encode_cached(tokenizer, texts.heldout)
+    if heldout_ids.numel() < cfg.data.eval_seqlen + 1:
+        raise TrspError(f"evaluation text has {heldout_ids.numel()} tokens, fewer than one window of "
+                        f"{cfg.data.eval_seqlen}; pass a longer text")
+    if cfg.compensation.method == "lstsq":  # a d x d fit needs that many distinct windows
+        calibration.check_windows(cal, windows=cfg.compensation.windows,
+                                  what=f"compensation.windows={cfg.compensation.windows}")
+    return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=cal.ids, heldout_ids=heldout_ids,
+                     texts=texts, val_ids=cal.val_ids, device=str(device), bos=bos, calib_strata=cal.strata,
+                     calibration=cal)
+
+
+def calibration_of(cfg: RunConfig, tokenizer, *, bos: int | None) -> calibration.Calibration:
+    """The run's calibration stream (every path that trains or selects reads this one), with the
+    checks that refuse a method more windows than the data has."""
+    d = cfg.data
+    return calibration.load(tokenizer, calib_text=d.calib_text, calib_mix=d.calib_mix, seqlen=d.seqlen, bos=bos)
 
 
 def device_kind(cfg: RunConfig) -> tuple[str, float]:

@@ -112,15 +112,17 @@ def _load(config: dict, cfg, *, rank: int, world: int):
 
     from transformers import AutoTokenizer
 
-    from trsp_ray import assets, families
+    from trsp_ray import families
     from trsp_ray.distributed import engine as eng
     from trsp_ray.gates import attach_gates
-    from trsp_ray.workbench import calibration_ids
+    from trsp_ray.perplexity import bos_token
+    from trsp_ray.workbench import calibration_of
 
     path = config["model_path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    # The same training windows as the single-process path (workbench.calibration_ids).
-    calib_ids, _ = calibration_ids(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
+    # The same training windows as the single-process path (workbench.calibration_of).
+    cal = calibration_of(cfg, tokenizer, bos=bos_token(tokenizer))
+    calib_ids = cal.ids
     from trsp_ray.distributed.deepspeed_config import worker_dtype
 
     dtype = getattr(torch, worker_dtype(cfg))
@@ -129,8 +131,8 @@ def _load(config: dict, cfg, *, rank: int, world: int):
     eng.zero_ready_gates(gates)
     factory = eng.StepperFactory(ds_config=config["ds_config"], rank=rank, world=world,
                                  activation_checkpointing=cfg.distributed.activation_checkpointing)
-    return SimpleNamespace(path=path, tokenizer=tokenizer, calib_ids=calib_ids, model=model, gates=gates,
-                           factory=factory, num_layers=families.num_layers(model), world=world)
+    return SimpleNamespace(path=path, tokenizer=tokenizer, calib_ids=calib_ids, calib_strata=cal.strata, model=model,
+                           gates=gates, factory=factory, num_layers=families.num_layers(model), world=world)
 
 
 def _batches(cfg, bench, seed_offset: int):
@@ -140,7 +142,7 @@ def _batches(cfg, bench, seed_offset: int):
     d = cfg.data
     # the single process's convention (Workbench.batches): BOS first when the tokenizer adds one
     return Batches(bench.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=cfg.seed + seed_offset,
-                   bos=bos_token(bench.tokenizer))
+                   bos=bos_token(bench.tokenizer), strata=bench.calib_strata)
 
 
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
@@ -177,7 +179,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
         # every rank scores its share of the windows (k % world == rank); the summed scores are
         # the same number on every rank, so every rank drops the same layer
         windows = probe_windows(bench.calib_ids, s1=s1, data=cfg.data, seed=cfg.seed,
-                                bos=bos_token(bench.tokenizer))
+                                bos=bos_token(bench.tokenizer), strata=bench.calib_strata)
         common = common_tokens(bench.calib_ids) if s1.probe_criterion == "recall" else None
         scorer = RemovalScorer(model=bench.model, gates=bench.gates, windows=windows, criterion=s1.probe_criterion,
                                rank=rank, world=bench.world, all_reduce=sum_over_ranks, common=common)

@@ -38,6 +38,7 @@ class EvalSettings:
     speed: SpeedSettings | None = field(default_factory=SpeedSettings)
     dense: str | None = None  # dense model dir timed beside each candidate (speed-up vs L / L_kept)
     dtype: str = "float32"
+    items: bool = False  # keep per-item results (paired comparisons read them)
 
     def __post_init__(self):
         object.__setattr__(self, "tasks", tuple(check_task_names(list(self.tasks))))
@@ -128,7 +129,7 @@ class Evaluator:
         return f"{socket.gethostname()}:{os.getpid()} ({self.threads} threads)"
 
     def _heldout_ids(self, tokenizer):
-        from trsp_ray.assets import load_texts
+        from trsp_ray.domains import load_texts
         from trsp_ray.perplexity import encode
 
         key = (len(tokenizer), tuple(tokenizer("Held-out text, 2024.").input_ids))
@@ -166,7 +167,7 @@ class Evaluator:
             log(f"{name}: held-out PPL {out['ppl']:.2f} ({time.perf_counter() - start:.1f} s)")
         if s.tasks:
             scored = run_tasks(model, tokenizer, tasks=list(s.tasks), limit=s.limit,
-                               batch_size=s.batch_size, task_dir=self._task_dir)
+                               batch_size=s.batch_size, task_dir=self._task_dir, items=s.items)
             out["tasks"] = scored["tasks"]
             log(f"{name}: {len(s.tasks)} tasks scored ({time.perf_counter() - start:.1f} s)")
         if s.speed is not None:

@@ -115,8 +115,9 @@ def _attach_keys(plans: dict[str, CellPlan], eval_dict: dict) -> None:
     fps: dict[tuple, str] = {}
     for p in plans.values():
         d = p.cfg.data
-        fp = fps.setdefault((p.cfg.model, d.calib_text), data_fingerprint(model=p.cfg.model, calib_text=d.calib_text))
-        calib = fps.setdefault(("calib", d.calib_text), text_fingerprint(d.calib_text))
+        fp = fps.setdefault((p.cfg.model, d.calib_text, d.calib_mix),
+                            data_fingerprint(model=p.cfg.model, calib_text=d.calib_text, calib_mix=d.calib_mix))
+        calib = fps.setdefault(("calib", d.calib_text, d.calib_mix), text_fingerprint(d.calib_text, d.calib_mix))
         p.prune_key = prune_key(p.cfg, p.cell.method, calib_fp=calib)
         p.key = cell_key(p.prune_key, eval_dict)
         if p.stage1 is not None and p.stage1.key is None:

@@ -47,13 +47,14 @@ def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
     from trsp_ray import assets
     from trsp_ray.config import from_dict
     from trsp_ray.evaluation.evaluator import load_candidate
-    from trsp_ray.perplexity import perplexity
-    from trsp_ray.workbench import calibration_ids, kept_parameters
+    from trsp_ray.perplexity import bos_token, perplexity
+    from trsp_ray.workbench import calibration_of, kept_parameters
 
     cfg = from_dict(run)
     model, tokenizer = load_candidate(model_dir, dtype="bfloat16" if torch.cuda.is_available() else "float32")
-    _, val_ids = calibration_ids(tokenizer, assets.load_texts(cfg.data.calib_text, cfg.data.eval_text).calibration)
-    ppl = perplexity(model, val_ids, seqlen=cfg.data.eval_seqlen, batch_size=4, max_windows=windows)
+    bos = bos_token(tokenizer)
+    val_ids = calibration_of(cfg, tokenizer, bos=bos).val_ids
+    ppl = perplexity(model, val_ids, seqlen=cfg.data.eval_seqlen, batch_size=4, max_windows=windows, bos=bos)
     with torch.device("meta"):
         dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets.resolve_model(cfg.model)))
     return {"val_loss": math.log(ppl), "kept_parameters": kept_parameters(model),

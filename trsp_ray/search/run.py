@@ -74,7 +74,8 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None,
     base_dict = _absolute_paths(base.to_dict())
     num_layers = check_inputs(from_dict(apply_point(base_dict, _probe(base_dict, space, points))))
     check_points(base, space, points, num_layers=num_layers)
-    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"])
+    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"],
+                          calib_mix=base_dict["data"]["calib_mix"])
     n_drop: dict[str, int] = {}
     for point in points or [{d.key: d.bounds()[1] for d in space.dims}]:
         cfg = apply_point(base_dict, point)
@@ -85,13 +86,15 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None,
 
 def _absolute_paths(cfg: dict) -> dict:
     """Tune runs trials in their own working directory: every path must be absolute."""
-    from trsp_ray import assets
+    from trsp_ray import assets, domains
 
     cfg["model"] = str(Path(assets.resolve_model(cfg["model"])).resolve()) if Path(cfg["model"]).exists() \
         else cfg["model"]
     for k in ("calib_text", "eval_text"):
         if cfg["data"][k]:
             cfg["data"][k] = str(Path(cfg["data"][k]).expanduser().resolve())
+    if not cfg["data"]["calib_text"]:
+        cfg["data"]["calib_mix"] = domains.absolute_mix(cfg["data"]["calib_mix"])
     return cfg
 
 
@@ -268,7 +271,8 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     runlog = RunLog(search_dir, invocation=invocation)
     runlog.write("search_started", name=opts.name, algorithm=space.algorithm, pending=None if remaining is None
                  else len(remaining), skipped=len(done))
-    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"])
+    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"],
+                          calib_mix=base_dict["data"]["calib_mix"])
     trial_config = {"run": base_dict, "search_dir": str(search_dir), "data_fp": fp, "reuse": opts.reuse,
                     "plan_n_drop": n_drop_plan, "default_plan_n_drop": max(n_drop_plan.values()),
                     "val_every": opts.val_every or max(1, base.stage2.steps // 4), "val_windows": opts.val_windows,

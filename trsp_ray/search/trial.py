@@ -26,7 +26,7 @@ def validation_loss(bench, model, *, windows: int) -> float:
     was_training = model.training
     try:
         ppl = perplexity(model, bench.val_ids, seqlen=bench.cfg.data.eval_seqlen, batch_size=4,
-                         max_windows=windows)
+                         max_windows=windows, bos=bench.bos)
     finally:
         model.train(was_training)
     return math.log(ppl)
