@@ -183,7 +183,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = load_config(overrides=["tracking.enabled=false", *args.overrides])
     bench = prepare(cfg)
-    from trsp_ray.comparison_jobs import domain2_ppl
+    from trsp_ray.comparison_jobs import domain_ppl
 
     passages = lambada_passages(args.lambada)
     probe = make_windows(bench.calib_ids, args.probe_seqlen, bos=bench.bos)
@@ -246,7 +246,7 @@ def main() -> None:
         dense_acc = lambada_accuracy(bench.model, bench.tokenizer, passages, bos=bench.bos)
         rows.append(("dense", "-", 0.0, 0.0, bench.validation_ppl(bench.model),
                      recall_accuracy(bench.model, tail, tail_masks)[0], bench.heldout_ppl(bench.model),
-                     domain2_ppl(bench, bench.model), dense_acc))
+                     domain_ppl(bench, bench.model, "news"), dense_acc))
     from trsp_ray.compensation import compensate
     from trsp_ray.methods import fixed_windows
 
@@ -275,7 +275,7 @@ def main() -> None:
                 kl_all = model_kl(model, probe_batches, teacher)
             rows.append((name, " ".join(map(str, sorted(drop))), kl_all, kl_late, bench.validation_ppl(model),
                          recall_accuracy(model, tail, tail_masks)[0], bench.heldout_ppl(model),
-                         domain2_ppl(bench, model), acc))
+                         domain_ppl(bench, model, "news"), acc))
             print(rows[-1], flush=True)
     print(f"\n{'row':30} {'drop set':28} {'KL all':>7} {'KL late':>7} {'tail PPL':>9} {'recall':>7} {'held PPL':>9} "
           f"{'news PPL':>9} LAMBADA acc")

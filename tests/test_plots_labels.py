@@ -7,7 +7,7 @@ def _cell(mean: float) -> dict:
     return {"mean": mean, "min": mean * 0.97, "max": mean * 1.03}
 
 
-RANGES = {  # (held-out, domain-2) PPL of dense and three rows: one decade, three decades, a tiny model's
+RANGES = {  # (geo-mean, left-out) PPL of dense and three rows: one decade, three decades, a tiny model's
     "one decade": [(22, 30), (31, 44), (45, 58), (38, 52)],
     "a third of a decade": [(18, 21.6), (27, 28.8), (25, 27.5), (20, 22.5)],  # minor labels collided here
     "three decades": [(22, 30), (31, 44), (4500, 5800), (380, 520)],
@@ -20,7 +20,7 @@ def test_benchmark_bars_tick_labels_do_not_overlap(ppls):
     from trsp_ray.plots import benchmark_bars, close
 
     names = [("dense", "dense"), ("trsp", "trained"), ("shortgpt", "selection"), ("sleb", "selection")]
-    summary = [{"row": r, "group": g, "held-out PPL": _cell(a), "domain-2 PPL": _cell(b)}
+    summary = [{"row": r, "group": g, "geo-mean x dense": _cell(a), "left-out PPL": _cell(b)}
                for (r, g), (a, b) in zip(names, ppls)]
     fig = benchmark_bars(summary)
     try:

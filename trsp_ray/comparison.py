@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from trsp_ray import registry
-from trsp_ray.comparison_jobs import domain2_ids, row_job, selection_job
+from trsp_ray.comparison_jobs import dense_nlls, row_job, selection_job
 from trsp_ray.config import RunConfig, compensated
 from trsp_ray.errors import TrspError
 
@@ -108,7 +108,7 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     import shutil
     import tempfile
 
-    from trsp_ray import assets, plots
+    from trsp_ray import domains, plots
     from trsp_ray.comparison_report import render_report
     from trsp_ray.comparison_stats import summarize
     from trsp_ray.logs import log
@@ -120,13 +120,14 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     methods = tuple(sorted({r.method for r in selected if r.method}))
     bench = prepare(cfg, methods=methods)  # every input check and cache warm-up before any job starts
     if any(r.compensate for r in selected):  # a family or calibration size it cannot serve: refused now
+        from trsp_ray.calibration import check_windows
         from trsp_ray.compensation import check_request as check_compensation
 
         c = compensated(cfg).compensation
         check_compensation(model=bench.model, method=c.method, tokens=c.windows * cfg.data.seqlen, form=c.form,
                            rank=c.rank)
-    _, domain2_source = assets.domain2_text(cfg.data.domain2_text)
-    domain2_ids(bench)
+        check_windows(bench.calibration, windows=c.windows, what=f"compensation.windows={c.windows}")
+    left_out = [] if cfg.data.calib_text else domains.left_out(domains.parse_mix(cfg.data.calib_mix))
     if lambada_limit:
         from trsp_ray.evaluation.tasks import CAPABILITY_TASK, write_task_dir
 
@@ -140,8 +141,8 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
         tracker = _tracker_while_warming(cfg.tracking, getattr(runner, "warm", None))
         with tracker.run(f"benchmark-r{cfg.ratio}", tags={"kind": "benchmark", "model": cfg.model}):
             tracker.log_params(cfg.to_dict())
-            tracker.log_params({"data.heldout_source": bench.texts.heldout_source,
-                                "data.domain2_source": domain2_source,
+            tracker.log_params({"data.calibration_source": bench.calibration.source,
+                                "data.left_out": ",".join(left_out) or "none",
                                 "rows": ",".join(r.name for r in selected), "seeds": seeds,
                                 "zeroshot_limit": zeroshot_limit, "lambada_limit": lambada_limit,
                                 "budgets": ",".join(map(str, budgets))})
@@ -159,19 +160,23 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
                    options={"lambada": lambada_limit})
             if zeroshot_limit:
                 _zeroshot(results, limit=zeroshot_limit, actors=zeroshot_actors, tracker=tracker, log=log)
-            summary = summarize(results, selected, dense_params=kept_parameters(bench.model))
-            report = render_report(summary, heldout_source=bench.texts.heldout_source, domain2_source=domain2_source,
+            # the dense row's job scored the original on every domain (cached); without that row, scored here
+            dense_nll = dense_nlls(bench)
+            summary = summarize(results, selected, dense_params=kept_parameters(bench.model), dense_nll=dense_nll,
+                                left_out=left_out)
+            report = render_report(summary, calibration_source=bench.calibration.source, left_out=left_out,
                                    cfg=cfg, seeds=seed_list, zeroshot_limit=zeroshot_limit,
                                    lambada_limit=lambada_limit, cut=cut)
             tracker.log_text(report, "benchmark.txt")
-            tracker.log_dict({"summary": summary, "runs": [{k: v for k, v in r.items() if k != "history"}
-                                                           for r in results]}, "benchmark.json")
+            tracker.log_dict({"summary": [{k: v for k, v in s.items() if k != "items"} for s in summary],
+                              "runs": [{k: v for k, v in r.items() if k != "history"} for r in results]},
+                             "benchmark.json")
             tracker.log_figure(plots.benchmark_bars(summary), "benchmark_ppl.png")
             tracker.log_figure(plots.quality_vs_compute(summary), "quality_vs_compute.png")
             for s in summary:
                 prefix = f"{s['row']}/x{s['budget']}"
-                tracker.log_metrics({f"{prefix}/heldout_ppl": s["held-out PPL"]["mean"],
-                                     f"{prefix}/domain2_ppl": s["domain-2 PPL"]["mean"],
+                tracker.log_metrics({f"{prefix}/geo_mean_x_dense": s["geo-mean x dense"]["mean"],
+                                     **{f"{prefix}/{d}_ppl": s[f"{d} PPL"]["mean"] for d in s["domains"]},
                                      f"{prefix}/total_cost": s["total cost"],
                                      **({f"{prefix}/lambada_acc": s["LAMBADA acc"]["mean"]}
                                         if "LAMBADA acc" in s else {})})
@@ -208,7 +213,7 @@ def _log_job(tracker, plots, job: Job, out: dict) -> None:
         for metrics, step in out.get("history", []):
             tracker.log_metrics(metrics, step)
         if job.kind == "row":
-            tracker.log_metrics({"heldout_ppl": out["held-out PPL"], "domain2_ppl": out["domain-2 PPL"],
+            tracker.log_metrics({**{f"{d}_ppl": v for d, v in out["ppl"].items()},
                                  "total_cost": out["info"]["total_cost"],
                                  **({"lambada_acc": out["lambada"]["acc"]} if "lambada" in out else {})})
         if out.get("stage1"):
@@ -224,7 +229,7 @@ def _zeroshot(results: list[dict], *, limit: int, actors: int, tracker, log) -> 
     from trsp_ray.evaluation.pool import evaluate_pool
     from trsp_ray.evaluation.tasks import PAPER_TASKS
 
-    settings = EvalSettings(tasks=PAPER_TASKS, limit=limit, ppl=False, speed=None)
+    settings = EvalSettings(tasks=PAPER_TASKS, limit=limit, ppl=False, speed=None, items=True)
     paths = [r["export"] for r in results]
     log(f"zero-shot: {len(paths)} models x {len(PAPER_TASKS)} tasks x {limit} items on {actors} evaluation actor(s)")
     scored = evaluate_pool(paths, settings=settings, actors=actors, tracker=tracker, log=log)

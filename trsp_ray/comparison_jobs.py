@@ -1,10 +1,10 @@
 """The work units of the comparison (`trsp-ray benchmark`): one selection, one row.
 
 They take and return plain dicts so that a runner can execute them in this process
-(comparison.run_local) or as Ray tasks (distributed/comparison.py). A row is scored on held-out
-text of the calibration domain, on a text of another domain and, when asked, on LAMBADA's
-last-word accuracy through lm-eval (a passage-level task users prune for; reported, never used to
-select or tune anything).
+(comparison.run_local) or as Ray tasks (distributed/comparison.py). A row is scored on the
+held-out documents of every text domain (trsp_ray.domains; per-window losses kept for paired
+verdicts) and, when asked, on LAMBADA's last-word accuracy through lm-eval, per passage (a
+passage-level task users prune for; reported, never used to select or tune anything).
 """
 
 from __future__ import annotations
@@ -97,32 +97,74 @@ def compensation_steps(cfg: RunConfig, drop, *, num_layers: int) -> int:
 
 def lambada(bench, model, *, limit: int) -> dict:
     """LAMBADA last-word accuracy (lm-eval's lambada_openai rule) on the first `limit` test passages,
-    with its standard error, through lm-eval's offline task."""
+    with its standard error and the per-passage results (0/1, in passage order) for paired verdicts,
+    through lm-eval's offline task."""
     from trsp_ray.evaluation.harness import run_tasks
     from trsp_ray.evaluation.tasks import CAPABILITY_TASK
 
-    scores = run_tasks(model, bench.tokenizer, tasks=[CAPABILITY_TASK], limit=limit, batch_size=16)
+    scores = run_tasks(model, bench.tokenizer, tasks=[CAPABILITY_TASK], limit=limit, batch_size=16, items=True)
     entry = scores["tasks"][CAPABILITY_TASK]
     acc, n = entry["acc"], entry.get("n") or limit
-    return {"acc": acc, "se": math.sqrt(acc * (1 - acc) / n), "n": n}
+    return {"acc": acc, "se": math.sqrt(acc * (1 - acc) / n), "n": n, "items": entry["items"]["acc"]}
 
 
-def domain2_ids(bench):
-    """Token ids of the second-domain text (data.domain2_text, default: gensim's news corpus)."""
-    from trsp_ray import assets
-    from trsp_ray.workbench import encode_cached
+def domain_ids(bench, name: str):
+    """Token ids of a domain's held-out documents (trsp_ray.domains), cached on disk: as far as the
+    scored windows reach (a text prefix of 12 characters per token needed; math's held-out part is
+    720k characters), the whole text when no window cap is set or the prefix falls short."""
+    from trsp_ray import domains
+    from trsp_ray.calibration import encode_cached
 
-    text, _ = assets.domain2_text(bench.cfg.data.domain2_text)
+    text, d = domains.texts(name)[1], bench.cfg.data
+    if d.eval_max_windows:
+        need = d.eval_max_windows * d.eval_seqlen
+        ids = encode_cached(bench.tokenizer, text[: need * 12])
+        if ids.numel() >= need + 64 or len(text) <= need * 12:  # 64: clear of the cut's last token
+            return ids
     return encode_cached(bench.tokenizer, text)
 
 
-def domain2_ppl(bench, model) -> float:
-    """Perplexity on the second-domain text, with the held-out text's windows and conventions."""
+def domain_nlls(bench, model) -> dict[str, list[float]]:
+    """{domain: per-window mean NLL} of `model` on every scored domain's held-out documents
+    (data.eval_domains), with the held-out text's windows and conventions (BOS per window)."""
+    from trsp_ray.domains import eval_domain_names
+    from trsp_ray.perplexity import window_nlls
+
+    d = bench.cfg.data
+    return {name: window_nlls(model, domain_ids(bench, name), seqlen=d.eval_seqlen, batch_size=4,
+                              max_windows=d.eval_max_windows, bos=bench.bos)
+            for name in eval_domain_names(d.eval_domains)}
+
+
+def domain_ppl(bench, model, name: str) -> float:
+    """One domain's held-out PPL, with `domain_nlls`' windows."""
     from trsp_ray.perplexity import perplexity
 
     d = bench.cfg.data
-    return perplexity(model, domain2_ids(bench), seqlen=d.eval_seqlen, batch_size=4, max_windows=d.eval_max_windows,
-                      bos=bench.bos)
+    return perplexity(model, domain_ids(bench, name), seqlen=d.eval_seqlen, batch_size=4,
+                      max_windows=d.eval_max_windows, bos=bench.bos)
+
+
+def dense_nlls(bench) -> dict[str, list[float]]:
+    """`domain_nlls` of the original model, computed once and cached on disk under what determines
+    them (the model's files, dtype, the domains' held-out texts, the windows): every row's
+    geometric mean relative to dense divides by these, whichever process scores the row."""
+    import json
+
+    from trsp_ray import assets, atomic, domains
+    from trsp_ray.stage1_store import content_key, model_fingerprint
+
+    d = bench.cfg.data
+    key = content_key({"model": model_fingerprint(bench.cfg.model), "dtype": str(bench.model.dtype),
+                       "domains": [domains.DOMAINS[n].source for n in domains.eval_domain_names(d.eval_domains)],
+                       "split": domains.HELDOUT_EVERY, "seqlen": d.eval_seqlen, "windows": d.eval_max_windows,
+                       "bos": bench.bos})
+    path = assets.cache_dir() / "scores" / f"dense-{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    out = domain_nlls(bench, bench.scoring_model())
+    atomic.write_text(path, json.dumps(out))
+    return out
 
 
 def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None,
@@ -138,10 +180,10 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     options = options or {}
     budget = options.get("budget", 1)
     row = registry.ROWS[row_name]
-    cfg = seeded(cfg_dict, seed)
+    run_cfg = seeded(cfg_dict, seed)
     # only +comp rows compensate: a --set compensation.method=... configures their fit, it does not
     # turn every row into a compensated one (it did: shortgpt+heal and shortgpt+comp+heal were one model)
-    cfg = compensated(cfg) if row.compensate else replace(cfg, **{"compensation.method": "none"})
+    cfg = compensated(run_cfg) if row.compensate else replace(run_cfg, **{"compensation.method": "none"})
     bench = prepare(cfg)
     t0 = time.time()
     history: list = []
@@ -150,23 +192,25 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     else:
         extra = equal_compute_steps(bench.cfg, selection, reference) if row.equal_compute else 0
         if row.comp_compute:
-            extra += compensation_steps(bench.cfg, selection["drops"][row.method], num_layers=bench.num_layers)
+            extra += compensation_steps(run_cfg, selection["drops"][row.method], num_layers=bench.num_layers)
         s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
         out = apply_method(bench, row.method, drop=selection["drops"][row.method], stage2=row.recovery == "stage2",
                            stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))
         model, drop, info = out.model, out.drop, {**selection["info"], **out.info, "extra_heal_steps": extra}
     info["recovery_cost"], info["total_cost"] = compute.recovery_cost(info), compute.total_cost(info)
+    from trsp_ray.perplexity import ppl_of
+
+    nlls = dense_nlls(bench) if row.method is None else domain_nlls(bench, model)
     result = {"row": row_name, "seed": seed, "budget": budget, "drop": drop, "params": kept_parameters(model),
-              "info": info, "held-out PPL": bench.heldout_ppl(model), "domain-2 PPL": domain2_ppl(bench, model),
-              "history": history}
+              "info": info, "nll": nlls, "ppl": {name: ppl_of(v) for name, v in nlls.items()}, "history": history}
     if options.get("lambada"):
         result["lambada"] = lambada(bench, model, limit=options["lambada"])
     if export_dir is not None:
-        metrics = {k: result[k] for k in ("held-out PPL", "domain-2 PPL", "params")}
+        metrics = {**{f"{name} PPL": v for name, v in result["ppl"].items()}, "params": result["params"]}
         result["export"] = export_row(model, bench, row_name=row_name, drop=drop, metrics=metrics,
                                       target=f"{export_dir}/{row_name}-b{budget}-s{seed}")
     result["seconds"] = time.time() - t0 + (selection["seconds"] if selection else 0.0)
     lamb = f", LAMBADA acc {result['lambada']['acc']:.3f}" if "lambada" in result else ""
-    log(f"row {row_name} x{budget} (seed {seed}): held-out PPL {result['held-out PPL']:.2f}, "
-        f"domain-2 PPL {result['domain-2 PPL']:.2f}{lamb} ({result['seconds']:.0f}s)")
+    ppls = ", ".join(f"{name} {v:.2f}" for name, v in result["ppl"].items())
+    log(f"row {row_name} x{budget} (seed {seed}): PPL {ppls}{lamb} ({result['seconds']:.0f}s)")
     return result

@@ -3,12 +3,13 @@ and of the default row column by column, and what the run cut; plots are in trsp
 
 from __future__ import annotations
 
+import math
+
+from trsp_ray import comparison_stats as stats
 from trsp_ray import registry
-from trsp_ray.comparison_stats import COLUMNS as JUDGED
 from trsp_ray.config import RunConfig
 
-COLUMNS = ["row", "dropped (first seed)", "kept %", "calib tokens", "weight tokens", "select k", "recover k",
-           "total k", "held-out PPL", "domain-2 PPL", "LAMBADA acc", "zero-shot %", "wall s"]
+FIXED = ["row", "dropped (first seed)", "kept %", "select k", "recover k", "total k"]
 
 
 def fmt(stat: dict | None, digits: int = 2, scale: float = 1.0) -> str:
@@ -22,20 +23,51 @@ def fmt(stat: dict | None, digits: int = 2, scale: float = 1.0) -> str:
     return mean
 
 
-def table_rows(summary: list[dict]) -> list[dict]:
+def table_columns(summary: list[dict], left_out: list[str]) -> list[str]:
+    doms = summary[0]["domains"] if summary else []
+    ppl = [stats.GEO] + [f"{d} PPL" for d in doms if d not in left_out]
+    ppl += [f"{d} PPL (left out)" for d in doms if d in left_out]
+    return FIXED + ppl + ["LAMBADA acc", "zero-shot %", "wall s"]
+
+
+def table_rows(summary: list[dict], left_out: list[str]) -> list[dict]:
     """The printed cells (compute in thousands of dense-forward tokens)."""
     out = []
     for s in summary:
-        out.append({"group": s["group"], "budget": s["budget"], "row": s["row"],
-                    "dropped (first seed)": (" ".join(map(str, sorted(s["drop"])))
-                                             + ("" if s["same drop over seeds"] else " *")),
-                    "kept %": s["kept %"], "calib tokens": s["calib tokens"], "weight tokens": s["weight tokens"],
-                    "select k": s["select cost"] / 1e3, "recover k": s["recovery cost"] / 1e3,
-                    "total k": s["total cost"] / 1e3,
-                    "held-out PPL": fmt(s["held-out PPL"]), "domain-2 PPL": fmt(s["domain-2 PPL"]),
-                    "LAMBADA acc": fmt(s.get("LAMBADA acc"), 3), "zero-shot %": fmt(s.get("zero-shot"), 1, 100.0),
-                    "wall s": s["seconds"]})
+        cell = {"group": s["group"], "budget": s["budget"], "row": s["row"],
+                "dropped (first seed)": " ".join(map(str, sorted(s["drop"])))
+                                        + ("" if s["same drop over seeds"] else " *"),
+                "kept %": s["kept %"], "select k": s["select cost"] / 1e3, "recover k": s["recovery cost"] / 1e3,
+                "total k": s["total cost"] / 1e3, stats.GEO: fmt(s[stats.GEO], 3),
+                "LAMBADA acc": fmt(s.get("LAMBADA acc"), 3), "zero-shot %": fmt(s.get("zero-shot"), 1, 100.0),
+                "wall s": s["seconds"]}
+        for d in s["domains"]:  # the seed mean; the spread and the paired noise are in the verdicts below
+            mean = s[f"{d} PPL"]["mean"]
+            cell[f"{d} PPL" + (" (left out)" if d in left_out else "")] = f"{mean:.{1 if mean >= 100 else 2}f}"
+        out.append(cell)
     return out
+
+
+def _signed(col: str, p: dict) -> str:
+    """A paired difference in the column's units: % of perplexity, or accuracy points, ± 2 SE."""
+    if col in dict(stats.TASK_COLUMNS):
+        return f"{p['diff'] * 100:+.1f}±{2 * p['se'] * 100:.1f}pt"
+    return f"{(math.exp(p['diff']) - 1) * 100:+.1f}±{(math.exp(2 * p['se']) - 1) * 100:.1f}%"
+
+
+def verdict_table(s: dict, by_row: dict, cols: list[tuple[str, bool]], summary: list[dict]) -> str:
+    """One line per other row: its total compute and, per column, the paired verdict of `s` against it."""
+    from trsp_ray.table import render
+
+    costs = {o["row"]: o["total cost"] for o in summary if o["budget"] == s["budget"]}
+    names = [c for c, _ in cols if any(c in v for v in by_row.values())]
+    rows = []
+    for other, verdicts in by_row.items():
+        cell = {"against": other, "its total k": costs.get(other, 0.0) / 1e3}
+        for c in names:
+            cell[c] = f"{verdicts[c]['verdict']} {_signed(c, verdicts[c])}" if c in verdicts else "-"
+        rows.append(cell)
+    return render(rows, ["against", "its total k"] + names)
 
 
 def sleb_note(cfg: RunConfig) -> str:
@@ -49,21 +81,16 @@ def sleb_note(cfg: RunConfig) -> str:
             f"cores; --full-baselines runs it on {FULL_SLEB_WINDOWS}, where its drop set stops changing.")
 
 
-def _verdict_line(s: dict, key: str, label: str) -> str | None:
-    verdicts = s.get(key) or {}
-    parts = [f"{col} {v} (vs {best})" for col, _ in JUDGED if col in verdicts for v, best in [verdicts[col]] if v]
-    if not parts:
-        return None
-    wins = sum(verdicts[c][0] == "better" for c in verdicts)
-    return f"{s['row']} x{s['budget']} {label}: " + "; ".join(parts) + f" -> wins {wins} of {len(verdicts)} columns"
-
-
-def render_report(summary: list[dict], *, heldout_source: str, domain2_source: str, cfg: RunConfig,
+def render_report(summary: list[dict], *, calibration_source: str, left_out: list[str], cfg: RunConfig,
                   seeds: list[int], zeroshot_limit: int, lambada_limit: int, cut: str = "") -> str:
-    """The terminal report: one table per budget group, then the verdicts of the TRSP rows."""
+    """The terminal report: one table per budget group, the paired verdicts of the default against
+    every other row of its group, and of each row against its group's best baseline."""
+    from trsp_ray import domains
     from trsp_ray.table import render
 
-    cells = table_rows(summary)
+    cells = table_rows(summary, left_out)
+    columns = table_columns(summary, left_out)
+    cols = stats.columns(summary[0]["domains"] if summary else [], left_out)
     d = cfg.data
     parts = []
     for budget in sorted({c["budget"] for c in cells}):
@@ -71,12 +98,17 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
             rows = [c for c in cells if c["group"] == group and c["budget"] == budget]
             if rows:
                 title = registry.GROUP_TITLES[group] + (f", heal budget x{budget}" if group == "trained" else "")
-                parts += [f"\n{title}", render(rows, COLUMNS)]
+                parts += [f"\n{title}", render(rows, columns)]
     tokens = cfg.stage2.steps * d.batch_size * d.seqlen
+    scored = ", ".join(f"{n} ({domains.DOMAINS[n].source})" for n in (summary[0]["domains"] if summary else []))
+    out_note = (f"left out of calibration (scored, never calibrated on): {', '.join(left_out)}" if left_out
+                else "no domain is left out of calibration")
     parts.append(
-        f"\nseeds {seeds} (mean [min-max]; '*' = the drop set changed across seeds); a difference inside the larger "
-        f"spread, or within 2 standard errors for an accuracy, is a tie.\nheld-out: {heldout_source}; domain 2: "
-        f"{domain2_source}; PPL over {d.eval_max_windows or 'all'} windows of {d.eval_seqlen} tokens.\n"
+        f"\nseeds {seeds} (mean [min-max]; '*' = the drop set changed across seeds).\n"
+        f"calibration: {calibration_source}; {out_note}.\n"
+        f"held-out PPL per domain over {d.eval_max_windows or 'all'} windows of {d.eval_seqlen} tokens of its "
+        f"held-out documents (every {domains.HELDOUT_EVERY}th, none calibrated on): {scored}.\n"
+        f"{stats.GEO}: the geometric mean over the domains of PPL / dense PPL (1.000 = dense).\n"
         f"trained rows: {cfg.stage2.steps} batches of {d.batch_size}x{d.seqlen} tokens ({tokens:,}) of weight updates "
         f"per budget unit, objective {cfg.recovery.objective}; '@compute' rows also heal with the TRSP selection's "
         "extra compute.\ncompute in thousands of dense-forward tokens (a forward token 1, a trained token 3): "
@@ -88,8 +120,9 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
         parts.append(f"LAMBADA: last-word accuracy (lm-eval lambada_openai rule) on the first {lambada_limit} test "
                      "passages, ± standard error; reported only, never used to select or tune.")
     if zeroshot_limit:
-        parts.append(f"zero-shot: mean acc over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c, {zeroshot_limit} items "
-                     f"per task, ± standard error.")
+        metrics = ", ".join(f"{t} {m}" for t, m in stats.ZEROSHOT_METRIC.items())
+        parts.append(f"zero-shot: mean over the paper's five tasks ({metrics}), {zeroshot_limit} items per task, "
+                     "± standard error; reported only.")
     if any(registry.ROWS[s["row"]].compensate or registry.ROWS[s["row"]].comp_compute for s in summary):
         from trsp_ray.config import compensated
 
@@ -103,17 +136,31 @@ def render_report(summary: list[dict], *, heldout_source: str, domain2_source: s
                      "with what that compensation of their drop set costs as extra steps.")
     if cut:
         parts.append(cut)
-    default = next((s["row"] for s in summary if registry.ROWS[s["row"]].is_default), None)
-    if default:
-        parts.append(f"default `trsp-ray prune` (method {registry.DEFAULT_METHOD}) = row {default}.")
-    for s in summary:
-        line = _verdict_line(s, "verdicts vs TRSP", "(the default) against TRSP's best row, equal weight tokens")
-        if line:
-            parts.append(line)
-        if registry.ROWS[s["row"]].uses_stage1:
-            for key, label in (("verdicts", "at equal weight tokens"), ("verdicts at equal compute",
-                                                                         "at equal total compute")):
-                line = _verdict_line(s, key, label)
-                if line:
-                    parts.append(line)
+    parts += _verdicts(summary, cols)
     return "\n".join(parts)
+
+
+def _verdicts(summary: list[dict], cols: list[tuple[str, bool]]) -> list[str]:
+    parts = ["\nPaired verdicts (each item / window compared with itself across rows; a PPL difference in % of "
+             "perplexity, an accuracy's in points, ± 2 paired SE; a win must also exceed the seeds' spread of the "
+             "difference; one seed has no spread, its verdicts say so and count as no win):"]
+    for s in summary:
+        if s.get("default vs"):
+            parts.append(f"\nthe default `trsp-ray prune` (method {registry.DEFAULT_METHOD} = row {s['row']}, total "
+                         f"{s['total cost'] / 1e3:.1f}k) against every row of its group:")
+            parts.append(verdict_table(s, s["default vs"], cols, summary))
+    judged = {s["row"]: s["vs best"] for s in summary if s.get("vs best") and not registry.ROWS[s["row"]].is_default}
+    if judged:
+        parts.append("\neach row against the best baseline of its group (by the geometric mean):")
+        best = {s["row"]: s["best baseline"] for s in summary if s.get("vs best")}
+        for row, verdicts in judged.items():
+            subject = next(s for s in summary if s["row"] == row)
+            line = "; ".join(f"{c} {v['verdict']} {_signed(c, v)}" for c, _ in cols for v in [verdicts.get(c)] if v)
+            wins = sum(v["verdict"] == "better" for v in verdicts.values())
+            parts.append(f"{row} x{subject['budget']} vs {best[row]}: {line} -> wins {wins} of {len(verdicts)}")
+    mde = stats.detectable(summary, cols)
+    if mde:
+        parts.append("smallest difference each column can detect (2 x the median paired SE of these comparisons): "
+                     + ", ".join(f"{c} {v * 100:.1f}pt" if c in dict(stats.TASK_COLUMNS) else f"{c} {v:.1f}%"
+                                 for c, v in mde.items()))
+    return parts

@@ -57,7 +57,7 @@ def windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None, *, b
 
 
 @torch.no_grad()
-def perplexity(
+def window_nlls(
     model,
     ids: torch.Tensor,
     *,
@@ -66,22 +66,34 @@ def perplexity(
     max_windows: int | None = None,
     bos: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> float:
-    """exp(mean NLL) of `model` over the windows of `ids` (shape [N]); `bos` as `bos_token` gives it."""
+) -> list[float]:
+    """Mean next-token NLL (nats) of each window of `ids`, in window order: what paired comparisons
+    of two models on the same windows read (every window predicts seqlen - 1 tokens)."""
     chunks = windows(ids, seqlen, max_windows, bos=bos)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    total_nll, total_tokens = 0.0, 0
+    out: list[float] = []
     for start in range(0, chunks.shape[0], batch_size):
         batch = chunks[start : start + batch_size].to(device)
         logits = model(input_ids=batch, use_cache=False).logits.float()
         nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-        )
-        total_nll += nll.item()
-        total_tokens += batch[:, 1:].numel()
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+        ).view(batch.shape[0], -1)
+        out += nll.mean(dim=1).tolist()
         if progress is not None:
             progress(min(start + batch_size, chunks.shape[0]), chunks.shape[0])
     model.train(was_training)
-    return math.exp(total_nll / total_tokens)
+    return out
+
+
+def perplexity(model, ids: torch.Tensor, *, seqlen: int, batch_size: int = 1, max_windows: int | None = None,
+               bos: int | None = None, progress: Callable[[int, int], None] | None = None) -> float:
+    """exp(mean NLL) of `model` over the windows of `ids` (shape [N]); `bos` as `bos_token` gives it."""
+    return ppl_of(window_nlls(model, ids, seqlen=seqlen, batch_size=batch_size, max_windows=max_windows, bos=bos,
+                              progress=progress))
+
+
+def ppl_of(nlls: list[float]) -> float:
+    """Perplexity of equal-length windows from their mean NLLs: exp of the mean over every token."""
+    return math.exp(sum(nlls) / len(nlls))

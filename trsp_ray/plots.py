@@ -56,16 +56,20 @@ def relative_updates(history: dict[int, list[float]]):
 
 
 def benchmark_bars(summary: list[dict]):
-    """Held-out and domain-2 perplexity per benchmark row (mean over seeds, bars = min..max), one
-    panel per metric, rows grouped by budget (dense, selection only, trained)."""
+    """The geometric-mean perplexity relative to dense and the left-out domain's perplexity (where a
+    domain is left out) per benchmark row (mean over seeds, bars = min..max), one panel per metric,
+    rows grouped by budget (dense, selection only, trained)."""
     plt = _pyplot()
     from matplotlib import ticker
 
     rows = [s for s in summary if s["group"] != "dense"]
     dense = next((s for s in summary if s["group"] == "dense"), None)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8), sharey=True)
+    panels = [c for c in ("geo-mean x dense", "left-out PPL") if all(s.get(c) for s in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 0.45 * len(rows) + 1.8), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
     colors = {"selection": "tab:orange", "trained": "tab:blue"}
-    for ax, col in zip(axes, ("held-out PPL", "domain-2 PPL")):
+    for ax, col in zip(axes, panels):
         means = [s[col]["mean"] for s in rows]
         # max(0, .): a mean of equal values can land an ulp outside [min, max], and matplotlib refuses
         err = [[max(0.0, s[col]["mean"] - s[col]["min"]) for s in rows],
@@ -89,13 +93,13 @@ def benchmark_bars(summary: list[dict]):
 
 
 def quality_vs_compute(summary: list[dict]):
-    """What compute buys: held-out PPL and LAMBADA accuracy (where measured) of every pruned row
-    against its total compute (selection + recovery, dense-forward tokens); one line per row across
-    heal budgets, the dense model as a dashed line."""
+    """What compute buys: the geometric-mean PPL relative to dense and LAMBADA accuracy (where
+    measured) of every pruned row against its total compute (selection + recovery, dense-forward
+    tokens); one line per row across heal budgets, the dense model as a dashed line."""
     plt = _pyplot()
     rows = [s for s in summary if s["group"] != "dense"]
     dense = next((s for s in summary if s["group"] == "dense"), None)
-    panels = [c for c in ("held-out PPL", "LAMBADA acc") if any(s.get(c) for s in rows)]
+    panels = [c for c in ("geo-mean x dense", "LAMBADA acc") if any(s.get(c) for s in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, col in zip(axes[0], panels):
         for name in dict.fromkeys(s["row"] for s in rows):

@@ -105,7 +105,9 @@ class Row:
 
     @property
     def is_baseline(self) -> bool:
-        return self.method is not None and METHODS[self.method].selector in BASELINE_SELECTORS
+        """A baseline as its authors run it: a baseline selector, healed or not, never compensated (the
+        product's own default is compensated, and TRSP's rows are not judged against it as a baseline)."""
+        return self.method is not None and METHODS[self.method].selector in BASELINE_SELECTORS and not self.compensate
 
     @property
     def uses_stage1(self) -> bool:

@@ -101,22 +101,26 @@ def _no_environment_report():
 
 
 def run_tasks(model, tokenizer, *, tasks: list[str], limit: int | None, batch_size: int = 8,
-              task_dir: Path | None = None) -> dict:
+              task_dir: Path | None = None, items: bool = False) -> dict:
     """Zero-shot scores of `model` on `tasks` (our names, or `lm_eval:<stock>`).
 
-    Returns {"tasks": {name: {"acc": float, "acc_norm": float (if the task defines it), "n": int}},
-    "lm_eval_version": str}.
+    Returns {"tasks": {name: {"acc": float, "acc_norm": float (if the task defines it), "n": int,
+    with `items` also "items": {metric: [per-item 0/1 in doc order]}}}, "lm_eval_version": str}: the
+    per-item results are what paired comparisons of two models on the same items read.
     """
     names = check_task_names(tasks)
     check_limit(limit)
     manager = _task_manager(names, task_dir)
     raw = evaluate_lm(model, tokenizer, tasks=[lm_eval_name(n) for n in names], limit=limit,
-                      batch_size=batch_size, task_manager=manager)
+                      batch_size=batch_size, task_manager=manager, log_samples=items)
     scores = {}
     for name in names:
         block = raw["results"][lm_eval_name(name)]
         entry = {m: float(block[f"{m},none"]) for m in METRICS if f"{m},none" in block}
         entry["n"] = int(raw.get("n-samples", {}).get(lm_eval_name(name), {}).get("effective", 0))
+        if items:
+            rows = per_item(raw, lm_eval_name(name))
+            entry["items"] = {m: [r[m] for r in rows] for m in METRICS if rows and m in rows[0]}
         scores[name] = entry
     return {"tasks": scores, "lm_eval_version": lm_eval_version()}
 
