@@ -13,7 +13,7 @@ from trsp_ray.cli import main
 # SMALL: ShortGPT scores baselines.calib_windows=2 windows of 32 tokens; a heal step is 2 x 32 tokens;
 # the default's compensation is planned at one dense pass over its 4 x 32 calibration tokens
 SELECT, COMP, STEP = 2 * 32, 4 * 32, 3 * 2 * 32
-FOUR = ["--set", "compensation.windows=4"]
+FOUR = ["--set", "compensation.windows=4", "--set", "compensation.min_tokens_per_column=1"]  # 2 per column
 
 
 def test_the_budget_buys_the_heal_steps_the_selection_and_compensation_leave(tiny_dir, tmp_path):  # noqa: F811

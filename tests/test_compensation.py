@@ -220,7 +220,7 @@ def test_bad_requests_fail_in_one_line_before_any_forward():
     calls = []
     dense.register_forward_hook(lambda *_: calls.append(1))
     weight = dense.model.layers[1].mlp.down_proj.weight.clone()
-    cases = [(dict(windows=_windows(count=1, batch=1, seqlen=32)), "fewer than the hidden size 64"),
+    cases = [(dict(windows=_windows(count=1, batch=1, seqlen=32)), "0.5 per column of the 64 x 64 map"),
              (dict(drop=[0, 1]), "removes layer 0"),
              (dict(method="foo"), "compensation.method='foo' is not valid"),
              (dict(method="scalar", activations="sequential"), "not used by the scalar fold"),
@@ -234,7 +234,7 @@ def test_bad_requests_fail_in_one_line_before_any_forward():
     assert not calls and torch.equal(weight, dense.model.layers[1].mlp.down_proj.weight)
     for override, message in (("compensation.activations=sequential compensation.method=scalar", "scalar fold"),
                               ("compensation.method=full", "choose one of auto, none, lstsq, scalar"),
-                              ("compensation.windows=0", "must be > 0"),
+                              ("compensation.windows=-1", "must be >= 0"),
                               ("compensation.ridge=-1", "must be >= 0")):
         with pytest.raises(TrspError, match=message):
             load_config(overrides=override.split())
@@ -308,8 +308,8 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     plain = driver.run(load_config(overrides=overrides))
     assert "random (" not in capsys.readouterr().out  # the summary table names no compensation
     cfg = load_config(overrides=[*overrides, "compensation.method=lstsq", "compensation.windows=4",
-                                 f"output={tmp_path / 'out'}"])
-    with pytest.raises(TrspError, match="fewer than the hidden size 64"):
+                                 "compensation.min_tokens_per_column=1", f"output={tmp_path / 'out'}"])
+    with pytest.raises(TrspError, match="per column of the 64 x 64 map"):
         driver.run(load_config(overrides=[*overrides, "compensation.method=lstsq", "compensation.windows=1"]))
     capsys.readouterr()
     results = driver.run(cfg)
@@ -322,7 +322,8 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
     assert manifest["config"]["compensation"] == {"method": "lstsq", "ridge": 1e-2, "windows": 4,
                                                   "activations": "dense", "form": "full", "rank": 64,
-                                                  "weighting": "norm"}
+                                                  "weighting": "norm", "tokens_per_column": 28.0,
+                                                  "min_tokens_per_column": 1.0}
     assert [manifest["metrics"][f"compensation_{k}"] for k in ("form", "ridge", "weighting")] == ["full", 1e-2, "norm"]
     assert manifest["metrics"]["compensation_tokens"] == 4 * 32
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
@@ -514,8 +515,9 @@ def test_compensation_none_with_the_default_is_refused_wherever_a_run_starts(wor
     code, out, err = _prune(workspace, "--set", "compensation.method=none")
     assert code == 2 and not out and err.count("\n") == 1 and "use --method shortgpt+heal" in err
     code, out, _ = _prune(workspace)
+    # compensation.windows 0: sized to the tiny model's hidden size, 28 x 64 / 128 = 14 windows
     assert code == 0 and "compensation: lstsq (form full, ridge 0.01, weighting norm), fitted after the selection " \
-                         "on 128 windows x 128 tokens" in out
+                         "on 14 windows x 128 tokens (1,792;" in out
     code, out, _ = _prune(workspace, "--method", "shortgpt+heal")
     assert code == 0 and "compensation: none (shortgpt+heal fits nothing)" in out
 

@@ -144,7 +144,7 @@ def test_bad_forms_fail_in_one_line_before_any_forward():
     assert not calls
     few = _windows(count=1, batch=1, seqlen=16)  # 16 tokens: too few for a 64 x 64 map, enough for 64 scales
     for form in ("full", "lowrank"):
-        with pytest.raises(TrspError, match="fewer than the hidden size 64"):
+        with pytest.raises(TrspError, match="per column of the 64 x 64 map"):
             compensation.check_request(model=dense, method="lstsq", tokens=16, form=form, rank=4)
     model = copy_model(dense, torch.device("cpu"))
     remove_layers(model, [2, 3])

@@ -60,8 +60,10 @@ def _fit_line(cfg) -> str:
     if c.method == "none":
         return f"compensation: none ({cfg.method} fits nothing)"
     how = ", ".join(f"{k.removeprefix('compensation_')} {v}" for k, v in describe(c).items() if k != "compensation")
+    tokens = c.windows * cfg.data.seqlen
     return (f"compensation: {c.method}" + (f" ({how})" if how else "") + f", fitted after the selection on "
-            f"{c.windows} windows x {cfg.data.seqlen} tokens")
+            f"{c.windows} windows x {cfg.data.seqlen} tokens ({tokens:,}; compensation.windows 0 sizes it to "
+            f"{c.tokens_per_column:g} tokens per column of the model's hidden size)")
 
 
 # What the README's quick `trsp-ray benchmark` runs and what `--full` adds (the quick run fits 15

@@ -119,13 +119,16 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
     seed_list = [cfg.seed + k for k in range(seeds)]
     methods = tuple(sorted({r.method for r in selected if r.method}))
     bench = prepare(cfg, methods=methods)  # every input check and cache warm-up before any job starts
-    if any(r.compensate for r in selected):  # a family or calibration size it cannot serve: refused now
+    if any(r.compensate or r.comp_compute for r in selected):  # a fit it cannot serve: refused now
         from trsp_ray.calibration import check_windows
         from trsp_ray.compensation import check_request as check_compensation
+        from trsp_ray.config import sized
+        from trsp_ray.families import text_config
 
+        cfg = sized(cfg, hidden=text_config(bench.model).hidden_size)  # windows 0: sized to the model
         c = compensated(cfg).compensation
         check_compensation(model=bench.model, method=c.method, tokens=c.windows * cfg.data.seqlen, form=c.form,
-                           rank=c.rank)
+                           rank=c.rank, minimum=c.min_tokens_per_column)
         check_windows(bench.calibration, windows=c.windows, what=f"compensation.windows={c.windows}")
     left_out = [] if cfg.data.calib_text else domains.left_out(domains.parse_mix(cfg.data.calib_mix))
     if lambada_limit:

@@ -50,7 +50,7 @@ import torch
 
 from trsp_ray import families
 from trsp_ray.boundaries import Stop, blocks, hidden
-from trsp_ray.compensation_forms import WEIGHTINGS, check_form, solve  # noqa: F401 (re-exported for the workers)
+from trsp_ray.compensation_forms import WEIGHTINGS, check_form, check_tokens, solve  # noqa: F401 (re-exported)
 from trsp_ray.errors import TrspError
 
 METHODS = ("none", "lstsq", "scalar")
@@ -78,10 +78,12 @@ class Stats:
         return float(self.yty - 2 * (t * self.mty).sum() + (t * (self.mtm @ t)).sum())
 
 
-def check_request(*, model, method: str, tokens: int, drop=None, form: str = "full", rank: int | None = None) -> None:
+def check_request(*, model, method: str, tokens: int, drop=None, form: str = "full", rank: int | None = None,
+                  minimum: float = 1.0) -> None:
     """Refuse, before any forward pass, a compensation that cannot run: an unknown method, a family
-    whose MLP output a map cannot be folded into, fewer calibration tokens than the hidden size
-    (a d x d map is then underdetermined), or a block at layer 0 (no layer before it to fold into).
+    whose MLP output a map cannot be folded into, fewer than `minimum` calibration tokens per column
+    of a d x d map (below 1 it is underdetermined; a run's floor is compensation.min_tokens_per_column),
+    or a block at layer 0 (no layer before it to fold into).
     The scalar fold needs the layers' output projections and at least one token, and serves layer 0."""
     if method not in METHODS:
         raise TrspError(f"compensation.method={method!r} is not valid; choose one of {', '.join(METHODS)}")
@@ -96,11 +98,7 @@ def check_request(*, model, method: str, tokens: int, drop=None, form: str = "fu
     families.mlp_output(layers[0], model)
     hidden = families.text_config(model).hidden_size
     check_form(form, rank, hidden)
-    if form == "diagonal" and tokens < 1:
-        raise TrspError(f"compensation has {tokens} calibration tokens; the diagonal map needs at least 1")
-    if form != "diagonal" and tokens < hidden:
-        raise TrspError(f"compensation has {tokens} calibration tokens, fewer than the hidden size {hidden} "
-                        f"a {hidden} x {hidden} map needs; raise compensation.windows")
+    check_tokens(tokens=tokens, hidden=hidden, form=form, minimum=minimum)
     if drop is not None and 0 in set(drop):
         raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
                         f"compensation; {families.NO_COMPENSATION}, or protect layer 0 (gates.protect_head)")

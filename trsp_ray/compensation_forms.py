@@ -29,6 +29,35 @@ FORMS = ("full", "diagonal", "lowrank")
 WEIGHTINGS = ("norm", "none")
 
 
+# Calibration for a map, sized from the hidden size d (issue 33 item 3): a d x d map has d unknowns
+# per output column, so its calibration scales with d. On SmolLM2 (d = 576) 7 tokens per column
+# overfit (32 x 128 tokens: calibration-tail PPL 47.2 above held-out 39.7) and 28 was chosen on the
+# calibration KL (128 x 128 tokens); ReplaceMe fits on ~2,000 per column at d = 4096. So the
+# default is 28 per column (16k tokens at d = 576, 115k at 4096, 229k at 8192) and below 8 a fit is
+# refused. The diagonal form has one unknown per column and needs no more than a token.
+TOKENS_PER_COLUMN = 28.0
+MIN_TOKENS_PER_COLUMN = 8.0
+
+
+def sized_windows(*, windows: int, hidden: int, seqlen: int, tokens_per_column: float = TOKENS_PER_COLUMN) -> int:
+    """compensation.windows, with 0 (auto) resolved to ceil(tokens_per_column x hidden / seqlen)."""
+    import math
+
+    return windows or math.ceil(tokens_per_column * hidden / seqlen)
+
+
+def check_tokens(*, tokens: int, hidden: int, form: str, minimum: float = MIN_TOKENS_PER_COLUMN) -> None:
+    """Refuse a fit from fewer than `minimum` calibration tokens per unknown of a map column, in one line."""
+    if form == "diagonal":
+        if tokens < 1:
+            raise TrspError(f"compensation has {tokens} calibration tokens; the diagonal map needs at least 1")
+        return
+    if tokens < minimum * hidden:
+        raise TrspError(f"compensation has {tokens} calibration tokens, {tokens / hidden:.1f} per column of the "
+                        f"{hidden} x {hidden} map, below the floor of {minimum:g} (7 overfit on SmolLM2); raise "
+                        f"compensation.windows or leave it 0 (auto: {TOKENS_PER_COLUMN:g} per column)")
+
+
 def check_form(form: str, rank: int | None, hidden: int | None = None) -> None:
     """Refuse an unknown form or a rank outside 1..hidden, in one line."""
     if form not in FORMS:

@@ -246,6 +246,19 @@ def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None
     return out
 
 
+def sized(cfg: RunConfig, *, hidden: int) -> RunConfig:
+    """`cfg` with compensation.windows 0 (auto) sized from the model's hidden size
+    (compensation_forms.sized_windows): what every path that fits reads, resolved once where the run
+    starts (workbench.method_config, the benchmark, the plan)."""
+    from trsp_ray.compensation_forms import sized_windows
+
+    c = cfg.compensation
+    if c.windows:
+        return cfg
+    windows = sized_windows(windows=0, hidden=hidden, seqlen=cfg.data.seqlen, tokens_per_column=c.tokens_per_column)
+    return replace(cfg, **{"compensation.windows": windows})
+
+
 def replace(cfg: Any, **changes: Any) -> Any:
     """dataclasses.replace that accepts dotted keys: replace(cfg, **{"stage1.lambda1": 0.01})."""
     nested: dict[str, dict] = {}

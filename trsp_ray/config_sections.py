@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trsp_ray.compensation_forms import WEIGHTINGS, check_form
+from trsp_ray.compensation_forms import MIN_TOKENS_PER_COLUMN, TOKENS_PER_COLUMN, WEIGHTINGS, check_form
 from trsp_ray.domains import DEFAULT_MIX, eval_domain_names, parse_mix
 from trsp_ray.errors import TrspError
 
@@ -188,7 +188,12 @@ class CompensationConfig:
     # 32 windows overfit (KL 1.07, tail PPL 47.2 > held-out 39.7), 64 need ridge 1e-1 (0.97),
     # 128 at 1e-2 give 0.93 and 256 0.88 at twice the fit's forward
     ridge: float = 1e-2
-    windows: int = 128
+    # calibration windows of the fit; 0 (auto) = tokens_per_column x hidden size / data.seqlen (128 on
+    # SmolLM2; compensation_forms.TOKENS_PER_COLUMN says why), resolved where a run starts
+    # (config.sized); a fit from fewer than min_tokens_per_column per map column is refused
+    windows: int = 0
+    tokens_per_column: float = TOKENS_PER_COLUMN
+    min_tokens_per_column: float = MIN_TOKENS_PER_COLUMN
     # dense: M and the residual from the dense model (one pass); sequential: from the pruned model
     # with the earlier blocks already compensated (a pass per block); targets always dense
     activations: str = "dense"
@@ -204,7 +209,9 @@ class CompensationConfig:
         _choice("compensation.method", self.method, ("auto", "none", "lstsq", "scalar"))
         check_form(self.form, self.rank)
         _positive("compensation.ridge", self.ridge, allow_zero=True)
-        _positive("compensation.windows", self.windows)
+        _positive("compensation.windows", self.windows, allow_zero=True)
+        _positive("compensation.tokens_per_column", self.tokens_per_column)
+        _positive("compensation.min_tokens_per_column", self.min_tokens_per_column, allow_zero=True)
         _choice("compensation.activations", self.activations, ("dense", "sequential"))
         _choice("compensation.weighting", self.weighting, WEIGHTINGS)
         if self.method == "scalar" and self.activations != "dense":

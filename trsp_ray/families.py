@@ -127,6 +127,11 @@ def mlp_output(layer, model):
     return _linear(layer, family.mlp_out_path, family, "MLP")
 
 
+def hidden_size(config) -> int:
+    """The hidden size of a model's config.json (AutoConfig), through its family's text config."""
+    return _get(config, FAMILIES[config.model_type].config_path).hidden_size
+
+
 def text_config(model):
     """The config object that holds num_hidden_layers (the text config for multimodal wrappers)."""
     return _get(model.config, family_of(model).config_path)

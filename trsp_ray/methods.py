@@ -13,8 +13,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from trsp_ray import compensation, registry
-from trsp_ray.config import for_method
+from trsp_ray import compensation, families, registry
+from trsp_ray.config import for_method, sized
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
 from trsp_ray.logs import log as _log
@@ -291,10 +291,11 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
     use_stage2 = (registry.method(method).stage2 and s2.enabled) if stage2 is None else stage2
     # a compensating method fits least squares by default; a fit after stage 2 is refused here
-    comp = for_method(cfg, method, stage2=bool(use_stage2) and s2.steps > 0).compensation
+    comp = sized(for_method(cfg, method, stage2=bool(use_stage2) and s2.steps > 0),
+                 hidden=families.text_config(bench.model).hidden_size).compensation  # windows 0: auto
     if comp.method != "none":  # a family or calibration size it cannot serve fails before any work
         compensation.check_request(model=bench.model, method=comp.method, tokens=comp.windows * cfg.data.seqlen,
-                                   form=comp.form, rank=comp.rank)
+                                   form=comp.form, rank=comp.rank, minimum=comp.min_tokens_per_column)
     model = bench.fresh_model()
     if on_model is not None:
         on_model(model)

@@ -166,19 +166,43 @@ def method_config(cfg: RunConfig) -> RunConfig:
     from transformers import AutoConfig
 
     from trsp_ray import registry
-    from trsp_ray.config import for_method, replace, uncompensated
+    from trsp_ray.compensation_forms import check_tokens
+    from trsp_ray.config import for_method, replace, sized, uncompensated
 
-    if not registry.method(cfg.method).compensate or cfg.compensation.method != "auto":
-        return for_method(cfg)
+    spec = registry.method(cfg.method)
+    config = None
+    if spec.compensate or cfg.compensation.method not in ("auto", "none"):
+        try:
+            config = AutoConfig.from_pretrained(assets.resolve_model(cfg.model))
+        except (OSError, ValueError):
+            config = None  # an unreadable config.json is check_inputs' one-line error, raised next
+    if spec.compensate and cfg.compensation.method == "auto" and config is not None:
+        reason = families.fold_refusal(config)
+        if reason:
+            plain = uncompensated(cfg.method)
+            log(f"method {cfg.method}: no compensation on this model ({reason}); running {plain}")
+            cfg = replace(cfg, method=plain)
+    out = for_method(cfg)
+    if out.compensation.method != "none" and config is not None and config.model_type in families.FAMILIES:
+        hidden = families.hidden_size(config)
+        out = sized(out, hidden=hidden)  # compensation.windows 0: sized to the model
+        c = out.compensation
+        if c.method == "lstsq" and not families.fold_refusal(config):  # too few tokens per map column:
+            # refused before any weight loads (a family no fold reaches is refused by name later)
+            check_tokens(tokens=c.windows * out.data.seqlen, hidden=hidden, form=c.form,
+                         minimum=c.min_tokens_per_column)
+    return out
+
+
+def model_hidden(model: str) -> int | None:
+    """The hidden size in a model's config.json, or None when it cannot be read (check_inputs says why)."""
+    from transformers import AutoConfig
+
     try:
-        reason = families.fold_refusal(AutoConfig.from_pretrained(assets.resolve_model(cfg.model)))
-    except (OSError, ValueError):
-        reason = ""  # an unreadable config.json is check_inputs' one-line error, raised next
-    if not reason:
-        return for_method(cfg)
-    plain = uncompensated(cfg.method)
-    log(f"method {cfg.method}: no compensation on this model ({reason}); running {plain}")
-    return for_method(replace(cfg, method=plain))
+        config = AutoConfig.from_pretrained(assets.resolve_model(model))
+    except (OSError, ValueError, TrspError):
+        return None
+    return families.hidden_size(config) if config.model_type in families.FAMILIES else None
 
 
 def check_inputs(cfg: RunConfig) -> int:

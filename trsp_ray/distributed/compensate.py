@@ -38,7 +38,13 @@ def check_for_workers(cfg, *, workers: int | None = None) -> None:
 
     c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
     workers = cfg.distributed.workers if workers is None else workers
-    if c.method != "none" and c.windows < workers:
+    if c.method != "none" and not c.windows:  # 0: sized from the model's hidden size, as the run sizes it
+        from trsp_ray.config import sized
+        from trsp_ray.workbench import model_hidden
+
+        hidden = model_hidden(cfg.model)
+        c = c if hidden is None else sized(for_method(cfg), hidden=hidden).compensation
+    if c.method != "none" and c.windows and c.windows < workers:  # unknown size: the workers refuse alike
         # a rank without a window never enters the fit's batch loop, where every other rank's first
         # lookup of a ZeRO-3 projection gathers it: a collective the empty rank never joins (a hang)
         raise TrspError(f"compensation.windows={c.windows} is fewer than the {workers} workers: every worker "
@@ -141,7 +147,8 @@ def apply(*, model, drop: list[int], info: dict) -> None:
 
 @torch.no_grad()
 def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int, ridge: float,
-        form: str = "full", map_rank: int | None = None, weighting: str = "norm", reduce=all_reduce_sum) -> dict:
+        form: str = "full", map_rank: int | None = None, weighting: str = "norm", reduce=all_reduce_sum,
+        minimum: float = 1.0) -> dict:
     """The maps of every block of `drop`, from the dense model's activations over all `windows`
     (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
     float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
@@ -153,11 +160,7 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     total = sum(int(w.numel()) for w in windows)
     hidden = families.text_config(model).hidden_size
     compensation.check_form(form, map_rank, hidden)
-    if form == "diagonal" and total < 1:
-        raise TrspError(f"compensation has {total} calibration tokens; the diagonal map needs at least 1")
-    if form != "diagonal" and total < hidden:
-        raise TrspError(f"compensation has {total} calibration tokens, fewer than the hidden size {hidden} "
-                        f"a {hidden} x {hidden} map needs; raise compensation.windows")
+    compensation.check_tokens(tokens=total, hidden=hidden, form=form, minimum=minimum)
     mine, padding = shard(windows, rank=rank, world=world)
     with gates.state(gated=False, bypass=[]):
         stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve,

@@ -64,11 +64,20 @@ def compensation_plan(s: Shape, st: Setup, *, ratio: float, protect_head: int = 
     return CompensationPlan(memory=memory, blocks=blocks, n_drop=n_drop)
 
 
-def format_compensation_plan(cp: CompensationPlan, st: Setup) -> list[str]:
+def calibration_line(*, windows: int, seqlen: int, hidden: int, tokens_per_column: float, floor: float) -> str:
+    """The fit's calibration and the rule that sized it (compensation_forms.TOKENS_PER_COLUMN)."""
+    tokens = windows * seqlen
+    return (f"      calibration: {windows} windows x {seqlen} tokens = {tokens:,} tokens, {tokens / hidden:.1f} per "
+            f"column of the {hidden} x {hidden} map (rule: {tokens_per_column:g} per column when "
+            f"compensation.windows is 0; a fit below {floor:g} is refused)")
+
+
+def format_compensation_plan(cp: CompensationPlan, st: Setup, *, calibration: str = "") -> list[str]:
     m = cp.memory
     verdict = "fits" if m.total <= st.gpu_memory_gb else "DOES NOT FIT"
     lines = [f"  compensation (lstsq, after the selection): {m.total:.1f} GB per worker ({verdict}), "
              f"host {m.host:.1f} GB "
              f"(its {cp.blocks} maps T kept until the fold: at most {cp.blocks} blocks in a drop set of {cp.n_drop})"]
+    lines += [calibration] if calibration else []
     lines += [f"      {k}: {v:.2f} GB" for k, v in m.parts.items()]
     return lines

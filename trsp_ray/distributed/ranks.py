@@ -30,6 +30,15 @@ def sum_over_ranks(values: list[float]) -> list[float]:
 
 
 
+def forward_engine(bench, *, fresh: bool = False) -> None:
+    """Make sure a DeepSpeed engine wraps the ZeRO-3 model: a forward without an engine's hooks cannot
+    gather a layer's partitions. Builds one over the gates (never stepped; the next stage's build
+    closes it) when none is open, or always with `fresh`. A worker handed its drop set (a stage 1
+    computed elsewhere, SLEB's set) has built none before the compensation's fit."""
+    if fresh or not bench.factory.built:
+        bench.factory(bench.model, [{"params": bench.gates.gate_params(), "lr": 0.0}])
+
+
 def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[dict[int, float], float]:
     """(Block Influence per layer, tokens scored) over `windows` (every rank passes the same list):
     each rank scores its share (rows k % world == rank; a rank short of one runs a padding row that
@@ -45,9 +54,7 @@ def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[d
     mine, padding = shard(list(rows.split(size)), rank=rank, world=bench.world)
     batches = mine + [rows[:1]] * padding  # padding forwards keep the ranks' collectives in step
     masks = [torch.ones(len(b)) for b in mine] + [torch.zeros(1)] * padding
-    # a ZeRO-3 forward needs an engine's hooks to gather each layer's partitions: one over the
-    # gates (never stepped); the next stage's build closes it
-    bench.factory(bench.model, [{"params": bench.gates.gate_params(), "lr": 0.0}])
+    forward_engine(bench, fresh=True)
     training = bench.model.training
     bench.model.eval()  # no dropout (OPT) in a selection forward, whatever activation checkpointing set
     with torch.no_grad():

@@ -18,7 +18,7 @@ import torch
 
 from trsp_ray.distributed.checkpoints import discard_download, restore_point, save
 from trsp_ray.distributed.events import EventLog, FaultInjector
-from trsp_ray.distributed.ranks import block_influence_on_ranks, sum_over_ranks
+from trsp_ray.distributed.ranks import block_influence_on_ranks, forward_engine, sum_over_ranks
 
 
 def reset_peak_memory() -> None:
@@ -264,20 +264,28 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
 def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: int) -> dict | None:
     """The compensation's maps (distributed/compensate.py) from the dense model, on the single
     process's windows (seed offset 300, methods.apply_method); None for compensation.method none."""
+    from trsp_ray import families
+    from trsp_ray.config import sized
     from trsp_ray.distributed import compensate
     from trsp_ray.methods import fixed_windows
 
-    c = cfg.compensation
+    c = sized(cfg, hidden=families.text_config(bench.model).hidden_size).compensation  # windows 0: auto
     if c.method == "none":
         return None
+    if c.windows < bench.world:  # every rank raises alike (a rank without a window would hang the rest)
+        from trsp_ray.errors import TrspError
+
+        raise TrspError(f"compensation.windows={c.windows} is fewer than the {bench.world} workers; use "
+                        f"compensation.windows >= {bench.world}")
     windows = fixed_windows(_batches(cfg, bench, 300), c.windows)
+    forward_engine(bench)  # a handed-over drop set: no selection built one
     if c.method == "scalar":
         info = compensate.fit_scalar(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
                                      world=bench.world)
     else:
         info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
                               world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank,
-                              weighting=c.weighting)
+                              weighting=c.weighting, minimum=c.min_tokens_per_column)
     events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
     return info
 
