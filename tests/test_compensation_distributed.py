@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trsp_ray import compensation
-from trsp_ray.distributed import compensate
+from trsp_ray.distributed import compensate, ranks
 from trsp_ray.distributed.ranks import free_port
 from trsp_ray.errors import TrspError
 from trsp_ray.surgery import remove_layers
@@ -32,11 +32,11 @@ def _windows():
 def test_shard_splits_windows_like_the_probes_and_pads_the_short_rank():
     windows = _windows()
     rows = torch.cat(windows)
-    mine0, pad0 = compensate.shard(windows, rank=0, world=2)
-    mine1, pad1 = compensate.shard(windows, rank=1, world=2)
+    mine0, pad0 = ranks.shard(windows, rank=0, world=2)
+    mine1, pad1 = ranks.shard(windows, rank=1, world=2)
     assert torch.equal(torch.cat(mine0), rows[[0, 2]]) and torch.equal(torch.cat(mine1), rows[[1]])
     assert (len(mine0) + pad0, len(mine1) + pad1) == (1, 1)  # one forward each: the batch size is 2
-    assert compensate.shard(windows, rank=3, world=4) == ([], 1)
+    assert ranks.shard(windows, rank=3, world=4) == ([], 1)
 
 
 def test_what_the_workers_cannot_serve_is_refused_before_they_start():

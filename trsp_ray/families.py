@@ -27,7 +27,7 @@ class Family:
 
 _DEFAULT = "model.layers"
 # how a run without compensation is asked for: a compensating method (the default shortgpt+comp+heal)
-# fits least squares whatever compensation.method says, so its advice names the method too
+# fits least squares unless compensation.method says otherwise, so its advice names the method too
 NO_COMPENSATION = "use compensation.method=none, and --method shortgpt+heal instead of shortgpt+comp+heal"
 _POST_FFN_NORM = ("its post_feedforward_layernorm normalises the MLP output before the residual add, "
                   "so a linear map folded into down_proj is undone by the norm")

@@ -39,7 +39,7 @@ class Method:
     stage2: bool = False  # TRSP's stage 2 runs by default (stage2.enabled can still turn it off)
     heal: bool = False  # the pruned model is healed with stage 2's budget (stage2.steps, lr, trainable)
     # the cut is compensated in closed form after removal, before the heal: the configured
-    # compensation (compensation.*), least squares when compensation.method is none (config.for_method)
+    # compensation (compensation.*), least squares when compensation.method is auto (config.for_method)
     compensate: bool = False
 
     @property
@@ -90,7 +90,7 @@ class Row:
     # is compared at equal *total* compute (SPEC section 5), not only at equal weight-update tokens
     equal_compute: bool = False
     # the drop set is compensated in closed form after removal (trsp_ray/compensation.py; the
-    # configured compensation.method, least squares when it is none), before any heal
+    # configured compensation.method, least squares when it is auto), before any heal
     compensate: bool = False
     # a healed row that gets what the +comp rows' compensation of its drop set costs as extra heal
     # steps: is a closed-form fit worth more than the same compute spent healing? (SPEC section 5)

@@ -22,12 +22,12 @@ after each block (original indices; the bypassed drop set is left as it is).
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 import torch
 
 from trsp_ray import compensation, compensation_scalar, families
+from trsp_ray.distributed.ranks import all_reduce_sum, shard
 from trsp_ray.errors import TrspError
 
 
@@ -58,19 +58,6 @@ def check_for_workers(cfg, *, workers: int | None = None) -> None:
                         "distributed.workers=0")
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of `t` over the data-parallel ranks in float64 (a copy; identity in one process). NCCL
-    reduces on this rank's GPU, gloo on the host; the result comes back on `t`'s device."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return t.double().clone()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    out = t.to(device=device, dtype=torch.float64, copy=True)
-    dist.all_reduce(out)
-    return out.to(t.device)
-
-
 def _mlp_output_resolver(model):
     """families.mlp_output for a ZeRO-3 model: a partitioned weight is an empty 1-D placeholder,
     so the layer is gathered (one layer, once per layer) while its projection is looked up."""
@@ -82,17 +69,6 @@ def _mlp_output_resolver(model):
             return families.mlp_output(layer, model)
 
     return lambda layer, _model: resolve(layer)
-
-
-def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[torch.Tensor], int]:
-    """(this rank's windows k % world == rank, in batches of the input's batch size; padding
-    forwards so that every rank runs as many forwards as the largest share)."""
-    rows = torch.cat(list(windows))
-    size = windows[0].shape[0]
-    part = rows[rank::world]
-    mine = list(part.split(size)) if part.shape[0] else []
-    passes = math.ceil(math.ceil(rows.shape[0] / world) / size)
-    return mine, passes - len(mine)
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ selection on the workers, and stage 1's Block-Influence shortlist)."""
 
 from __future__ import annotations
 
+import math
 import socket
 
 import torch
@@ -16,18 +17,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """Element-wise sum over the data-parallel ranks, in float64 (identity in one process): the
-    removal probes' per-rank [score sum, token count]."""
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over the data-parallel ranks in float64 (a copy; identity in one process): the one
+    all-reduce of the workers' sums (the probes', Block Influence's, the compensation's). NCCL
+    reduces on this rank's GPU, gloo on the host; the result comes back on `t`'s device."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return list(values)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
+        return t.double().clone()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = t.to(device=device, dtype=torch.float64, copy=True)
+    dist.all_reduce(out)
+    return out.to(t.device)
 
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sum over the data-parallel ranks of a few numbers, in float64 (identity in one
+    process): the removal probes' per-rank [score sum, token count]."""
+    return all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
+
+
+def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[torch.Tensor], int]:
+    """(this rank's windows k % world == rank, in batches of the input's batch size; padding
+    forwards so that every rank runs as many forwards as the largest share): the split every
+    data-parallel forward of the workers uses (the fit's, Block Influence's; the removal probes'
+    RemovalScorer splits its rows the same way, rows k % world == rank)."""
+    rows = torch.cat(list(windows))
+    size = windows[0].shape[0]
+    part = rows[rank::world]
+    mine = list(part.split(size)) if part.shape[0] else []
+    passes = math.ceil(math.ceil(rows.shape[0] / world) / size)
+    return mine, passes - len(mine)
 
 
 def forward_engine(bench, *, fresh: bool = False) -> None:
@@ -45,7 +66,6 @@ def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[d
     counts nowhere, so every rank runs as many ZeRO-3 forwards) and the sums are summed over the
     ranks, so every rank gets the same figures, equal to one process's on all the windows."""
     from trsp_ray.baselines import influence_sums
-    from trsp_ray.distributed.compensate import shard
 
     # a stage-1 step's rows per rank (its micro batch): the activations and logits the plan's
     # stage-1 figure holds, at any world size
