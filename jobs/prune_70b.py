@@ -14,15 +14,19 @@ Cluster this configuration assumes: 2 nodes x 8 x 80 GB GPUs (16 workers, ZeRO-3
 is a hub id (read from the Hugging Face cache, HF_HOME on shared storage, else the hub) or a model
 directory; `--storage-path` (progress records, checkpoints, resume) is a shared path or any URI Ray
 Train supports (s3://, gs://; `?endpoint_override=host:port&scheme=http` for an S3-compatible
-server). Ray Train keeps the last `distributed.keep_checkpoints` (2) checkpoints, ~771 GB each
-(fp32 master + Adam moments). Why these GPUs (from `trsp-ray plan`, 2048-token windows, activation
-checkpointing): stage 1 trains only the 80 gate scalars and needs ~25 GB per GPU at 8 GPUs, but
-stage 2 trains all 69B weights, ~16 bytes per parameter of model state (1.1 TB): on 16
-GPUs that is ~74 GB per GPU, which fits without offload. On one 8-GPU node it fits only with
-`--offload-optimizer` (then ~26 GB per GPU and ~130 GB host memory per GPU, slower steps), or
-with `--set stage2.trainable=lora` once LoRA is supported under ZeRO-3. The fold's sums (two
-8192 x 8192 float64 matrices per removed block, at most 20 blocks) add up to ~41 GB per GPU while
-they are fitted, before the heal's optimizer exists; `trsp-ray plan` counts them.
+server). Figures for the default, from `trsp-ray plan --model-config cluster/models/llama-2-70b.json
+--workers 16 --gpu-memory-gb 80 --activation-checkpointing` (2048-token windows): Block Influence
+and the fit are forward-only (19.9 GB per GPU with stage 1's state); the fit's calibration is
+sized from the hidden size, 28 tokens per column of the 8192 x 8192 map (112 windows x 2048 tokens
+= 229k tokens), and its sums (two float64 8192 x 8192 matrices per removed block, at most 20
+blocks) need 41.0 GB per GPU before the heal's optimizer exists (the plan's count, which does not yet
+count the fit's per-block outputs kept through its pass), 10.0 GB of host memory for the maps;
+the heal trains the kept ~52B weights, ~16 bytes per parameter of model state: 60.7 GB per GPU on 16
+GPUs. On one 8-GPU node the heal needs 111 GB per GPU and fits only with `--offload-optimizer`
+(26.4 GB per GPU, ~103 GB host memory per GPU, slower steps). Ray Train keeps the last
+`distributed.keep_checkpoints` (2) checkpoints, 580 GB each (fp32 master + Adam moments of the
+kept weights). `--method trsp` (stage 2 trains all 69B weights) needs 74.6 GB per GPU on 16 and
+771 GB per checkpoint.
 
 The same script on this CPU machine (fp32, gloo), with SmolLM2 or a tiny model directory:
 

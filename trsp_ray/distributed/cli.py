@@ -88,7 +88,7 @@ def _shortgpt_lines(cfg, result) -> list[str]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from trsp_ray import registry
-    from trsp_ray.config import for_method, load_config, sized
+    from trsp_ray.config import for_method, load_config, replace, sized
     from trsp_ray.distributed import planner
     from trsp_ray.distributed.probe_plan import ProbeSetup, format_probe_plan, probe_plan
     from trsp_ray.errors import TrspError
@@ -104,7 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from trsp_ray.distributed.zero3_plan import with_frozen_drop_set
 
     shape = planner.read_shape(args.model_config)
-    cfg = sized(cfg, hidden=shape.hidden)  # compensation.windows 0: sized to the model, as a run sizes it
+    # compensation.windows 0: sized to the model, in the plan's windows (--seqlen), as a run sizes it
+    cfg = sized(replace(cfg, **{"data.seqlen": args.seqlen}), hidden=shape.hidden)
     check_for_workers(cfg, workers=args.workers)  # what a run on these workers would refuse
     result = planner.plan(shape, with_frozen_drop_set(cfg, setup_from_args(args), shape))  # as a run plans
     disk = result.disk_problem()
