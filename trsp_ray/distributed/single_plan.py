@@ -165,12 +165,18 @@ def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: i
 def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[str, ...] | None = None,
                         shape: Shape | None = None) -> SinglePlan:
     """The single-process plan of `cfg` (or of every method in `methods`) on one `device` of `memory_gb`."""
+    from trsp_ray import registry
     from trsp_ray.stage1 import n_drop_for
 
     s = shape or run_shape(cfg)
     st = single_setup_for_run(cfg, device=device, memory_gb=memory_gb)
+    # a heal method heals with stage 2's weights setting (methods.method_heal, the benchmark's heal rows);
+    # heal.* sizes only an extra heal after another method
+    heals = any(registry.recipe(m)[1] == "heal" for m in (methods or (cfg.method,)))
+    trainable, rank = ((cfg.stage2.trainable, cfg.stage2.lora_rank) if heals
+                       else (cfg.heal.trainable, cfg.heal.lora_rank))
     return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=n_drop_for(cfg.ratio, s.layers),
-                       heal_trainable=cfg.heal.trainable, heal_lora_rank=cfg.heal.lora_rank)
+                       heal_trainable=trainable, heal_lora_rank=rank)
 
 
 def run_shape(cfg) -> Shape:
@@ -186,12 +192,18 @@ def single_hint(cfg, p: SinglePlan) -> str:
 
     st = p.setup
     changes = [("distributed.activation_checkpointing", True), ("dtype", "bf16"), ("stage2.trainable", "lora")]
+    options = []
     for key, value in changes:
         section, _, name = key.rpartition(".")
         now = getattr(getattr(cfg, section) if section else cfg, name)
-        if now != value and single_plan_for_run(replace(cfg, **{key: value}), device=st.device,
-                                                memory_gb=st.memory_gb, shape=p.shape).fits:
-            return f"set {key}={str(value).lower()}"
+        if now == value:
+            continue
+        changed = single_plan_for_run(replace(cfg, **{key: value}), device=st.device, memory_gb=st.memory_gb,
+                                      shape=p.shape)
+        if changed.fits:
+            what = " (heal low-rank adapters, merged at the end)" if key == "stage2.trainable" else ""
+            options.append(f"set {key}={str(value).lower()}{what}: peak {changed.peak:.1f} GB")
+            break
     if method_on_workers(cfg.method) and cfg.heal.steps == 0:
-        return "or allow Ray Train workers (distributed.workers=N) so it runs under ZeRO-3"
-    return "use a smaller data.batch_size or data.seqlen, or a larger device"
+        options.append("allow Ray Train workers (distributed.workers=N) so every weight heals under ZeRO-3")
+    return " or ".join(options) if options else "use a smaller data.batch_size or data.seqlen, or a larger device"
