@@ -538,3 +538,24 @@ def test_the_command_exits_with_main_s_status_after_the_atexit_handlers(tmp_path
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3
     assert done.stdout == "unflushedthread done\n" and done.stderr.strip() == "atexit ran"
+
+
+def test_the_dense_rows_scores_are_computed_once_and_cached(tiny_dir, tmp_path, monkeypatch):
+    """Every seed's dense row and every row's ratio to dense read one computation per model: the
+    per-window losses and LAMBADA's per-passage results are cached under the model and settings."""
+    from trsp_ray import comparison_jobs
+    from trsp_ray.workbench import prepare
+
+    monkeypatch.setenv("TRSP_RAY_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(comparison_jobs, "lambada",
+                        lambda bench, model, *, limit: calls.append(limit) or {"acc": 0.5, "items": [1, 0]})
+    bench = prepare(_cfg(tiny_dir, "data.eval_domains=news,code"))
+    assert comparison_jobs.dense_lambada(bench, limit=2) == comparison_jobs.dense_lambada(bench, limit=2)
+    assert calls == [2]
+    comparison_jobs.dense_lambada(bench, limit=3)  # another limit: another entry
+    assert calls == [2, 3]
+    first = comparison_jobs.dense_nlls(bench)
+    assert set(first) == {"news", "code"} and len(first["news"]) == 3  # data.eval_max_windows=3
+    monkeypatch.setattr(comparison_jobs, "domain_nlls", lambda *a, **k: pytest.fail("scored the dense model again"))
+    assert comparison_jobs.dense_nlls(bench) == first

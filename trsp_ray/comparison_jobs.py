@@ -145,26 +145,40 @@ def domain_ppl(bench, model, name: str) -> float:
                       max_windows=d.eval_max_windows, bos=bench.bos)
 
 
-def dense_nlls(bench) -> dict[str, list[float]]:
-    """`domain_nlls` of the original model, computed once and cached on disk under what determines
-    them (the model's files, dtype, the domains' held-out texts, the windows): every row's
-    geometric mean relative to dense divides by these, whichever process scores the row."""
+def _dense_cached(bench, what: dict, compute):
+    """`compute()` of the original model, computed once and cached on disk under what determines it
+    (the model's files and dtype, and `what`): every seed's dense row and every row's ratio to dense
+    read the same figures, whichever process computes them."""
     import json
 
-    from trsp_ray import assets, atomic, domains
+    from trsp_ray import assets, atomic
     from trsp_ray.stage1_store import content_key, model_fingerprint
 
-    d = bench.cfg.data
-    key = content_key({"model": model_fingerprint(bench.cfg.model), "dtype": str(bench.model.dtype),
-                       "domains": [domains.DOMAINS[n].source for n in domains.eval_domain_names(d.eval_domains)],
-                       "split": domains.HELDOUT_EVERY, "seqlen": d.eval_seqlen, "windows": d.eval_max_windows,
-                       "bos": bench.bos})
+    key = content_key({"model": model_fingerprint(bench.cfg.model), "dtype": str(bench.model.dtype), **what})
     path = assets.cache_dir() / "scores" / f"dense-{key}.json"
     if path.exists():
         return json.loads(path.read_text())
-    out = domain_nlls(bench, bench.scoring_model())
+    out = compute()
     atomic.write_text(path, json.dumps(out))
     return out
+
+
+def dense_nlls(bench) -> dict[str, list[float]]:
+    """`domain_nlls` of the original model (cached: _dense_cached)."""
+    from trsp_ray import domains
+
+    d = bench.cfg.data
+    what = {"domains": [domains.DOMAINS[n].source for n in domains.eval_domain_names(d.eval_domains)],
+            "split": domains.HELDOUT_EVERY, "seqlen": d.eval_seqlen, "windows": d.eval_max_windows, "bos": bench.bos}
+    return _dense_cached(bench, what, lambda: domain_nlls(bench, bench.scoring_model()))
+
+
+def dense_lambada(bench, *, limit: int) -> dict:
+    """`lambada` of the original model, per passage (cached: _dense_cached)."""
+    from trsp_ray.evaluation.harness import lm_eval_version
+
+    what = {"task": "lambada", "limit": limit, "lm_eval": lm_eval_version()}
+    return _dense_cached(bench, what, lambda: lambada(bench, bench.scoring_model(), limit=limit))
 
 
 def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None,
@@ -204,7 +218,9 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     result = {"row": row_name, "seed": seed, "budget": budget, "drop": drop, "params": kept_parameters(model),
               "info": info, "nll": nlls, "ppl": {name: ppl_of(v) for name, v in nlls.items()}, "history": history}
     if options.get("lambada"):
-        result["lambada"] = lambada(bench, model, limit=options["lambada"])
+        limit = options["lambada"]
+        result["lambada"] = dense_lambada(bench, limit=limit) if row.method is None else lambada(bench, model,
+                                                                                                 limit=limit)
     if export_dir is not None:
         metrics = {**{f"{name} PPL": v for name, v in result["ppl"].items()}, "params": result["params"]}
         result["export"] = export_row(model, bench, row_name=row_name, drop=drop, metrics=metrics,
