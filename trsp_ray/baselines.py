@@ -1,4 +1,5 @@
-"""Layer-selection baselines in the same harness: ShortGPT, SLEB and random.
+"""Layer-selection baselines in the same harness: ShortGPT, SLEB, random, and the 2024-26 anchors'
+tail cut (Lu et al., ICLR'26) and angular-distance block (Gromov et al. 2024).
 
 All work on a gated model (see `gates.attach_gates`) so that "remove layer j" is a bypass, which
 gives exactly the logits of the model with j deleted.
@@ -68,6 +69,62 @@ def shortgpt_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, can
 
 def random_drop(*, n_drop: int, candidates: list[int], seed: int) -> list[int]:
     return _random.Random(seed).sample(candidates, n_drop)
+
+
+def tail_drop(*, n_drop: int, candidates: list[int]) -> list[int]:
+    """The last n_drop candidates (the layers just before the protected tail: "reverse-order"
+    pruning), last first."""
+    return sorted(candidates)[-n_drop:][::-1] if n_drop else []
+
+
+def contiguous_starts(*, n_drop: int, candidates: list[int]) -> list[int]:
+    """First layers a of every block a .. a + n_drop - 1 that lies inside the candidates."""
+    allowed = set(candidates)
+    return [a for a in sorted(allowed) if all(a + k in allowed for k in range(n_drop))]
+
+
+def angular_distances(model, gates, batches: list[torch.Tensor], *, n_drop: int,
+                      starts: list[int]) -> dict[int, float]:
+    """{a: mean over tokens of arccos(cos(x_a, x_{a+n})) / pi} for every start a: the angular
+    distance between the stream entering layer a and the stream leaving layer a + n - 1 (Gromov et
+    al.'s block score; we average over every token, not only the last, as a layer sees them all)."""
+    sums = dict.fromkeys(starts, 0.0)
+    count = 0
+    states: dict[int, torch.Tensor] = {}
+
+    def probe(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        states[index] = x
+        states[index + 1] = y
+
+    for w in gates.wrappers:
+        w.probe = probe
+    try:
+        for batch in batches:
+            states.clear()
+            decoder_forward(model, batch)
+            for a in starts:
+                cos = torch.nn.functional.cosine_similarity(states[a].float(), states[a + n_drop].float(), dim=-1)
+                sums[a] += (torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi).sum().item()
+            count += batch.numel()
+    finally:
+        for w in gates.wrappers:
+            w.probe = None
+        states.clear()
+    return {a: v / count for a, v in sums.items()}
+
+
+@torch.no_grad()
+def angular_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, candidates: list[int]) -> list[int]:
+    """The contiguous block of n_drop candidates whose input and output are closest in angle."""
+    from trsp_ray.errors import TrspError
+
+    starts = contiguous_starts(n_drop=n_drop, candidates=candidates)
+    if not starts:
+        raise TrspError(f"no {n_drop} contiguous candidate layers to drop as one block (candidates "
+                        f"{candidates[0]}..{candidates[-1]}); lower the ratio or protect fewer layers")
+    dist = angular_distances(model, gates, batches, n_drop=n_drop, starts=starts)
+    best = min(dist, key=dist.get)
+    return list(range(best, best + n_drop))
 
 
 @torch.no_grad()

@@ -26,14 +26,14 @@ def planned_select_cost(cfg, *, num_layers: int) -> float | None:
     spec = registry.method(cfg.method)
     n_drop = n_drop_for(cfg.ratio, num_layers)
     seqlen = cfg.data.seqlen
-    if spec.selector == registry.SHORTGPT_SELECTOR:
+    if spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # one forward of the windows
         return float(shortgpt_windows(cfg, n_drop) * seqlen)
     if spec.selector == registry.SLEB_SELECTOR:
         g = cfg.gates
         candidates = candidate_layers(num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
         return sleb_cost(num_layers=num_layers, candidates=candidates, n_drop=n_drop,
                          tokens=cfg.baselines.sleb_windows * seqlen)
-    if spec.selector == registry.RANDOM_SELECTOR:
+    if spec.selector in (registry.RANDOM_SELECTOR, registry.TAIL_SELECTOR):
         return 0.0
     return None
 

@@ -199,6 +199,12 @@ def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = No
                                    progress=progress)
         cost = sleb_cost(num_layers=bench.num_layers, candidates=candidates, n_drop=n_drop, tokens=windows * seqlen)
         return drop, {"calib_tokens": windows * seqlen, "select_cost": cost}
+    if spec.selector == registry.ANGULAR_SELECTOR:  # ShortGPT's windows: one dense forward
+        windows = shortgpt_windows(cfg, n_drop)
+        drop = baselines.angular_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates)
+        return drop, {"calib_tokens": windows * seqlen, "select_cost": float(windows * seqlen)}
+    if spec.selector == registry.TAIL_SELECTOR:
+        return baselines.tail_drop(n_drop=n_drop, candidates=candidates), {"calib_tokens": 0, "select_cost": 0.0}
     return baselines.random_drop(n_drop=n_drop, candidates=candidates, seed=cfg.seed), {
         "calib_tokens": 0, "select_cost": 0.0}
 

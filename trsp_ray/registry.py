@@ -29,6 +29,8 @@ TRSP_SELECTOR = "trsp"  # the selector that is TRSP's stage 1
 SHORTGPT_SELECTOR = "shortgpt"  # Block Influence: the default's selector, also run on Ray Train workers
 SLEB_SELECTOR = "sleb"  # the report notes how many windows it scored
 RANDOM_SELECTOR = "random"  # a seeded random drop set: no forward pass, no compute
+TAIL_SELECTOR = "tail"  # the last candidates: no forward pass, no compute
+ANGULAR_SELECTOR = "angular"  # one dense forward of ShortGPT's windows, every layer boundary kept
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sleb", "sleb"),
     Method("sleb+heal", "sleb", heal=True),
     Method("random", "random"),
+    # the 2024-26 anchors' selectors: the tail cut (the last layers before the protected tail) and the
+    # angular-distance block (the contiguous block whose input and output are closest in angle)
+    Method("tail", "tail"),
+    Method("tail+heal", "tail", heal=True),
+    Method("tail+comp+heal", "tail", heal=True, compensate=True),
+    Method("angular", "angular"),
+    Method("angular+heal", "angular", heal=True),
+    Method("angular+comp+heal", "angular", heal=True, compensate=True),
 )}
 METHOD_NAMES = tuple(METHODS)
 # the best pipeline found on every column at equal total compute; config.py's and the jobs' default
@@ -65,17 +75,18 @@ DEFAULT_METHOD = "shortgpt+comp+heal"
 STAGE1_ONLY = "trsp-no-stage2"  # the TRSP method that runs stage 1 alone (shared stage-1 cells and plans)
 TRSP_METHODS = tuple(m.name for m in METHODS.values() if m.uses_stage1)  # what a search tunes
 # what Ray Train workers run: the TRSP methods, and ShortGPT + heal with or without the compensation
-# (Block Influence on the workers' shards, the workers' data-parallel fit, then the workers' heal)
-WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal", "shortgpt+comp+heal")
+# (Block Influence on the workers' shards, the workers' data-parallel fit, then the workers' heal),
+# and the tail cut (no forward pass) with or without it
+WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal", "shortgpt+comp+heal", "tail+heal", "tail+comp+heal")
 # heal methods whose drop set one process chooses and hands to the workers, which heal it: SLEB's
 # layer-by-layer replay is not built on the workers; its forward-only selection fits one device
 HANDED_OVER_METHODS = tuple(m.name for m in METHODS.values() if m.heal and m.name not in WORKER_METHODS)
 STAGE2_METHODS = tuple(m.name for m in METHODS.values() if m.stage2)  # the methods stage2.* settings act in
-BASELINE_SELECTORS = ("shortgpt", "sleb", "random")
-# Baselines that score layers with forward passes (memory plans size them); SLEB also keeps every
-# layer's input of a batch. Random selection costs nothing.
-FORWARD_SELECTORS = ("shortgpt", "sleb")
-LAYER_INPUT_SELECTORS = ("sleb",)
+BASELINE_SELECTORS = ("shortgpt", "sleb", "random", "tail", "angular")
+# Baselines that score layers with forward passes (memory plans size them); SLEB and the angular
+# block also keep every layer's input of a batch. Random and tail selection cost nothing.
+FORWARD_SELECTORS = ("shortgpt", "sleb", "angular")
+LAYER_INPUT_SELECTORS = ("sleb", "angular")
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,12 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("trsp-selection+comp+heal", "trsp+heal", "heal", "trained", compensate=True),
     Row("shortgpt+comp+heal", "shortgpt", "heal", "trained", quick=True, compensate=True),  # = the default `prune`
     Row("shortgpt+heal@comp", "shortgpt", "heal", "trained", comp_compute=True),
+    Row("tail", "tail", "none", "selection", default=False),
+    Row("tail+heal", "tail", "heal", "trained", default=False),
+    Row("tail+comp+heal", "tail", "heal", "trained", default=False, compensate=True),
+    Row("angular", "angular", "none", "selection", default=False),
+    Row("angular+heal", "angular", "heal", "trained", default=False),
+    Row("angular+comp+heal", "angular", "heal", "trained", default=False, compensate=True),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)

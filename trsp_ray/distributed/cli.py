@@ -74,10 +74,13 @@ def setup_from_args(args: argparse.Namespace):
 def _shortgpt_lines(cfg, result) -> list[str]:
     """What ShortGPT's selection costs on the workers: forward passes only (no optimizer, no vocabulary
     logits kept), within the memory of the "stage 1" figure above, which also holds the gates' state."""
+    from trsp_ray import registry
     from trsp_ray.config import replace
     from trsp_ray.methods import shortgpt_windows
     from trsp_ray.stage1 import n_drop_for
 
+    if registry.method(cfg.method).selector == registry.TAIL_SELECTOR:
+        return [f"  selection ({cfg.method}): the last candidates before the protected tail, no forward pass"]
     seqlen = result.setup.seqlen
     windows = shortgpt_windows(replace(cfg, **{"data.seqlen": seqlen}), n_drop_for(cfg.ratio, result.shape.layers))
     per_gpu = -(-windows // result.setup.workers)

@@ -78,6 +78,15 @@ def train_loop(config: dict) -> None:
                      selector=registry.method(cfg.method).selector)
     elif registry.method(cfg.method).selector == registry.SHORTGPT_SELECTOR:
         drop, s1_state = _shortgpt(cfg, bench, events=events, rank=rank), {}
+    elif registry.method(cfg.method).selector == registry.TAIL_SELECTOR:  # no forward: every rank alike
+        from trsp_ray.baselines import tail_drop
+        from trsp_ray.stage1 import candidate_layers, n_drop_for
+
+        g = cfg.gates
+        candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+        drop, s1_state = tail_drop(n_drop=n_drop_for(cfg.ratio, bench.num_layers), candidates=candidates), {}
+        events.write("stage1_done", drop_order=drop, selector=registry.TAIL_SELECTOR, rounds_computed=0,
+                     select_cost=0.0)
     else:
         drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank, fault=fault)
     comp = _fit_compensation(cfg, bench, drop=drop, events=events, rank=rank)
