@@ -106,7 +106,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     print(render([{"method": "dense", "layers": bench.num_layers, "held-out PPL": dense_ppl},
                   {"method": label, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
                    "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
-    print(f"(held-out text: {bench.texts.heldout_source})")
+    print(f"(held-out text: {bench.texts.heldout_source}; calibration: {bench.calibration.source})")
     return results
 
 
