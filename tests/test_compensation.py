@@ -12,7 +12,7 @@ import torch
 from trsp_ray import compensation, compensation_scalar, families
 from trsp_ray.errors import TrspError
 from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import VOCAB, tiny_model
+from trsp_ray.tiny import VOCAB, tiny_model, with_random_biases
 from trsp_ray.workbench import copy_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,17 +22,6 @@ FOLDABLE = [f for f, fam in families.FAMILIES.items() if not fam.mlp_fold_refusa
 def _windows(count=4, batch=4, seqlen=32, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seqlen), generator=gen) for _ in range(count)]
-
-
-@torch.no_grad()
-def _biased(model, seed=5):
-    """`model` with random biases: transformers initialises them to zero, where a fold that dropped
-    the bias (OPT's, GPT-NeoX's) would still look exact."""
-    gen = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
-    return model
 
 
 def _pruned(dense, drop):
@@ -127,7 +116,7 @@ def test_the_ridge_shrinks_the_map_towards_the_identity_not_towards_zero():
 @pytest.mark.parametrize("weighting", ["none", "norm"])
 @pytest.mark.parametrize("ridge", [0.0, 1e-4])
 def test_the_fold_reproduces_the_solve_residual_in_the_compensated_model(ridge, weighting, family):
-    dense, windows, drop = _biased(tiny_model(family, layers=6)), _windows(), [2, 3]
+    dense, windows, drop = with_random_biases(tiny_model(family, layers=6)), _windows(), [2, 3]
     model = _pruned(dense, drop)
     before = _outputs(model, windows, [1])[1]
     info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=ridge,

@@ -10,24 +10,13 @@ from trsp_ray import compensation, families
 from trsp_ray.compensation_forms import objective, solve
 from trsp_ray.errors import TrspError
 from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import VOCAB, tiny_model
+from trsp_ray.tiny import VOCAB, tiny_model, with_random_biases
 from trsp_ray.workbench import copy_model
 
 
 def _windows(count=4, batch=4, seqlen=32, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seqlen), generator=gen) for _ in range(count)]
-
-
-@torch.no_grad()
-def _biased(model, seed=5):
-    """`model` with random biases: transformers initialises them to zero, where a fold that dropped
-    the bias (OPT's, GPT-NeoX's) would still look exact."""
-    gen = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
-    return model
 
 
 def _h(out):
@@ -105,7 +94,7 @@ FOLDABLE = [f for f, fam in families.FAMILIES.items() if not fam.mlp_fold_refusa
 @pytest.mark.parametrize("family", FOLDABLE)
 @pytest.mark.parametrize("form, rank", [("diagonal", None), ("lowrank", 8)])
 def test_the_folded_model_reproduces_each_forms_residual(form, rank, family):
-    dense, windows, drop = _biased(tiny_model(family, layers=6)), _windows(), [2, 3]
+    dense, windows, drop = with_random_biases(tiny_model(family, layers=6)), _windows(), [2, 3]
     model = copy_model(dense, torch.device("cpu"))
     remove_layers(model, drop)
     info = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form,
@@ -168,7 +157,7 @@ def test_the_workers_fit_uses_the_configured_form(form, rank, weighting, family)
     from trsp_ray.distributed import compensate
     from trsp_ray.gates import attach_gates
 
-    dense, windows, drop = _biased(tiny_model(family, layers=6)), _windows(), [2, 3]
+    dense, windows, drop = with_random_biases(tiny_model(family, layers=6)), _windows(), [2, 3]
     one = copy_model(dense, torch.device("cpu"))
     remove_layers(one, drop)
     compensation.compensate(model=one, dense=dense, drop=drop, windows=windows, ridge=1e-3, form=form, rank=rank,

@@ -12,24 +12,31 @@ pytestmark = [pytest.mark.ray]
 COMP = ["compensation.windows=16"]  # 16 x 32 tokens: 8 per column of the hidden size 64, the floor
 
 
+def _on_workers(base: list[str], tmp_path, **kwargs):
+    """run_distributed of `base` on this test's own Ray head, exported to tmp_path / 'ray'."""
+    from trsp_ray.config import load_config
+    from trsp_ray.distributed.train import run_distributed
+
+    start_own_ray()
+    try:
+        return run_distributed(load_config(overrides=base + [f"distributed.storage_path={tmp_path / 'storage'}",
+                                                             f"output={tmp_path / 'ray'}"]), **kwargs)
+    finally:
+        stop_own_ray()
+
+
 def test_workers_handed_a_drop_set_fit_and_fold_like_one_process(tiny_dir, tmp_path):  # noqa: F811
     """A drop set chosen in one process (SLEB's route) and least squares on 2 ZeRO-3 gloo workers:
     no selection ran on the workers, so nothing had built the engine whose hooks a ZeRO-3 forward
     needs, and the fit crashed (issue 33 item 1). The export equals one process's within 1e-4."""
     from trsp_ray.config import load_config
-    from trsp_ray.distributed.train import run_distributed
     from trsp_ray.export import export_model
     from trsp_ray.methods import apply_method
     from trsp_ray.workbench import method_config, prepare
 
     base = [f"model={tiny_dir}"] + OVERRIDES + ["method=sleb+heal", "compensation.method=lstsq"] + COMP
     drop = [2, 4]
-    start_own_ray()
-    try:
-        result = run_distributed(load_config(overrides=base + [f"distributed.storage_path={tmp_path / 'storage'}",
-                                                               f"output={tmp_path / 'ray'}"]), drop=drop)
-    finally:
-        stop_own_ray()
+    result = _on_workers(base, tmp_path, drop=drop)
     cfg = method_config(load_config(overrides=base + ["distributed.workers=0"]))
     bench = prepare(cfg)
     out = apply_method(bench, cfg.method, drop=drop)
@@ -46,16 +53,10 @@ def test_workers_handed_a_drop_set_fit_and_fold_like_one_process(tiny_dir, tmp_p
 def test_zero3_workers_compensate_like_one_process(tiny_dir, tmp_path, method, comp):  # noqa: F811
     from trsp_ray import compensation
     from trsp_ray.config import load_config
-    from trsp_ray.distributed.train import run_distributed
     from trsp_ray.driver import run
 
     base = [f"model={tiny_dir}"] + OVERRIDES + [f"method={method}", f"compensation.method={comp}"] + COMP
-    start_own_ray()
-    try:
-        result = run_distributed(load_config(overrides=base + [f"distributed.storage_path={tmp_path / 'storage'}",
-                                                               f"output={tmp_path / 'ray'}"]))
-    finally:
-        stop_own_ray()
+    result = _on_workers(base, tmp_path)
     single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", f"checkpoint_dir={tmp_path / 's1'}",
                                                "distributed.workers=0", "data.eval_max_windows=2"]))
     assert result.drop_order == single["dropped_layers"]
@@ -76,16 +77,10 @@ def test_workers_cut_the_tail_fit_and_heal_like_one_process(tiny_dir, tmp_path):
     """tail+comp+heal on 2 ZeRO-3 workers: every rank computes the tail cut alike (no forward), fits
     and folds the maps and heals; the export equals one process's."""
     from trsp_ray.config import load_config
-    from trsp_ray.distributed.train import run_distributed
     from trsp_ray.driver import run
 
     base = [f"model={tiny_dir}"] + OVERRIDES + ["method=tail+comp+heal"] + COMP
-    start_own_ray()
-    try:
-        result = run_distributed(load_config(overrides=base + [f"distributed.storage_path={tmp_path / 'storage'}",
-                                                               f"output={tmp_path / 'ray'}"]))
-    finally:
-        stop_own_ray()
+    result = _on_workers(base, tmp_path)
     single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", "distributed.workers=0",
                                                "data.eval_max_windows=2"]))
     assert result.drop_order == single["dropped_layers"] == [4, 3]

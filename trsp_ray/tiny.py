@@ -72,3 +72,16 @@ def tiny_workspace(root, *, layers: int = 8, calib_chars: int = 60000, eval_char
     (root / "calib.txt").write_text(calibration[:calib_chars])
     (root / "eval.txt").write_text(heldout[:eval_chars])
     return root
+
+
+def with_random_biases(model, seed: int = 5):
+    """`model` with random biases (in place): transformers initialises them to zero, where a weight
+    transform that dropped the bias (OPT's, GPT-NeoX's) would still look exact."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+    return model
