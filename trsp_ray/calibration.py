@@ -75,8 +75,9 @@ def mixture(tokenizer, mix: dict[str, float], *, chunk: int) -> tuple[torch.Tens
     avail = {s: ids.numel() // chunk for s, ids in pieces.items()}
     for s, n in avail.items():
         if n == 0:
+            instead = " or leave it out of data.calib_mix" if len(mix) > 1 else ""
             raise TrspError(f"calibration source {s!r} has {pieces[s].numel()} tokens, fewer than one window of "
-                            f"{chunk}; pass a longer text or leave it out of data.calib_mix")
+                            f"{chunk}; pass a longer text{instead}")
     total = min(avail[s] / w for s, w in mix.items())
     counts = [max(1, math.floor(w * total + 1e-9)) for s, w in mix.items()]
     names = list(mix)
