@@ -8,7 +8,7 @@ import torch
 from trsp_ray.config import load_config
 
 SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=2",
-         "stage2.steps=2", "threads=1", "tracking.enabled=false", "compensation.windows=8"]
+         "stage2.steps=2", "threads=1", "tracking.enabled=false", "compensation.windows=16"]
 
 
 @pytest.fixture(scope="module")
