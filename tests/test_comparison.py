@@ -273,7 +273,7 @@ def test_benchmark_rows_share_selections_and_budget(tiny_dir, capsys):
 
     names = ["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal", "shortgpt",
              "shortgpt+heal", "shortgpt+comp+heal", "sleb", "sleb+heal", "random", "random+heal"]
-    summary = run_benchmark(_cfg(tiny_dir, "compensation.windows=4"), names, seeds=2)
+    summary = run_benchmark(_cfg(tiny_dir, "compensation.windows=16"), names, seeds=2)  # 8 per column, the floor
     by = {s["row"]: s for s in summary}
     budget = 3 * 2 * 32  # stage2.steps x batch x seqlen
     for name in ("trsp", "trsp-oneshot", "trsp-selection+heal", "shortgpt+heal", "shortgpt+comp+heal", "sleb+heal",
