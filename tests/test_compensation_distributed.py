@@ -87,7 +87,7 @@ def test_fewer_windows_than_workers_is_refused_before_any_work(tmp_path, monkeyp
     assert driver.route_for(load_config(overrides=["compensation.windows=4"])).workers == 4
     tiny_config("llama").save_pretrained(tmp_path)  # config.json: all `trsp-ray plan` reads
     # compensation.windows 0 sizes the fit to 28 tokens per column: 28 x 64 / 128 = 14 windows of the tiny model
-    assert cli.main(["plan", "--model-config", str(tmp_path), "--workers", "15"]) == 2
+    assert cli.main(["plan", "--model-config", str(tmp_path), "--workers", "15", "--seqlen", "128"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "compensation.windows=14 is fewer than the 15 workers" in err
 
