@@ -410,9 +410,10 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     from trsp_ray.workbench import prepare
 
     assert registry.DEFAULT_METHOD == "shortgpt+comp+heal"
-    # 4 x 32 calibration tokens >= hidden size 64; compensation.method is left at none: the method compensates
+    # 16 x 32 calibration tokens: 8 per column of the hidden size 64 (the floor); compensation.method is
+    # left at auto: the method compensates
     mine = [f"method={registry.DEFAULT_METHOD}", "baselines.calib_windows=5", "stage2.steps=2",
-            "compensation.windows=4", f"distributed.activation_checkpointing={str(checkpointing).lower()}"]
+            "compensation.windows=16", f"distributed.activation_checkpointing={str(checkpointing).lower()}"]
     base = [f"model={tiny_dir}"] + OVERRIDES + mine
     result = _run(tiny_dir, tmp_path, extra=mine)
     single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", "distributed.workers=0",
@@ -427,7 +428,7 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     assert not any(e["event"] == "round" for e in result.events)  # no TRSP stage 1 ran
     record = next(e for e in result.events if e["event"] == "compensation")
     metrics = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())["metrics"]
-    assert record["tokens"] == metrics["compensation_tokens"] == single["compensation_tokens"] == 4 * 32
+    assert record["tokens"] == metrics["compensation_tokens"] == single["compensation_tokens"] == 16 * 32
     assert metrics["compensation"] == single["compensation"] == "lstsq"
     assert metrics["compensation_weighting"] == "norm"
     diff = (_logits(tmp_path / "single") - _logits(tmp_path / "out")).abs().max().item()
