@@ -181,6 +181,20 @@ def dense_lambada(bench, *, limit: int) -> dict:
     return _dense_cached(bench, what, lambda: lambada(bench, bench.scoring_model(), limit=limit))
 
 
+def row_config(run_cfg: RunConfig, row: registry.Row) -> RunConfig:
+    """The config a row runs: its fit (a +comp row fits the configured compensation, a +cos or +scalar
+    row that fit; every other row none) and its heal recipe."""
+    from trsp_ray.config import named_fit
+
+    if row.fit is None:
+        cfg = replace(run_cfg, **{"compensation.method": "none"})
+    else:
+        cfg = compensated(run_cfg if row.fit == "comp" else named_fit(run_cfg, row.fit, method=row.name))
+    if row.recipe is not None:
+        cfg = replace(cfg, **{"stage2.trainable": row.recipe, "heal.trainable": row.recipe})
+    return cfg
+
+
 def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None,
             options: dict | None = None, reference: dict | None = None) -> dict:
     """Prune (or not, for dense), recover as the row says and score one row for one seed.
@@ -197,7 +211,7 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     run_cfg = seeded(cfg_dict, seed)
     # only +comp rows compensate: a --set compensation.method=... configures their fit, it does not
     # turn every row into a compensated one (it did: shortgpt+heal and shortgpt+comp+heal were one model)
-    cfg = compensated(run_cfg) if row.compensate else replace(run_cfg, **{"compensation.method": "none"})
+    cfg = row_config(run_cfg, row)
     bench = prepare(cfg)
     t0 = time.time()
     history: list = []

@@ -62,7 +62,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self):
-        _choice("method", self.method, METHODS)
+        method_spec(self.method)  # a registered name or a composition (registry.method); else one line
         if not 0.0 < self.ratio < 1.0:
             raise TrspError(f"ratio={self.ratio!r} is not valid; it must be in the open interval (0, 1)")
         _choice("device", self.device, ("cpu", "cuda", "auto"))
@@ -197,8 +197,11 @@ def _yaml_value(v: Any) -> str:
 def uncompensated(method: str) -> str:
     """The method that runs as `method` without its compensation (shortgpt+comp+heal -> shortgpt+heal)."""
     spec = method_spec(method)
-    return next(m.name for m in registry.METHODS.values()
-                if (m.selector, m.heal, m.stage2, m.compensate) == (spec.selector, spec.heal, spec.stage2, False))
+    named = [m.name for m in registry.METHODS.values() if not m.compensate
+             and (m.selector, m.ranking, m.heal, m.stage2, m.recipe) == (spec.selector, spec.ranking, spec.heal,
+                                                                      spec.stage2, spec.recipe)]
+    return named[0] if named else registry.compose(spec.selector, heal=spec.heal,
+                                                   recipe=spec.recipe if spec.recipe != "map" else None)
 
 
 def compensated(cfg: RunConfig, *, method: str | None = None) -> RunConfig:
@@ -216,6 +219,23 @@ def compensated(cfg: RunConfig, *, method: str | None = None) -> RunConfig:
     return cfg if c != "auto" else replace(cfg, **{"compensation.method": "lstsq"})
 
 
+def named_fit(cfg: RunConfig, fit: str, *, method: str) -> RunConfig:
+    """`cfg` with the fit a pipeline's name spells (registry.FITS): compensation.method (and objective)
+    set where they are left at their defaults; a setting that contradicts the name is refused in one line."""
+    want_method, want_objective = registry.FITS[fit]
+    c = cfg.compensation
+    if c.method not in ("auto", want_method):
+        raise TrspError(f"compensation.method={c.method!r} contradicts --method {method} (its +{fit} is "
+                        f"{want_method}); leave compensation.method at auto or set {want_method}")
+    out = replace(cfg, **{"compensation.method": want_method})
+    if want_objective is not None and hasattr(c, "objective"):
+        if c.objective not in (CompensationConfig().objective, want_objective):
+            raise TrspError(f"compensation.objective={c.objective!r} contradicts --method {method} (its +{fit} "
+                            f"fits {want_objective}); leave compensation.objective unset")
+        out = replace(out, **{"compensation.objective": want_objective})
+    return out
+
+
 def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None = None) -> RunConfig:
     """`cfg` as `method` (default cfg.method) runs it, with compensation.method resolved: auto is least
     squares for a compensating method (shortgpt+comp+heal, the default; compensated) and none for
@@ -229,6 +249,10 @@ def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None
     (default: as the method and stage2.enabled / stage2.steps say)."""
     name = method or cfg.method
     spec = method_spec(name)
+    if spec.fit is not None and spec.fit != "comp":  # cos | scalar: the name says which fit
+        cfg = named_fit(cfg, spec.fit, method=name)
+    if spec.recipe is not None:  # heal.RECIPE: the name says which weights the heal trains
+        cfg = replace(cfg, **{"stage2.trainable": spec.recipe, "heal.trainable": spec.recipe})
     if spec.compensate:
         out = compensated(cfg, method=name)
     elif cfg.compensation.method == "auto":

@@ -33,20 +33,38 @@ TAIL_SELECTOR = "tail"  # the last candidates: no forward pass, no compute
 ANGULAR_SELECTOR = "angular"  # one dense forward of ShortGPT's windows, every layer boundary kept
 
 
+SELECTORS = (TRSP_SELECTOR, SHORTGPT_SELECTOR, SLEB_SELECTOR, RANDOM_SELECTOR, TAIL_SELECTOR, ANGULAR_SELECTOR)
+# A pipeline's fit, by the token its name spells: the map fitted after removal and folded before the
+# heal (trsp_ray/compensation.py): comp = least squares (the default's), cos = ReplaceMe's cosine
+# objective for the same map, scalar = Prune&Comp's norm-ratio scales
+FITS = {"comp": ("lstsq", "mse"), "cos": ("lstsq", "cosine"), "scalar": ("scalar", None)}
+# A heal's recipe, by the suffix its name spells (`+heal.tail`): which weights the heal trains
+# (heal.trainable); a bare `+heal` trains what stage2.trainable says (all weights by default)
+HEAL_RECIPES = ("all", "lora", "tail", "map")
+
+
 @dataclass(frozen=True)
 class Method:
+    """A pipeline: selector x fit x recovery, read from its name (`method`) once where a run starts."""
+
     name: str
-    selector: str  # trsp | shortgpt | sleb | random: which computation chooses the drop set
+    selector: str  # trsp | shortgpt | sleb | random | tail | angular: which computation chooses the drop set
     ranking: str = "order"  # trsp only: "order" = the iterative drop order, "round1" = one-shot ranking
     stage2: bool = False  # TRSP's stage 2 runs by default (stage2.enabled can still turn it off)
     heal: bool = False  # the pruned model is healed with stage 2's budget (stage2.steps, lr, trainable)
-    # the cut is compensated in closed form after removal, before the heal: the configured
-    # compensation (compensation.*), least squares when compensation.method is auto (config.for_method)
-    compensate: bool = False
+    # the cut is compensated after removal, before the heal (a FITS token; None = no fit): the
+    # configured compensation (compensation.*) with the method and objective the token names
+    # (config.for_method)
+    fit: str | None = None
+    recipe: str | None = None  # a HEAL_RECIPES entry the name spells; None = stage2.trainable as configured
 
     @property
     def uses_stage1(self) -> bool:
         return self.selector == TRSP_SELECTOR
+
+    @property
+    def compensate(self) -> bool:
+        return self.fit is not None
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -56,7 +74,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("trsp-oneshot", "trsp", ranking="round1", stage2=True),
     Method("shortgpt", "shortgpt"),
     Method("shortgpt+heal", "shortgpt", heal=True),
-    Method("shortgpt+comp+heal", "shortgpt", heal=True, compensate=True),
+    Method("shortgpt+comp+heal", "shortgpt", heal=True, fit="comp"),
     Method("sleb", "sleb"),
     Method("sleb+heal", "sleb", heal=True),
     Method("random", "random"),
@@ -64,10 +82,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # angular-distance block (the contiguous block whose input and output are closest in angle)
     Method("tail", "tail"),
     Method("tail+heal", "tail", heal=True),
-    Method("tail+comp+heal", "tail", heal=True, compensate=True),
+    Method("tail+comp+heal", "tail", heal=True, fit="comp"),
     Method("angular", "angular"),
     Method("angular+heal", "angular", heal=True),
-    Method("angular+comp+heal", "angular", heal=True, compensate=True),
+    Method("angular+comp+heal", "angular", heal=True, fit="comp"),
 )}
 METHOD_NAMES = tuple(METHODS)
 # the best pipeline found on every column at equal total compute; config.py's and the jobs' default
@@ -100,18 +118,23 @@ class Row:
     # a healed baseline that also gets the TRSP selection's extra compute as extra heal steps, so it
     # is compared at equal *total* compute (SPEC section 5), not only at equal weight-update tokens
     equal_compute: bool = False
-    # the drop set is compensated in closed form after removal (trsp_ray/compensation.py; the
-    # configured compensation.method, least squares when it is auto), before any heal
-    compensate: bool = False
+    # the drop set is compensated after removal, before any heal (a FITS token, as a method's `fit`:
+    # comp = the configured compensation.method, least squares when it is auto; cos | scalar = that fit)
+    fit: str | None = None
+    recipe: str | None = None  # the heal's HEAL_RECIPES entry (None = stage2.trainable as configured)
     # a healed row that gets what the +comp rows' compensation of its drop set costs as extra heal
     # steps: is a closed-form fit worth more than the same compute spent healing? (SPEC section 5)
     comp_compute: bool = False
 
     @property
+    def compensate(self) -> bool:
+        return self.fit is not None
+
+    @property
     def is_default(self) -> bool:
         """The row that is what `trsp-ray prune` runs with no --method (DEFAULT_METHOD)."""
         return (self.method is not None and recipe(self.name) == recipe(DEFAULT_METHOD)
-                and self.compensate == METHODS[DEFAULT_METHOD].compensate
+                and self.fit == METHODS[DEFAULT_METHOD].fit and self.recipe == METHODS[DEFAULT_METHOD].recipe
                 and not self.equal_compute and not self.comp_compute)
 
     @property
@@ -140,17 +163,17 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     # (not quick: its 89 heal steps alone take longer than the README job's 15 minutes on 2 cores)
     Row("shortgpt+heal@compute", "shortgpt", "heal", "trained", equal_compute=True),
     Row("sleb+heal@compute", "sleb", "heal", "trained", equal_compute=True),
-    Row("trsp-no-stage2+comp", "trsp-no-stage2", "none", "selection", compensate=True),
-    Row("shortgpt+comp", "shortgpt", "none", "selection", compensate=True),
-    Row("trsp-selection+comp+heal", "trsp+heal", "heal", "trained", compensate=True),
-    Row("shortgpt+comp+heal", "shortgpt", "heal", "trained", quick=True, compensate=True),  # = the default `prune`
+    Row("trsp-no-stage2+comp", "trsp-no-stage2", "none", "selection", fit="comp"),
+    Row("shortgpt+comp", "shortgpt", "none", "selection", fit="comp"),
+    Row("trsp-selection+comp+heal", "trsp+heal", "heal", "trained", fit="comp"),
+    Row("shortgpt+comp+heal", "shortgpt", "heal", "trained", quick=True, fit="comp"),  # = the default `prune`
     Row("shortgpt+heal@comp", "shortgpt", "heal", "trained", comp_compute=True),
     Row("tail", "tail", "none", "selection", default=False),
     Row("tail+heal", "tail", "heal", "trained", default=False),
-    Row("tail+comp+heal", "tail", "heal", "trained", default=False, compensate=True),
+    Row("tail+comp+heal", "tail", "heal", "trained", default=False, fit="comp"),
     Row("angular", "angular", "none", "selection", default=False),
     Row("angular+heal", "angular", "heal", "trained", default=False),
-    Row("angular+comp+heal", "angular", "heal", "trained", default=False, compensate=True),
+    Row("angular+comp+heal", "angular", "heal", "trained", default=False, fit="comp"),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
@@ -168,21 +191,48 @@ GRID_ROWS = (("dense", None), ("trsp", "trsp"), ("trsp+heal", "trsp+heal"), ("tr
              ("shortgpt+heal", "shortgpt+heal"), ("sleb+heal", "sleb+heal"))
 
 
+GRAMMAR = ("SELECTOR[+FIT][+heal[.RECIPE]] with SELECTOR " + "|".join(SELECTORS) + ", FIT " + "|".join(FITS)
+           + ", RECIPE " + "|".join(HEAL_RECIPES) + " (e.g. tail+cos+heal.tail)")
+
+
 def method(name: str) -> Method:
-    if name not in METHODS:
-        raise TrspError(f"method={name!r} is not valid; choose one of {', '.join(METHOD_NAMES)}")
-    return METHODS[name]
+    """The pipeline `name` runs: a registered method, or a composition SELECTOR[+FIT][+heal[.RECIPE]]
+    (`tail+cos+heal`, `angular+comp+heal.map`, `shortgpt+heal.tail`). TRSP's stage-2 variants (trsp,
+    trsp-oneshot, trsp-no-stage2) are registered names only; an unknown name is a one-line error."""
+    if name in METHODS:
+        return METHODS[name]
+    parts = name.split("+") if isinstance(name, str) else []
+    selector, rest = (parts[0], parts[1:]) if parts else ("", [])
+    fit = rest.pop(0) if rest and rest[0] in FITS else None
+    heal = recipe = None
+    if rest and (rest[0] == "heal" or rest[0].startswith("heal.")):
+        heal, dot, recipe = rest.pop(0).partition(".")
+        recipe = recipe if dot else None  # `heal.` names no recipe: refused below
+    if selector not in SELECTORS or rest or (recipe is not None and recipe not in HEAL_RECIPES):
+        raise TrspError(f"method={name!r} is not valid; choose one of {', '.join(METHOD_NAMES)} or compose "
+                        f"{GRAMMAR}")
+    if recipe == "map" and fit is None:
+        raise TrspError(f"method={name!r} is not valid: heal.map trains only the maps a fit folded, and it names "
+                        f"no fit; use {selector}+comp+heal.map or {selector}+heal")
+    return Method(name, selector, heal=heal is not None, fit=fit, recipe=recipe)
+
+
+def compose(selector: str, *, fit: str | None = None, heal: bool = False, recipe: str | None = None) -> str:
+    """The name of a composed pipeline (the inverse of `method` for compositions)."""
+    return "+".join([selector] + ([fit] if fit else []) + ([f"heal.{recipe}" if recipe else "heal"] if heal else []))
 
 
 def recipe(name: str) -> tuple[str | None, str]:
     """(selector, recovery) of a method or a row name: what a plan must size (None = the dense model)."""
-    if name in METHODS:
-        m = METHODS[name]
-        return m.selector, "stage2" if m.stage2 else "heal" if m.heal else "none"
-    if name in ROWS:
+    if name not in METHODS and name in ROWS:
         r = ROWS[name]
         return (METHODS[r.method].selector if r.method else None), r.recovery
-    raise TrspError(f"{name!r} is neither a method ({', '.join(METHOD_NAMES)}) nor a row ({', '.join(ROW_NAMES)})")
+    try:
+        m = method(name)
+    except TrspError:
+        raise TrspError(f"{name!r} is neither a method ({', '.join(METHOD_NAMES)}, or {GRAMMAR}) nor a row "
+                        f"({', '.join(ROW_NAMES)})") from None
+    return m.selector, "stage2" if m.stage2 else "heal" if m.heal else "none"
 
 
 def rows(names: list[str] | tuple[str, ...]) -> list[Row]:
