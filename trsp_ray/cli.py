@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from trsp_ray.config import METHODS
+from trsp_ray.registry import GRAMMAR
 from trsp_ray.run_args import add_run_arguments, run_config
 
 
@@ -69,7 +70,20 @@ def _fit_line(cfg) -> str:
 # What the README's quick `trsp-ray benchmark` runs and what `--full` adds (the quick run fits 15
 # minutes on 2 CPU cores; its report says what it cut)
 QUICK = {"lambada": 100, "zeroshot": 0, "budgets": "1"}
+QUICK_EVAL_WINDOWS = 8  # held-out windows per domain in the quick run (data.eval_max_windows: 16)
 FULL = {"lambada": 500, "zeroshot": 100, "budgets": "1,4"}
+
+
+def method_name(text: str) -> str:
+    """argparse type of --method: a registered method or a composed pipeline (registry.method)."""
+    from trsp_ray import registry
+    from trsp_ray.errors import TrspError
+
+    try:
+        registry.method(text)
+    except TrspError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -98,6 +112,14 @@ def _benchmark(args) -> int:
         from trsp_ray.config import replace
 
         cfg = replace(cfg, **{"stage1.refine": 0})
+    # ... and scores QUICK_EVAL_WINDOWS windows per domain instead of data.eval_max_windows (each row's
+    # five domains x 16 x 256 tokens took 110 s of one core, the largest cost of the run), unless the
+    # --config or a --set chooses the windows
+    cut_windows = quick and not args.config and not any(o.startswith("data.eval_max_windows") for o in args.overrides)
+    if cut_windows:
+        from trsp_ray.config import replace
+
+        cfg = replace(cfg, **{"data.eval_max_windows": QUICK_EVAL_WINDOWS})
     if args.full_baselines or args.full:
         from trsp_ray.config import FULL_SLEB_WINDOWS, replace
 
@@ -107,11 +129,15 @@ def _benchmark(args) -> int:
     from trsp_ray.workbench import check_single_plan
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
+    from trsp_ray.config_sections import DataConfig
+
     cut = "" if not quick else (
         f"quick run (the README's): CUT the rows {', '.join(r for r in DEFAULT_ROWS if r not in QUICK_ROWS)} "
         f"(the README has the equal-compute rows' figures), the zero-shot mean and "
         f"the 4x heal budget, LAMBADA on {lambada} passages"
         + (", TRSP's swap refinement (stage1.refine=0; `prune` refines)" if cut_refine else "")
+        + (f", the held-out windows to {QUICK_EVAL_WINDOWS} per domain (data.eval_max_windows="
+           f"{QUICK_EVAL_WINDOWS}; --full: {DataConfig().eval_max_windows})" if cut_windows else "")
         + "; --full runs every row, SLEB in full, "
         f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
         f"{FULL['budgets']}.")
@@ -172,11 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prune", help="prune one model with one method and export it")
     add_run_arguments(p)
-    p.add_argument("--method", default=None, choices=METHODS,
+    p.add_argument("--method", default=None, type=method_name,
                    help="default shortgpt+comp+heal: ShortGPT's Block-Influence selection, a least-squares fold "
                         "of each cut (compensation.*), then a heal with stage 2's budget (the best pipeline at "
                         "equal total compute, README); shortgpt+heal = the same without the fold; trsp+heal = "
-                        "TRSP's stage-1 selection + the heal; trsp = the paper's stage 2")
+                        "TRSP's stage-1 selection + the heal; trsp = the paper's stage 2. Registered: "
+                        f"{', '.join(METHODS)}; or any pipeline {GRAMMAR}")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--compute-budget", type=_tokens, default=None, metavar="TOKENS",
                    help="total dense-forward tokens (e.g. 200k, 1.5M) for selection + compensation + heal: the "
