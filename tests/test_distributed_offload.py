@@ -24,6 +24,7 @@ def _run(model_dir, tmp_path, extra):
         stop_own_ray()
 
 
+@pytest.mark.slow  # 185 s: kept out of CI's 25 minutes (README, Tests)
 def test_offloaded_gates_pinned_at_zero_stay_there_and_match_no_offload(tiny_dir, tmp_path):  # noqa: F811
     offload = _run(tiny_dir, tmp_path / "offload", ["distributed.offload_optimizer=true"])
     plain = _run(tiny_dir, tmp_path / "plain", [])
