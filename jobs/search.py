@@ -1,9 +1,14 @@
-"""Search lambda1, lambda2 and the pruning ratio with Ray Tune on a Ray cluster (stage 1 reused
-between trials that share it, ASHA on the stage-2 validation loss, MLflow lineage, best model registered).
+"""Search pruning pipelines with Ray Tune on a Ray cluster at a fixed total compute budget (selections
+shared between trials that share them, ASHA on the calibration held-out loss, MLflow lineage with the
+Pareto figure, best model registered).
 
     ray job submit --working-dir . -- python jobs/search.py --model /shared/models/Llama-2-7b-hf \
-        --space ratio=0.25,0.3 --space stage1.lambda1=1e-3,5e-3 --space stage2.lambda2=1e-3 \
-        --search-dir /shared/runs/search-llama2-7b --set device=cuda --cpus-per-trial 8
+        --space method=shortgpt+heal,shortgpt+comp+heal,tail+heal,trsp+heal --space stage2.lr=1e-4,3e-4 \
+        --compute-budget 20000000 --search-dir /shared/runs/search-llama2-7b --set device=cuda --cpus-per-trial 8
+
+    ray job submit --working-dir . -- python jobs/search.py --model /shared/models/Llama-2-7b-hf \
+        --method trsp --space ratio=0.25,0.3 --space stage1.lambda1=1e-3,5e-3 \
+        --search-dir /shared/runs/search-llama2-7b-trsp --set device=cuda --cpus-per-trial 8
 
 `--search-dir` must be on storage every node sees: it holds the stage-1 store, the trial records
 that make a rerun skip finished trials, the exports, and the JSON-lines run log (`events.jsonl`).
@@ -13,8 +18,8 @@ trial that does not fit one GPU drives stage 2 on Ray Train workers from inside 
 (`--trial-workers N` to force it), and the evaluation actors get GPUs too.
 On this CPU machine, with a tiny model directory:
 
-    ray job submit --working-dir . -- python jobs/search.py --model /tmp/tiny --space ratio=0.125,0.25 \
-        --space stage1.lambda1=1e-3,5e-3 --set stage2.steps=4 --set stage1.first_round_steps=2
+    ray job submit --working-dir . -- python jobs/search.py --model /tmp/tiny --space method=shortgpt+heal,tail+heal \
+        --space ratio=0.125,0.25 --compute-budget 20000 --set data.seqlen=32 --set data.batch_size=2
 """
 
 from __future__ import annotations
@@ -29,13 +34,10 @@ PROG = Path(__file__).name  # what argparse calls the job; its own errors start 
 
 def job_config(args: argparse.Namespace):
     """(run config, search space, options): job defaults, then --config, flags and --set overrides."""
-    from trsp_ray.run_args import run_config
-    from trsp_ray.search.cli import options, parse_space_args
-    from trsp_ray.search.space import parse_space
+    from trsp_ray.search.cli import options, search_config
 
-    space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
-                                         seed=args.seed, objectives=args.objectives, space_file=args.space_file))
-    return run_config(args, method=args.method), space, options(args)
+    cfg, space = search_config(args)
+    return cfg, space, options(args)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -70,30 +70,28 @@ def test_ratios_out_of_range_fail_before_any_trial(config_dir, tmp_path, monkeyp
     assert not (tmp_path / "events.jsonl").exists()
 
 
-def test_bad_values_and_methods_fail_before_any_trial(config_dir):
+def test_bad_values_and_keys_that_act_nowhere_fail_before_any_trial(config_dir):
     from trsp_ray.search.run import plan_trials
 
     base = load_config(overrides=[f"model={config_dir}", "method=trsp"])
     with pytest.raises(TrspError, match=r"search point .*stage1.lambda1=-1"):
         plan_trials(base, parse_space({"params": {"stage1.lambda1": [1e-3, -1]}}))
-    with pytest.raises(TrspError, match="has no lambda1/lambda2 to search"):
+    # Block Influence reads no lambda1: a dimension that would make trials differing in nothing
+    with pytest.raises(TrspError, match="'stage1.lambda1' changes nothing in the searched pipeline.s. shortgpt;"):
         plan_trials(load_config(overrides=[f"model={config_dir}", "method=shortgpt"]), parse_space(GRID))
     # trsp+heal heals after stage 1: lambda2 would be a dimension that changes nothing
     heal = load_config(overrides=[f"model={config_dir}", "method=trsp+heal"])
-    with pytest.raises(TrspError, match="stage2.lambda2 acts only in stage 2, which method='trsp\\+heal' does not run"):
-        plan_trials(heal, parse_space(GRID))
-    points, _, _ = plan_trials(heal,
-                               parse_space({"params": {"ratio": [0.25, 0.375]}}))
-    assert len(points) == 2
+    with pytest.raises(TrspError, match="'stage2.lambda2' changes nothing in the searched pipeline.s. trsp\\+heal"):
+        plan_trials(heal, parse_space({"params": {"ratio": [0.25], "stage2.lambda2": [1e-3, 1e-2]}}))
+    assert len(plan_trials(heal, parse_space({"params": {"ratio": [0.25, 0.375]}})).points) == 2
 
 
 def test_stage1_plan_shares_one_computation_per_lambda1_at_the_largest_ratio(config_dir):
     from trsp_ray.search.run import plan_trials
 
-    points, layers, n_drop = plan_trials(load_config(overrides=[f"model={config_dir}", "method=trsp"]),
-                                         parse_space(GRID))
-    assert layers == 8 and len(points) == 6
-    assert sorted(n_drop.values()) == [3, 3]  # two lambda1 values, each planned for round(0.375 * 8)
+    plan = plan_trials(load_config(overrides=[f"model={config_dir}", "method=trsp"]), parse_space(GRID))
+    assert plan.num_layers == 8 and len(plan.points) == 6 and not plan.merged
+    assert sorted(plan.n_drop.values()) == [3, 3]  # two lambda1 values, each planned for round(0.375 * 8)
 
 
 def test_keys_ignore_what_does_not_change_the_result():
@@ -151,10 +149,12 @@ def test_the_compensation_choice_is_searchable_and_shares_stage1(config_dir):
     space = parse_space({"params": {"compensation.method": ["none", "scalar", "lstsq"],
                                     "compensation.ridge": [1e-4, 1e-2]}})
     base = load_config(overrides=[f"model={config_dir}", "method=trsp-no-stage2"])
-    points, layers, n_drop = plan_trials(base, space)
-    assert len(points) == 6 and len(n_drop) == 1  # one stage-1 computation serves all six
-    configs = [apply_point(base.to_dict(), p) for p in points]
+    plan = plan_trials(base, space)
+    # the ridge acts only in least squares: the none and scalar trials run once each, ridge dropped
+    assert len(plan.points) == 4 and len(plan.merged) == 2 and len(plan.n_drop) == 1  # one stage 1 for all
+    assert plan.ignored == [{"compensation.ridge": 1e-4}, {"compensation.ridge": 1e-4}, {}, {}]
+    configs = [apply_point(base.to_dict(), p) for p in plan.points]
     assert {c["compensation"]["method"] for c in configs} == {"none", "scalar", "lstsq"}
-    assert len({stage1_key(c, "d") for c in configs}) == 1 and len({trial_key(c) for c in configs}) == 6
+    assert len({stage1_key(c, "d") for c in configs}) == 1 and len({trial_key(c) for c in configs}) == 4
     with pytest.raises(TrspError, match="compensation.method='full' is not valid"):
         plan_trials(base, parse_space({"params": {"compensation.method": ["scalar", "full"]}}))

@@ -59,8 +59,6 @@ def resolve(cfg, *, num_layers: int):
     """`cfg` with heal.compute_budget turned into the heal's steps (stage2.steps; heal.steps 0), or
     unchanged without a budget. One-line TrspError for a budget the selection cannot meet, or a
     method it cannot apply to, before any work."""
-    from trsp_ray.config import replace
-
     budget = cfg.heal.compute_budget
     if not budget:
         return cfg
@@ -75,12 +73,31 @@ def resolve(cfg, *, num_layers: int):
                         "selection's cost is known only after it runs; set stage2.steps instead, or use "
                         f"{registry.DEFAULT_METHOD}")
     comp = planned_compensation_cost(cfg, num_layers=num_layers)
-    step = compute.TRAIN_TOKEN * cfg.data.batch_size * cfg.data.seqlen
+    return with_heal_steps(cfg, heal_steps(cfg, select=select, comp=comp))
+
+
+def step_cost(cfg) -> float:
+    """Dense-forward tokens of one heal step (a batch of data.batch_size x data.seqlen trained tokens)."""
+    return compute.TRAIN_TOKEN * cfg.data.batch_size * cfg.data.seqlen
+
+
+def heal_steps(cfg, *, select: float, comp: float) -> int:
+    """Heal steps heal.compute_budget leaves after a selection and a compensation costing `select` and
+    `comp` dense-forward tokens (the search calls it with a selection's measured cost); a one-line
+    TrspError when not even one step is left."""
+    budget, step = cfg.heal.compute_budget, step_cost(cfg)
     steps = int((budget - select - comp) // step)
     if steps < 1:
         raise TrspError(f"heal.compute_budget={budget:g} dense-forward tokens cannot meet {cfg.method}: its selection "
                         f"costs {select:g}, compensation {comp:g} and one heal step {step:g}; raise it to at least "
                         f"{select + comp + step:g}")
+    return steps
+
+
+def with_heal_steps(cfg, steps: int):
+    """`cfg` whose heal method heals `steps` steps (stage2.steps, what methods.method_heal reads; heal.steps 0)."""
+    from trsp_ray.config import replace
+
     return replace(cfg, **{"stage2.steps": steps, "heal.steps": 0})
 
 

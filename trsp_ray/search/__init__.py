@@ -1,3 +1,4 @@
-"""Ray Tune search over lambda1, lambda2 and the pruning ratio with stage-1 reuse and MLflow lineage.
+"""Ray Tune search over pruning pipelines (`method`), the ratio and any stage setting, at an optional
+total compute budget, with shared selections and MLflow lineage.
 
 Heavy imports (ray, mlflow, optuna) happen inside the functions that need them."""

@@ -1,11 +1,14 @@
-"""Stage-1 reuse across trials, and the search's machine-readable run log.
+"""Selection reuse across trials, and the search's machine-readable run log.
 
 Trials that share the model, data, precision, gates and stage-1 settings share one stage-1 result
 from the content-keyed store (trsp_ray/stage1_store.py, the same store the reproduction uses),
 computed once for the largest ratio any of them needs; a trial that finds another computing it
-waits for that result instead of computing it again.
+waits for that result instead of computing it again. A baseline selection (Block Influence, the
+angular block, SLEB, tail, random) is kept in the same store, under the same lock, as the drop set
+and what it cost, keyed by search/pipeline.selection_key: trials of shortgpt+heal and
+shortgpt+comp+heal with any heal settings compute Block Influence once.
 
-Every stage-1 computation, reuse and stage-2 run is appended to `events.jsonl` as one JSON object
+Every stage-1 and selection computation, reuse and stage-2 / heal run is appended to `events.jsonl` as one JSON object
 per line, so tests and benchmarks count work from the log rather than from timing.
 """
 
@@ -57,3 +60,29 @@ def stage1_for_trial(*, need: int, compute: Callable[[int], Stage1Result], conte
     if not computed:
         log.write("stage1_reused", key=key, trial=trial, n_drop=need, cached_n_drop=len(result.drop_order))
     return result
+
+
+def selection_for_trial(*, need: int, compute: Callable[[], tuple[list[int], dict]], content: dict,
+                        store: Stage1Store | None, key: str, log: RunLog, trial: str) -> tuple[list[int], dict]:
+    """(drop set of `need` layers, its cost info) of a baseline selection: from the store, or
+    `compute()` once under the key's lock and stored as the record for exactly `need` layers
+    (a baseline's windows can depend on the drop count, so no prefix is served)."""
+    from trsp_ray import atomic
+
+    def timed() -> tuple[list[int], dict]:
+        start = time.perf_counter()
+        drop, info = compute()
+        log.write("selection_computed", key=key, trial=trial, n_drop=need, selector=content.get("selector"),
+                  select_cost=info.get("select_cost"), seconds=time.perf_counter() - start)
+        return list(drop), info
+
+    if store is None:
+        return timed()
+    with store.locked(key):
+        record = store.record(key, need)
+        if record is not None:
+            log.write("selection_reused", key=key, trial=trial, n_drop=need, selector=content.get("selector"))
+            return list(record["drop"]), dict(record["info"])
+        drop, info = timed()
+        atomic.write_json(store.path(key, need), {"drop": drop, "info": info, "key": key, "content": content})
+        return drop, info

@@ -1,9 +1,11 @@
 """`trsp-ray search`: the search's command line. `register(subparsers)` adds the subcommand.
 
 A space is given as repeatable `--space KEY=SPEC`, where SPEC is a comma list of values
-(`--space ratio=0.25,0.375`) or a range `KIND:LOW:HIGH` with KIND in uniform, loguniform, int
-(`--space stage1.lambda1=loguniform:1e-4:1e-2`), or as a YAML file (`--space-file`) holding
-{algorithm, num_samples, seed, objectives, params}.
+(`--space method=shortgpt+heal,tail+heal,trsp+heal`, `--space ratio=0.25,0.375`) or a range
+`KIND:LOW:HIGH` with KIND in uniform, loguniform, int (`--space stage2.lr=loguniform:1e-5:1e-3`), or as
+a YAML file (`--space-file`) holding {algorithm, num_samples, seed, objectives, params}. Any key of the
+config sections is searchable (search/space.py); a key that acts in only some of the searched
+pipelines is dropped from the others' trials (search/pipeline.py).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objectives", default=None, help="optuna: val_ppl or val_ppl,kept_parameters (Pareto)")
     p.add_argument("--search-dir", default="runs/search", help="trial records, stage-1 cache, exports, run log")
     p.add_argument("--name", default="search", help="MLflow parent run name")
-    p.add_argument("--no-reuse", action="store_true", help="compute stage 1 in every trial (for comparison)")
+    p.add_argument("--no-reuse", action="store_true", help="compute every selection in every trial (for comparison)")
     p.add_argument("--no-asha", action="store_true", help="no early stopping")
     p.add_argument("--cpus-per-trial", type=float, default=1.0)
     p.add_argument("--gpus-per-trial", type=float, default=None,
@@ -99,30 +101,49 @@ def options(args) -> "SearchOptions":  # noqa: F821
                          register_name=args.register_name or None, address=args.address)
 
 
-def _search(args) -> int:
+def search_config(args):
+    """(run config, search space) of parsed search flags: --compute-budget is heal.compute_budget of
+    every trial (searchable itself: --space heal.compute_budget=...)."""
+    from trsp_ray.config import replace
     from trsp_ray.run_args import run_config
-    from trsp_ray.search.run import run_search
     from trsp_ray.search.space import parse_space
 
     space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
                                          seed=args.seed, objectives=args.objectives, space_file=args.space_file))
-    run_search(run_config(args, method=args.method), space, options(args))
+    cfg = run_config(args, method=args.method)
+    if args.compute_budget is not None:
+        cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
+    return cfg, space
+
+
+def _search(args) -> int:
+    from trsp_ray.search.run import run_search
+
+    cfg, space = search_config(args)
+    run_search(cfg, space, options(args))
     return 0
 
 
 def add_method_argument(p) -> None:
-    """--method for a search: the TRSP methods (stage 1 has the lambda1 to search); the default is
-    the paper's `trsp`, whose stage 2 has the lambda2 a search is usually about."""
+    """--method for a search: any pipeline of the registry (the base of every trial; `--space
+    method=a,b` searches several), default the product's default pipeline."""
     from trsp_ray import registry
 
-    p.add_argument("--method", default="trsp", choices=registry.TRSP_METHODS)
+    p.add_argument("--method", default=None,
+                   help=f"the trials' pipeline (default {registry.DEFAULT_METHOD}): "
+                        f"{', '.join(registry.METHOD_NAMES)}, or {registry.GRAMMAR}; search several with "
+                        "--space method=shortgpt+heal,tail+heal")
+    p.add_argument("--compute-budget", type=float, default=None, metavar="TOKENS",
+                   help="total dense-forward tokens of every trial (selection + fit + heal, SPEC section 5): each "
+                        "heal gets the steps its selection and fit leave (heal.compute_budget; heal methods)")
 
 
 def register(subparsers) -> None:
     """Add `search` to the `trsp-ray` subcommands (same run-config flags as `prune`)."""
     from trsp_ray.run_args import add_run_arguments
 
-    p = subparsers.add_parser("search", help="Ray Tune search over lambda1, lambda2 and the ratio")
+    p = subparsers.add_parser("search", help="Ray Tune search over pipelines, their settings and the ratio, "
+                                             "at an optional total compute budget")
     add_run_arguments(p)
     add_method_argument(p)
     add_arguments(p)

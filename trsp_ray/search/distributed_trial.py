@@ -1,7 +1,8 @@
 """A search trial whose model needs several GPUs: the trial process holds one CPU and drives
 Ray Train from inside the trial (the Train V2 pattern for Tune), never loading the model itself.
 
-    stage 1   from the search's stage-1 store, else learned once by a Ray task on one device
+    stage 1   TRSP: from the search's stage-1 store, else learned once by a Ray task on one device;
+              another selector runs on the workers (run_distributed), its budget planned by budget.py
     stage 2   + export on `route.workers` Ray Train workers (trsp_ray/distributed/handoff.py)
     score     validation loss of the export by a Ray task holding the evaluation actors' GPUs
 
@@ -16,6 +17,7 @@ import math
 import time
 from pathlib import Path
 
+from trsp_ray import registry
 from trsp_ray.search.cache import stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.stage1_store import compute_stage1, result_dict, result_from, stage1_content
@@ -61,6 +63,29 @@ def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
             "dense_parameters": kept_parameters(dense), "layers": model.config.num_hidden_layers}
 
 
+def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tuple:
+    """(cfg with a budgeted heal's steps, the planned compute record): from stage 1's measured cost
+    when this trial holds it, else budget.py's plan (the workers select; they report no cost here)."""
+    from trsp_ray import budget
+    from trsp_ray.methods import stage1_cost
+    from trsp_ray.search.trial import budgeted, training_steps
+    from trsp_ray.workbench import model_hidden
+
+    select, fit = budget.planned_select_cost(cfg, num_layers=num_layers), None
+    if stage1 is not None:
+        s1 = result_from(stage1)
+        select = stage1_cost(s1, num_layers=num_layers, train_base=cfg.stage1.train_base)
+        cfg, fit = budgeted(cfg, drop=s1.drop_for(cfg.method, n_drop), select_cost=select, num_layers=num_layers,
+                            hidden=model_hidden(cfg.model) or 1)
+    elif cfg.heal.compute_budget:
+        cfg = budget.resolve(cfg, num_layers=num_layers)
+    fit = budget.planned_compensation_cost(cfg, num_layers=num_layers) if fit is None else fit
+    heal = budget.step_cost(cfg) * training_steps(cfg)
+    select = select or 0.0
+    return cfg, {"select": select, "fit": fit, "heal": heal, "total": select + fit + heal,
+                 "budget": cfg.heal.compute_budget or None, "heal_steps": training_steps(cfg), "planned": True}
+
+
 def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: str) -> dict:
     """The trial as above; `config` is the Tune config (see trial.run_trial), `cfg` its RunConfig."""
     import ray
@@ -76,12 +101,13 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
     n_drop = n_drop_for(cfg.ratio, num_layers)
     cfg_dict = cfg.to_dict()
     stage1 = None
-    if route.get("stage1_on_one_device", True):
+    if registry.method(cfg.method).uses_stage1 and route.get("stage1_on_one_device", True):
         task = ray.remote(_stage1_task).options(num_cpus=1, num_gpus=1 if route["use_gpu"] else 0, **OUTSIDE_TRIAL)
         stage1 = result_dict(stage1_for_trial(
             need=n_drop, compute=lambda n: result_from(ray.get(task.remote(cfg_dict, n))),
             content=stage1_content(cfg_dict), store=trial_store(config), key=skey,
             plan_n_drop=planned_n_drop(config, skey), log=log, trial=tkey))
+    cfg, planned = _budgeted(cfg, stage1=stage1, n_drop=n_drop, num_layers=num_layers)
     out = search_dir / MODELS / tkey
     dcfg = replace(cfg, output=str(out), **{
         "distributed.workers": route["workers"], "distributed.use_gpu": route["use_gpu"],
@@ -101,7 +127,8 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
               "dense_parameters": scored["dense_parameters"],
               "kept_fraction": scored["kept_parameters"] / scored["dense_parameters"],
               "gates": [], "curve": [], "seconds": time.perf_counter() - start, "model_dir": str(out),
-              "route": "ray-train", "workers": route["workers"], "stage1_shared": shared,
+              "route": "ray-train", "workers": route["workers"], "stage1_shared": shared, "method": cfg.method,
+              "compute": planned, "total_compute": planned["total"],
               "info": {"storage": result.storage}}
     if scored["layers"] != num_layers - len(drop):
         raise RuntimeError(f"export {out} has {scored['layers']} layers, expected {num_layers - len(drop)}")

@@ -1,5 +1,6 @@
 """MLflow lineage of a search: one parent run, a child run per trial, the trial's evaluation as a run
-nested under it, the Pareto plot and gate heat map on the parent, the best model in the registry.
+nested under it, the Pareto plot (calibration held-out PPL vs total compute, colour = kept parameters)
+and gate heat map on the parent, the best model in the registry.
 
 Written with `MlflowClient` by the driver alone (trials never touch MLflow): a sqlite store has one
 writer, and explicit run ids keep the tree right when trials finish out of order. Run ids are kept
@@ -43,9 +44,11 @@ def _trial_run(client, exp_id: str, parent: str, record: dict) -> str:
                             tags={PARENT_TAG: parent, "trsp.trial_key": key, "trsp.status": record["status"]})
     rid = run.info.run_id
     _log(client, rid, params={"point": record["point"], "config": record.get("config", {})},
-         metrics={k: record.get(k) for k in ("val_ppl", "val_loss", "kept_parameters", "kept_fraction",
-                                              "heldout_ppl")})
-    for point in record.get("curve", []):
+         metrics={**{k: record.get(k) for k in ("val_ppl", "val_loss", "kept_parameters", "kept_fraction",
+                                                 "heldout_ppl")},
+                  **{f"compute_{k}": v for k, v in (record.get("compute") or {}).items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+    for point in record.get("curve", []):  # stage 2's or the heal's steps (the names predate heals)
         _log(client, rid, metrics={"stage2_val_loss": point["val_loss"], "stage2_ce": point["stage2_ce"]},
              step=point["step"])
     client.log_dict(rid, record, "trial.json")
@@ -67,30 +70,54 @@ def _evaluation_run(client, exp_id: str, trial_run: str, record: dict) -> None:
     client.set_terminated(run.info.run_id, "FINISHED" if result.get("status") == "ok" else "FAILED")
 
 
+def total_compute(record: dict) -> float | None:
+    """A trial's total dense-forward tokens (selection + fit + heal), None when it was not recorded."""
+    return (record.get("compute") or {}).get("total", record.get("total_compute"))
+
+
 def pareto_front(records: list[dict]) -> list[dict]:
-    """Finished trials not dominated in (held-out PPL, kept fraction), both lower is better."""
-    done = [r for r in records if r.get("heldout_ppl") is not None]
+    """Finished trials not dominated in (calibration held-out PPL, total compute), both lower is better."""
+    done = [r for r in records if r.get("val_ppl") is not None and total_compute(r) is not None]
+    score = {id(r): (r["val_ppl"], total_compute(r)) for r in done}
     return [r for r in done if not any(
-        o["heldout_ppl"] <= r["heldout_ppl"] and o["kept_fraction"] <= r["kept_fraction"]
-        and (o["heldout_ppl"], o["kept_fraction"]) != (r["heldout_ppl"], r["kept_fraction"]) for o in done)]
+        score[id(o)][0] <= score[id(r)][0] and score[id(o)][1] <= score[id(r)][1] and score[id(o)] != score[id(r)]
+        for o in done)]
+
+
+def _label(record: dict) -> str:
+    def short(k, v):
+        return f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
+
+    return ", ".join(short(k, v) for k, v in record["point"].items() if k != "method")
 
 
 def pareto_figure(records: list[dict]):
+    """Calibration held-out PPL (the objective) against each trial's total compute; colour: kept
+    fraction of parameters, marker: the pipeline; the line joins the Pareto front."""
     from trsp_ray.plots import _pyplot
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    done = [r for r in records if r.get("heldout_ppl") is not None]
-    ax.scatter([r["kept_fraction"] for r in done], [r["heldout_ppl"] for r in done], color="0.5", label="trial")
-    front = sorted(pareto_front(done), key=lambda r: r["kept_fraction"])
-    ax.plot([r["kept_fraction"] for r in front], [r["heldout_ppl"] for r in front], "o-", color="C3",
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    done = [r for r in records if r.get("status") == "finished" and r.get("val_ppl") is not None
+            and total_compute(r) is not None]
+    markers = "osD^vP*Xh<>"
+    methods = sorted({r.get("method") or r.get("config", {}).get("method", "?") for r in done})
+    image = None
+    for i, method in enumerate(methods):
+        mine = [r for r in done if (r.get("method") or r.get("config", {}).get("method", "?")) == method]
+        image = ax.scatter([total_compute(r) / 1e3 for r in mine], [r["val_ppl"] for r in mine],
+                           c=[r["kept_fraction"] for r in mine], cmap="viridis", vmin=0, vmax=1, s=45,
+                           marker=markers[i % len(markers)], edgecolors="k", linewidths=0.4, label=method)
+    front = sorted(pareto_front(done), key=total_compute)
+    ax.plot([total_compute(r) / 1e3 for r in front], [r["val_ppl"] for r in front], "-", color="C3", lw=1,
             label="Pareto front")
     for r in done:
-        ax.annotate(", ".join(f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
-                              for k, v in r["point"].items()), (r["kept_fraction"], r["heldout_ppl"]), fontsize=6)
-    ax.set_xlabel("kept fraction of parameters")
-    ax.set_ylabel("held-out PPL")
-    ax.set_title("Search: held-out perplexity vs model size")
+        ax.annotate(_label(r), (total_compute(r) / 1e3, r["val_ppl"]), fontsize=6)
+    if image is not None:
+        fig.colorbar(image, ax=ax, label="kept fraction of parameters")
+    ax.set_xlabel("total compute (k dense-forward tokens: selection + fit + heal)")
+    ax.set_ylabel("calibration held-out PPL (mixture tail)")
+    ax.set_title("Search: quality vs total compute")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

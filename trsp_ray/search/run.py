@@ -1,7 +1,9 @@
-"""`run_search`: a Ray Tune search over lambda1, lambda2 and the ratio, top to bottom:
-validate the space -> plan stage-1 reuse -> skip finished trials -> Tune (grid / random / Optuna,
-ASHA on the stage-2 validation loss) -> score the new exports on the evaluation pool -> MLflow
-lineage, figures and the best model in the registry.
+"""`run_search`: a Ray Tune search over pipelines (`method`), the ratio and any stage setting, at an
+optional total compute budget, top to bottom: validate the space (keys that act in only some
+pipelines, budgets a selection alone exceeds: search/pipeline.py) -> plan stage-1 reuse -> skip
+finished trials -> Tune (grid / random / Optuna, ASHA on the calibration held-out loss reported
+during stage 2 or the heal) -> score the new exports on the evaluation pool (reported only) -> MLflow
+lineage, the Pareto figure and the best model in the registry.
 
 Resumable: each finished trial leaves `<search_dir>/trials/<trial key>.json`, where the key is a
 hash of the trial's whole config; running the same search again only runs the missing trials.
@@ -13,6 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from trsp_ray import registry
 from trsp_ray.config import RunConfig, from_dict
@@ -22,7 +25,7 @@ from trsp_ray.logs import log as progress_log
 from trsp_ray.search.cache import RunLog
 from trsp_ray.search.layout import TRIALS, trial_record_path
 from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
-from trsp_ray.stage1_store import data_fingerprint, stage1_key
+from trsp_ray.stage1_store import data_fingerprint
 
 
 @dataclass(frozen=True)
@@ -52,21 +55,26 @@ def _probe(base: dict, space: SearchSpace, points: list[dict] | None) -> dict:
     return points[0] if points else {d.key: d.bounds()[0] for d in space.dims}
 
 
-def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None, int, dict]:
-    """Checked points (None for Optuna), the model's layer count, and the stage-1 plan
-    {stage-1 key: largest n_drop among the trials that share it}. Raises before any trial."""
+class Plan(NamedTuple):
+    """What a search will run, checked before any trial (search/pipeline.py has the rule for keys
+    that act only in some pipelines)."""
+
+    points: list[dict] | None  # None: Optuna proposes them
+    num_layers: int
+    n_drop: dict  # {stage-1 key: largest n_drop among the TRSP trials that share it}
+    ignored: list  # per point: {key: value} dropped from it (the key does not act in its pipeline)
+    merged: list  # [(point, the point it runs as)]: points that ran the same pipeline as an earlier one
+    refused: list  # [(point, why)]: grid points their pipeline refuses (config.for_method), left out
+    max_steps: int  # the most steps any trial trains (a budgeted heal: what its budget buys at most)
+
+
+def plan_trials(base: RunConfig, space: SearchSpace) -> Plan:
+    """The checked plan of a search. Raises a one-line TrspError before any trial: a bad point, a key
+    that acts in none of the searched pipelines, a budget a point's selection and fit alone exceed."""
+    from trsp_ray.search import pipeline
     from trsp_ray.stage1 import n_drop_for
     from trsp_ray.workbench import check_inputs
 
-    if base.method not in registry.TRSP_METHODS:
-        raise TrspError(f"method={base.method!r} has no lambda1/lambda2 to search; "
-                        f"use one of {', '.join(registry.TRSP_METHODS)}")
-    if base.heal.compute_budget:
-        raise TrspError(f"heal.compute_budget={base.heal.compute_budget:g} is a prune setting; a search trains "
-                        "every trial with stage2.steps (set that, or search stage2.steps)")
-    if any(d.key == "stage2.lambda2" for d in space.dims) and base.method not in registry.STAGE2_METHODS:
-        raise TrspError(f"stage2.lambda2 acts only in stage 2, which method={base.method!r} does not run; "
-                        f"search it with method={' or '.join(registry.STAGE2_METHODS)}, or drop it from the space")
     if space.algorithm == "optuna":
         _optuna_search_class()  # a missing optuna fails here, before Ray starts
     points = grid_points(space) if space.algorithm == "grid" else (
@@ -74,14 +82,26 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> tuple[list[dict] | None,
     base_dict = _absolute_paths(base.to_dict())
     num_layers = check_inputs(from_dict(apply_point(base_dict, _probe(base_dict, space, points))))
     check_points(base, space, points, num_layers=num_layers)
+    ignored, merged, refused = [], [], []
+    if points is None:
+        pipeline.check_conditional(base_dict, space, num_layers=num_layers)
+        probes = [{d.key: d.bounds()[i] for d in space.dims} for i in (0, 1)]
+    else:
+        points, dropped, merged, refused = pipeline.reduce_points(base_dict, space, points, num_layers=num_layers)
+        ignored = [dropped.get(i, {}) for i in range(len(points))]
+        probes = points
+    pipeline.check_budgets(base_dict, probes, num_layers=num_layers)
     fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"],
                           calib_mix=base_dict["data"]["calib_mix"])
     n_drop: dict[str, int] = {}
     for point in points or [{d.key: d.bounds()[1] for d in space.dims}]:
         cfg = apply_point(base_dict, point)
-        key = stage1_key(cfg, fp)
-        n_drop[key] = max(n_drop.get(key, 0), n_drop_for(cfg["ratio"], num_layers))
-    return points, num_layers, n_drop
+        if registry.method(cfg["method"]).uses_stage1:
+            n = n_drop_for(cfg["ratio"], num_layers)
+            key = pipeline.trial_stage1_key(cfg, fp, n_drop=n)
+            n_drop[key] = max(n_drop.get(key, 0), n)
+    steps = pipeline.max_heal_steps(base_dict, probes, num_layers=num_layers)
+    return Plan(points, num_layers, n_drop, ignored, merged, refused, steps)
 
 
 def _absolute_paths(cfg: dict) -> dict:
@@ -173,13 +193,14 @@ def _route(base: RunConfig, opts: SearchOptions, cluster: dict):
 
 
 def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, trials, trial_config, num_layers,
-              route, cluster):
+              max_steps, route, cluster):
     from ray import tune
 
     from trsp_ray.search.scheduler import GroupedASHA
-    from trsp_ray.search.trial import run_trial
+    from trsp_ray.search.trial import REPORTS, run_trial
 
-    reports = max(1, -(-base_dict["stage2"]["steps"] // trial_config["val_every"])) + 1
+    every = trial_config["val_every"]  # None: each trial reports REPORTS times over its own steps
+    reports = (max(1, -(-max_steps // every)) if every else REPORTS) + 1
     # Early stopping compares only trials that drop the same number of layers (see scheduler.py).
     scheduler = GroupedASHA(num_layers=num_layers, base_ratio=base_dict["ratio"], metric="val_loss", mode="min",
                             max_t=reports, grace_period=max(1, reports // 3), reduction_factor=2) if opts.asha else None
@@ -262,7 +283,8 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     from trsp_ray.export import check_work_dir
 
     check_work_dir(opts.search_dir, flag="--search-dir")  # a file or a read-only folder: refused now
-    points, num_layers, n_drop_plan = plan_trials(base, space)
+    plan = plan_trials(base, space)
+    points, num_layers = plan.points, plan.num_layers
     base_dict = _absolute_paths(base.to_dict())
     search_dir = Path(opts.search_dir).resolve()
     done = finished_records(search_dir)
@@ -271,12 +293,19 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     runlog = RunLog(search_dir, invocation=invocation)
     runlog.write("search_started", name=opts.name, algorithm=space.algorithm, pending=None if remaining is None
                  else len(remaining), skipped=len(done))
+    for point, same in plan.merged:
+        runlog.write("point_merged", point=point, runs_as=same)
+        log(f"search {opts.name}: point {point} runs the same pipeline as {same}; run once")
+    for point, why in plan.refused:
+        runlog.write("point_refused", point=point, reason=why)
+        log(f"search {opts.name}: point {point} left out: {why}")
     fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"],
                           calib_mix=base_dict["data"]["calib_mix"])
+    ignored = {trial_key(apply_point(base_dict, p)): drop for p, drop in zip(points or [], plan.ignored) if drop}
     trial_config = {"run": base_dict, "search_dir": str(search_dir), "data_fp": fp, "reuse": opts.reuse,
-                    "plan_n_drop": n_drop_plan, "default_plan_n_drop": max(n_drop_plan.values()),
-                    "val_every": opts.val_every or max(1, base.stage2.steps // 4), "val_windows": opts.val_windows,
-                    "threads": max(1, int(opts.cpus_per_trial)), "invocation": invocation}
+                    "plan_n_drop": plan.n_drop, "default_plan_n_drop": max(plan.n_drop.values(), default=0),
+                    "val_every": opts.val_every, "val_windows": opts.val_windows, "num_layers": num_layers,
+                    "ignored": ignored, "threads": max(1, int(opts.cpus_per_trial)), "invocation": invocation}
     point_space, search_alg, num_samples = _searcher(space, done, remaining)
     trials = len(remaining) if remaining is not None else num_samples
     started = bool(trials) and ray_session.connect(opts.address)
@@ -292,7 +321,7 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
                 + (f" + {route.workers} Ray Train workers" if route.workers else ""))
             results = _run_tune(base_dict, space, opts, point_space=point_space, search_alg=search_alg,
                                 num_samples=num_samples, trials=trials, trial_config=trial_config,
-                                num_layers=num_layers, route=route, cluster=cluster)
+                                num_layers=num_layers, max_steps=plan.max_steps, route=route, cluster=cluster)
             new = _collect(results, search_dir, base_dict)
             _score(new, base, opts, log, route)
         else:
@@ -311,6 +340,8 @@ def _finish(base, space, opts, search_dir, runlog, new, invocation, log) -> dict
     summary = {"invocation": invocation, "trials_run": len(new), "trials_total": len(records),
                "stage1_computed": runlog.count("stage1_computed", invocation=invocation),
                "stage1_reused": runlog.count("stage1_reused", invocation=invocation),
+               "selection_computed": runlog.count("selection_computed", invocation=invocation),
+               "selection_reused": runlog.count("selection_reused", invocation=invocation),
                "stage2_runs": runlog.count("stage2_run", invocation=invocation),
                "failed": sum(r["status"] == "failed" for r in new)}
     best = best_trial(records)

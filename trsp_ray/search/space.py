@@ -1,4 +1,4 @@
-"""The search space over lambda1, lambda2, the ratio and a few stage settings: parsing and validation.
+"""The search space over pipelines (`method`), the ratio and any stage setting: parsing and validation.
 
 A space maps dotted config keys to a dimension: a list of values (grid or choice) or a range
 (`uniform` / `loguniform` / `int`, low and high). Everything a trial could get wrong is checked
@@ -17,12 +17,11 @@ from trsp_ray.config import RunConfig, from_dict
 from trsp_ray.errors import TrspError
 from trsp_ray.stage1_store import content_key
 
-# Keys a search may vary; anything else is fixed for the whole search through the run config.
-# The compensation's form and ridge act after the selection, so trials that differ only there share
-# one stage 1 (stage1_store.stage1_content leaves them out).
-SEARCHABLE = ("ratio", "stage1.lambda1", "stage2.lambda2", "stage1.lr", "stage1.first_round_steps",
-              "stage1.steps_per_round", "stage2.trainable", "stage2.steps", "stage2.lr", "compensation.method",
-              "compensation.ridge", "compensation.form", "compensation.rank", "compensation.weighting")
+# What a search may vary: the pipeline (`method`), the ratio, the seed, and any key of the sections
+# that shape a trial's result, found in the config tree itself (so a key a section gains is
+# searchable with no code here). Keys that act only in some pipelines are handled by search/pipeline.py.
+TOP_KEYS = ("method", "ratio", "seed")
+SECTIONS = ("data", "gates", "stage1", "stage2", "heal", "recovery", "compensation", "baselines")
 ALGORITHMS = ("grid", "random", "optuna")
 RANGES = ("uniform", "loguniform", "int")
 
@@ -54,9 +53,22 @@ class SearchSpace:
         return [d.key for d in self.dims]
 
 
+def searchable(key: str) -> bool:
+    """Whether `key` is `method`, `ratio`, `seed` or a leaf of one of SECTIONS of RunConfig."""
+    import dataclasses
+
+    if key in TOP_KEYS:
+        return True
+    section, _, leaf = key.partition(".")
+    if section not in SECTIONS or not leaf or "." in leaf:
+        return False
+    return leaf in {f.name for f in dataclasses.fields(getattr(RunConfig(), section))}
+
+
 def _dimension(key: str, spec: Any) -> Dimension:
-    if key not in SEARCHABLE:
-        raise TrspError(f"search key {key!r} is not searchable; choose from {', '.join(SEARCHABLE)}")
+    if not searchable(key):
+        raise TrspError(f"search key {key!r} is not searchable; choose {', '.join(TOP_KEYS)} or a key of the "
+                        f"sections {', '.join(SECTIONS)} (e.g. heal.lr, compensation.method)")
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise TrspError(f"search key {key!r} has no values; give at least one")
@@ -84,7 +96,7 @@ def parse_space(spec: dict) -> SearchSpace:
     if algorithm not in ALGORITHMS:
         raise TrspError(f"search algorithm {algorithm!r} is not valid; choose one of {', '.join(ALGORITHMS)}")
     if not params:
-        raise TrspError("the search space is empty; give at least one key, e.g. --space stage1.lambda1=1e-3,5e-3")
+        raise TrspError("the search space is empty; give at least one key, e.g. --space method=shortgpt+heal,tail+heal")
     dims = tuple(_dimension(k, v) for k, v in params.items())
     objectives = tuple(spec.pop("objectives", ("val_ppl",)))
     space = SearchSpace(dims=dims, algorithm=algorithm, num_samples=int(spec.pop("num_samples", 1)),

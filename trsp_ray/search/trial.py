@@ -1,5 +1,7 @@
-"""One search trial as a Ray Tune function trainable: stage 1 (reused or computed once), stage 2
-with validation loss reported for ASHA, removal, export, and a finished-trial record.
+"""One search trial as a Ray Tune function trainable: its pipeline's selection (TRSP's stage 1 or a
+baseline's, reused or computed once), the heal steps a compute budget leaves, stage 2 or the heal
+with validation loss reported for ASHA, removal, export, and a finished-trial record with the
+trial's compute (selection / fit / heal / total, dense-forward tokens) and kept parameters.
 
 Everything the trial needs arrives in Tune's `config` as plain data (SPEC: plain dicts cross Ray
 boundaries). Selection signals come from the validation split (the calibration tail, never trained
@@ -13,10 +15,13 @@ import math
 import time
 from pathlib import Path
 
-from trsp_ray.search.cache import RunLog, stage1_for_trial
+from trsp_ray import registry
+from trsp_ray.search.cache import RunLog, selection_for_trial, stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.search.space import apply_point, trial_key
-from trsp_ray.stage1_store import compute_stage1, stage1_content, stage1_key
+from trsp_ray.stage1_store import compute_stage1, stage1_content
+
+REPORTS = 4  # validation reports over a trial's training steps when the search sets no val_every
 
 
 def validation_loss(bench, model, *, windows: int) -> float:
@@ -42,17 +47,24 @@ def expected_kept_parameters(bench, drop: list[int]) -> int:
     return kept_parameters(bench.model) - sum(p.numel() for i in drop for p in layers[i].parameters())
 
 
+TRAINING_METRICS = ("stage2/ce", "heal/ce")  # what a step of stage 2 or of a heal reports
+
+
 def _stage2_reporter(bench, made: list, *, every: int, steps: int, windows: int, report, curve: list,
                      constant: dict | None = None):
+    """The `report` a trial hands the method: every `every` training steps (stage 2's or the heal's)
+    the calibration held-out loss of the working copy, for ASHA."""
     def on_metrics(metrics: dict, step: int) -> None:
-        if "stage2/ce" not in metrics or not made:
+        name = next((m for m in TRAINING_METRICS if m in metrics), None)
+        if name is None or not made:
             return
         if step % every and step != steps:
             return
         loss = validation_loss(bench, made[-1], windows=windows)
-        curve.append({"step": step, "val_loss": loss, "stage2_ce": metrics["stage2/ce"]})
+        phase = name.split("/")[0]
+        curve.append({"step": step, "val_loss": loss, "stage2_ce": metrics[name], "phase": phase})
         report({"val_loss": loss, "val_ppl": math.exp(loss), "stage2_step": step,
-                "stage2_ce": metrics["stage2/ce"], "phase": "stage2", **(constant or {})})
+                "stage2_ce": metrics[name], "phase": phase, **(constant or {})})
     return on_metrics
 
 
@@ -67,28 +79,100 @@ def gates_at_ratio(stage1, n_drop: int) -> list[float]:
 
 def run_trial(config: dict) -> None:
     """Tune entry point. `config`: run (base config dict), point (searched values), search_dir,
-    data_fp, reuse, plan_n_drop ({stage-1 key: layers}), default_plan_n_drop, val_every,
-    val_windows, threads, invocation, route (route.TrialRoute as a dict)."""
+    data_fp, reuse, plan_n_drop ({stage-1 key: layers}), default_plan_n_drop, num_layers, ignored
+    ({trial key: keys dropped from its point}), val_every, val_windows, threads, invocation, route
+    (route.TrialRoute as a dict)."""
     import ray
     from ray import tune
 
     _execute(config, report=tune.report, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
 
 
+def _selection(bench, cfg_dict: dict, config: dict, *, key: str, log, trial: str):
+    """(drop set, selection info, stage-1 result or None): TRSP's from the stage-1 store, a baseline's
+    from the selection store, each computed once per key (search/cache.py)."""
+    from trsp_ray.gates import attach_gates
+    from trsp_ray.methods import select, stage1_cost
+    from trsp_ray.search.pipeline import selection_content
+
+    cfg, n_drop = bench.cfg, bench.n_drop()
+    if registry.method(cfg.method).uses_stage1:
+        stage1 = stage1_for_trial(need=n_drop, compute=lambda n: compute_stage1(bench, n),
+                                  content=stage1_content(cfg_dict), store=trial_store(config), key=key,
+                                  plan_n_drop=planned_n_drop(config, key), log=log, trial=trial)
+        info = {"calib_tokens": stage1.tokens + stage1.probe_tokens, "stage1_steps": stage1.steps,
+                "select_cost": stage1_cost(stage1, num_layers=bench.num_layers, train_base=cfg.stage1.train_base)}
+        return stage1.drop_for(cfg.method, n_drop), info, stage1
+
+    def compute() -> tuple[list[int], dict]:
+        model = bench.fresh_model()
+        try:
+            return select(bench, cfg.method, model=model, gates=attach_gates(model, gate_mode=cfg.gates.gate))
+        finally:
+            del model
+
+    drop, info = selection_for_trial(need=n_drop, compute=compute, content=selection_content(cfg, n_drop),
+                                     store=trial_store(config), key=key, log=log, trial=trial)
+    return drop, info, None
+
+
+def budgeted(cfg, *, drop: list[int], select_cost: float, num_layers: int, hidden: int):
+    """(cfg whose heal has the steps heal.compute_budget leaves, the fit's cost for `drop`): the
+    selection's measured cost and the fit's exact cost for this drop set, so every trial's total lies
+    within one heal step below the budget (budget.heal_steps). Without a budget: cfg unchanged."""
+    from trsp_ray import budget, compensation
+    from trsp_ray.config import for_method, sized
+
+    comp = sized(for_method(cfg), hidden=hidden).compensation
+    fit = 0.0 if comp.method == "none" else compensation.cost(
+        drop=drop, num_layers=num_layers, tokens=comp.windows * cfg.data.seqlen, activations=comp.activations)
+    if not (cfg.heal.compute_budget and registry.method(cfg.method).heal):
+        return cfg, fit
+    return budget.with_heal_steps(cfg, budget.heal_steps(cfg, select=select_cost, comp=fit)), fit
+
+
+def training_steps(cfg) -> int:
+    """Steps the trial's method trains: stage 2's, or its heal's (methods.method_heal)."""
+    from trsp_ray.methods import method_heal
+
+    spec = registry.method(cfg.method)
+    if spec.stage2 and cfg.stage2.enabled:
+        return cfg.stage2.steps
+    return method_heal(cfg).steps if spec.heal else cfg.heal.steps
+
+
+def compute_record(info: dict, *, budget: float) -> dict:
+    """A trial's compute in dense-forward tokens (SPEC section 5): selection, fit, heal, total."""
+    from trsp_ray import compute
+
+    heal = compute.TRAIN_TOKEN * info.get("weight_tokens", 0)
+    return {"select": info.get("select_cost", 0.0), "fit": info.get("compensation_cost", 0.0), "heal": heal,
+            "total": compute.total_cost(info), "budget": budget or None,
+            "heal_steps": info.get("heal_steps", 0) + info.get("stage2_steps", 0)}
+
+
 def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     """One trial; `gpu_ids` are the GPUs Ray assigned to it (the route in `config` says how many)."""
     import torch
 
+    from trsp_ray import families
     from trsp_ray.config import from_dict, replace
     from trsp_ray.methods import apply_method
+    from trsp_ray.search.pipeline import selection_key, trial_stage1_key
     from trsp_ray.search.route import trial_device
-    from trsp_ray.workbench import kept_parameters, prepare
+    from trsp_ray.stage1 import n_drop_for
+    from trsp_ray.workbench import check_inputs, kept_parameters, prepare
 
     torch.set_num_threads(int(config.get("threads") or 1))
     search_dir = Path(config["search_dir"])
     cfg_dict = apply_point(config["run"], config["point"])
     cfg = from_dict(cfg_dict)
-    tkey, skey = trial_key(cfg_dict), stage1_key(cfg_dict, config["data_fp"])
+    tkey = trial_key(cfg_dict)
+    num_layers = int(config.get("num_layers") or check_inputs(cfg))
+    if registry.method(cfg.method).uses_stage1:
+        skey = trial_stage1_key(cfg_dict, config["data_fp"], n_drop=n_drop_for(cfg.ratio, num_layers))
+    else:
+        skey = selection_key(cfg_dict, config["data_fp"], num_layers=num_layers)
     log = RunLog(search_dir, invocation=config["invocation"])
     if (config.get("route") or {}).get("workers"):
         from trsp_ray.search.distributed_trial import run_distributed_trial
@@ -99,38 +183,44 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     start = time.perf_counter()
     bench = prepare(replace(cfg, device=device))
     windows = int(config.get("val_windows") or 8)
-    stage1 = stage1_for_trial(need=bench.n_drop(), compute=lambda n: compute_stage1(bench, n),
-                              content=stage1_content(cfg_dict), store=trial_store(config),
-                              key=skey, plan_n_drop=planned_n_drop(config, skey), log=log, trial=tkey)
+    drop, select_info, stage1 = _selection(bench, cfg_dict, config, key=skey, log=log, trial=tkey)
+    bench.cfg, _ = budgeted(bench.cfg, drop=drop, select_cost=select_info["select_cost"],
+                            num_layers=bench.num_layers, hidden=families.text_config(bench.model).hidden_size)
+    steps = training_steps(bench.cfg)
+    every = int(config.get("val_every") or max(1, -(-steps // REPORTS)))
     made: list = []  # the working copy apply_method trains (on_model): validation loss is measured on it
-    every = max(1, int(config.get("val_every") or 1))
     curve: list = []
-    n_drop = bench.n_drop()
-    drop = stage1.drop_for(cfg.method, n_drop)
     dense = kept_parameters(bench.model)
     expected = expected_kept_parameters(bench, drop)
-    on_metrics = _stage2_reporter(bench, made, every=every, steps=cfg.stage2.steps, windows=windows,
-                                  report=report, curve=curve,
+    on_metrics = _stage2_reporter(bench, made, every=every, steps=steps, windows=windows, report=report, curve=curve,
                                   constant={"kept_parameters": expected, "kept_fraction": expected / dense})
-    log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"])
-    outcome = apply_method(bench, cfg.method, stage1=stage1, report=on_metrics, on_model=made.append)
+    log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"], method=cfg.method,
+              steps=steps)
+    outcome = apply_method(bench, cfg.method, drop=drop, report=on_metrics, on_model=made.append)
+    info = {**select_info, **outcome.info}
     val = validation_loss(bench, outcome.model, windows=windows)
-    n_drop = len(outcome.drop)
     kept = kept_parameters(outcome.model)
     if kept != expected:  # the removal must cut exactly the parameters of the chosen layers
         raise RuntimeError(f"removal left {kept} parameters, expected {expected} for drop {outcome.drop}")
     record = {"trial_key": tkey, "stage1_key": skey, "point": config["point"], "config": cfg_dict,
+              "method": cfg.method, "ignored": (config.get("ignored") or {}).get(tkey, {}),
+              "resolved": {"stage2.steps": bench.cfg.stage2.steps, "heal.steps": bench.cfg.heal.steps},
               "status": "finished", "drop": outcome.drop, "kept": outcome.kept,
               "num_layers_original": bench.num_layers, "val_loss": val, "val_ppl": math.exp(val),
+              "objective": {"split": "calibration held-out tail (never trained on)",
+                            "source": bench.calibration.source if bench.calibration else None,
+                            "windows": windows, "seqlen": bench.cfg.data.eval_seqlen},
+              "compute": compute_record(info, budget=bench.cfg.heal.compute_budget),
               "kept_parameters": kept, "dense_parameters": dense, "kept_fraction": kept / dense,
-              "gates": gates_at_ratio(stage1, n_drop), "curve": curve, "seconds": time.perf_counter() - start,
-              "device": device, "gpu_ids": list(gpu_ids), "route": "single",
-              "info": {k: v for k, v in outcome.info.items() if k != "relative_update"}}
+              "gates": gates_at_ratio(stage1, len(outcome.drop)) if stage1 is not None else [], "curve": curve,
+              "seconds": time.perf_counter() - start, "device": device, "gpu_ids": list(gpu_ids), "route": "single",
+              "info": {k: v for k, v in info.items() if k != "relative_update"}}
+    record["total_compute"] = record["compute"]["total"]
     record["model_dir"] = _export(outcome, bench, search_dir, tkey, record)
     from trsp_ray import atomic
 
     atomic.write_json(trial_record_path(search_dir, tkey), record)
-    log.write("trial_finished", trial=tkey, val_ppl=record["val_ppl"])
+    log.write("trial_finished", trial=tkey, val_ppl=record["val_ppl"], total_compute=record["total_compute"])
     report({"val_loss": val, "val_ppl": record["val_ppl"], "kept_parameters": kept,
             "kept_fraction": record["kept_fraction"], "trial_key": tkey, "phase": "final", "done_trial": 1})
     return record
@@ -141,7 +231,8 @@ def _export(outcome, bench, search_dir: Path, key: str, record: dict) -> str:
 
     manifest = pruned_manifest(method=bench.cfg.method, drop=outcome.drop, num_layers_original=bench.num_layers,
                                config=record["config"], search_trial=key,
-                               metrics={k: record[k] for k in ("val_ppl", "kept_parameters", "kept_fraction")})
+                               metrics={k: record[k] for k in ("val_ppl", "kept_parameters", "kept_fraction",
+                                                                "total_compute")})
     # overwrite: a trial retried after a crash replaces its own half-finished export
     path = export_model(outcome.model, bench.tokenizer, str(search_dir / MODELS / key), manifest=manifest,
                         overwrite=True)
