@@ -18,6 +18,7 @@ from pathlib import Path
 from trsp_ray import registry
 from trsp_ray.search.cache import RunLog, selection_for_trial, stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
+from trsp_ray.search.pipeline import budgeted, training_steps
 from trsp_ray.search.space import apply_point, trial_key
 from trsp_ray.stage1_store import compute_stage1, stage1_content
 
@@ -114,31 +115,6 @@ def _selection(bench, cfg_dict: dict, config: dict, *, key: str, log, trial: str
     drop, info = selection_for_trial(need=n_drop, compute=compute, content=selection_content(cfg, n_drop),
                                      store=trial_store(config), key=key, log=log, trial=trial)
     return drop, info, None
-
-
-def budgeted(cfg, *, drop: list[int], select_cost: float, num_layers: int, hidden: int):
-    """(cfg whose heal has the steps heal.compute_budget leaves, the fit's cost for `drop`): the
-    selection's measured cost and the fit's exact cost for this drop set, so every trial's total lies
-    within one heal step below the budget (budget.heal_steps). Without a budget: cfg unchanged."""
-    from trsp_ray import budget, compensation
-    from trsp_ray.config import for_method, sized
-
-    comp = sized(for_method(cfg), hidden=hidden).compensation
-    fit = 0.0 if comp.method == "none" else compensation.cost(
-        drop=drop, num_layers=num_layers, tokens=comp.windows * cfg.data.seqlen, activations=comp.activations)
-    if not (cfg.heal.compute_budget and registry.method(cfg.method).heal):
-        return cfg, fit
-    return budget.with_heal_steps(cfg, budget.heal_steps(cfg, select=select_cost, comp=fit)), fit
-
-
-def training_steps(cfg) -> int:
-    """Steps the trial's method trains: stage 2's, or its heal's (methods.method_heal)."""
-    from trsp_ray.methods import method_heal
-
-    spec = registry.method(cfg.method)
-    if spec.stage2 and cfg.stage2.enabled:
-        return cfg.stage2.steps
-    return method_heal(cfg).steps if spec.heal else cfg.heal.steps
 
 
 def compute_record(info: dict, *, budget: float) -> dict:
