@@ -168,13 +168,13 @@ def test_compensated_model_exports_and_reloads_with_plain_transformers(family, m
 
     dense, windows, drop = tiny_model(family, layers=6), _windows(), [2, 3]
     model = _pruned(dense, drop)
-    if family not in FOLDABLE:
+    if family not in FOLDABLE and method == "scalar":
         with pytest.raises(TrspError, match="post_feedforward_layernorm") as err:
             compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method=method)
         assert "\n" not in str(err.value)
         return
-    # lstsq folds into layer 1 (before the block), the scalar fold into layer 2 (original 4, after it)
-    proj = families.mlp_output(families.decoder_layers(model)[1 if method == "lstsq" else 2], model)
+    # lstsq folds into layer 1 (before the block; Gemma: its MLP norm), the scalar fold into layer 2 (original 4)
+    proj = families.map_output(families.decoder_layers(model)[1 if method == "lstsq" else 2], model)[0]
     weight = proj.weight.clone()
     compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method=method)
     assert not torch.equal(weight, proj.weight)
@@ -312,8 +312,9 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     assert manifest["config"]["compensation"] == {"method": "lstsq", "ridge": 1e-2, "windows": 4,
                                                   "activations": "dense", "form": "full", "rank": 64,
                                                   "weighting": "norm", "tokens_per_column": 28.0,
-                                                  "min_tokens_per_column": 1.0}
-    assert [manifest["metrics"][f"compensation_{k}"] for k in ("form", "ridge", "weighting")] == ["full", 1e-2, "norm"]
+                                                  "min_tokens_per_column": 1.0, "objective": "mse"}
+    assert [manifest["metrics"][f"compensation_{k}"] for k in ("form", "ridge", "weighting", "objective")] == [
+        "full", 1e-2, "norm", "mse"]
     assert manifest["metrics"]["compensation_tokens"] == 4 * 32
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
 
@@ -354,10 +355,11 @@ def test_on_a_gpu_run_the_fit_reads_a_transient_dense_copy_while_the_pruned_copy
         assert used is bench.model and not handed
 
 
-def test_the_default_runs_without_the_fold_on_a_family_no_fold_reaches(tmp_path, capsys):
-    """Gemma 2 normalises the MLP output after the projection, so no fold can take a map: the default
-    method (which compensates with no compensation setting) runs as shortgpt+heal there, says so in
-    the log and records that method; a compensation asked for by name is refused in one line instead."""
+def test_the_default_folds_a_diagonal_map_into_the_mlp_norm_on_gemma(tmp_path):
+    """Gemma 2 normalises the MLP output after the projection, so only a diagonal map folds, into that
+    norm's weight (issue 32 item 2, compensation.map_form): the default method compensates there with
+    the diagonal form and records it; the scalar fold (whose scaled projections the norms would undo)
+    asked for by name is refused in one line."""
     from trsp_ray import driver, registry
     from trsp_ray.config import load_config
     from trsp_ray.tiny import tiny_workspace
@@ -366,15 +368,13 @@ def test_the_default_runs_without_the_fold_on_a_family_no_fold_reaches(tmp_path,
     overrides = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
                  f"data.eval_text={root / 'eval.txt'}", "data.seqlen=32", "data.eval_seqlen=64",
                  "data.eval_max_windows=2", "ratio=0.34", "threads=1", "tracking.enabled=false",
-                 "baselines.calib_windows=2", "stage2.steps=1", "compensation.windows=4"]
+                 "baselines.calib_windows=2", "stage2.steps=1", "compensation.windows=16"]  # 8 per column
     assert registry.method(load_config(overrides=overrides).method).compensate  # the default
     results = driver.run(load_config(overrides=overrides))
-    printed = capsys.readouterr()
-    assert results["method"] == "shortgpt+heal" and "compensation_tokens" not in results
-    assert results["heal_steps"] == 1
-    assert "no compensation on this model (its post_feedforward_layernorm" in printed.out + printed.err
+    assert results["method"] == load_config(overrides=overrides).method and results["compensation_tokens"] == 16 * 32
+    assert (results["compensation"], results["compensation_form"], results["heal_steps"]) == ("lstsq", "diagonal", 1)
     with pytest.raises(TrspError, match="post_feedforward_layernorm.*--method shortgpt[+]heal instead") as err:
-        driver.run(load_config(overrides=[*overrides, "compensation.method=lstsq"]))
+        driver.run(load_config(overrides=[*overrides, "compensation.method=scalar"]))
     assert "\n" not in str(err.value)
 
 
@@ -505,8 +505,8 @@ def test_compensation_none_with_the_default_is_refused_wherever_a_run_starts(wor
     assert code == 2 and not out and err.count("\n") == 1 and "use --method shortgpt+heal" in err
     code, out, _ = _prune(workspace)
     # compensation.windows 0: sized to the tiny model's hidden size, 28 x 64 / 128 = 14 windows
-    assert code == 0 and "compensation: lstsq (form full, ridge 0.01, weighting norm), fitted after the selection " \
-                         "on 14 windows x 128 tokens (1,792;" in out
+    assert code == 0 and "compensation: lstsq (form full, ridge 0.01, weighting norm, objective mse), fitted " \
+                         "after the selection on 14 windows x 128 tokens (1,792;" in out
     code, out, _ = _prune(workspace, "--method", "shortgpt+heal")
     assert code == 0 and "compensation: none (shortgpt+heal fits nothing)" in out
 

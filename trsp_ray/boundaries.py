@@ -23,6 +23,12 @@ def blocks(drop, num_layers: int) -> list[tuple[int, int]]:
     return out
 
 
+def fold_layers(spans) -> list[int]:
+    """The original index of the kept layer each block's map is folded into: the layer before it
+    (a - 1 for block (a, b); what compensation.compensate folds into and reports as "blocks")."""
+    return [a - 1 for a, _ in spans]
+
+
 class Stop(Exception):
     """Raised by a hook once the last layer a pass needs has run: the rest is not computed."""
 

@@ -34,7 +34,15 @@ Where M and h_mid come from (`activations`):
       boundary a_k-1 -> b_k+1 for the stream that actually reaches it. Costs a pass per block.
 
 The scalar fold (Prune&Comp's form, `method="scalar"`) lives in trsp_ray/compensation_scalar.py;
-the map's restricted forms (diagonal, low-rank) in trsp_ray/compensation_forms.py.
+the map's restricted forms (diagonal, low-rank) in trsp_ray/compensation_forms.py; the cosine
+objective (`objective="cosine"`: the same map refined to minimise 1 - cos(M T + h_mid, target),
+ReplaceMe's) in trsp_ray/compensation_cosine.py, from the rows `accumulate` hands its `sink`.
+
+Gemma 2/3 normalise the MLP output (post_feedforward_layernorm, scale 1 + w) before the residual add,
+so M there is the norm's output and a full map cannot fold: the norm divides by the rms of its own
+input, so any map placed before it is undone up to a scale, and one placed after it is no weight of
+the stock model. A diagonal D can: rmsnorm(z) (1 + w) D = rmsnorm(z) (1 + w'), w' = (1 + w) D - 1,
+exact up to the rounding of w' (map_form fits the diagonal there; fold writes w').
 
 Data parallel: each rank accumulates its own window shard; `reduce` (identity in one process, an
 all-reduce sum under torch.distributed) is applied to the sums before the solve, so every rank
@@ -50,7 +58,13 @@ import torch
 
 from trsp_ray import families
 from trsp_ray.boundaries import Stop, blocks, hidden
-from trsp_ray.compensation_forms import WEIGHTINGS, check_form, check_tokens, solve  # noqa: F401 (re-exported)
+from trsp_ray.compensation_forms import (  # noqa: F401 (re-exported)
+    WEIGHTINGS,
+    check_form,
+    check_objective,
+    check_tokens,
+    solve,
+)
 from trsp_ray.errors import TrspError
 
 METHODS = ("none", "lstsq", "scalar")
@@ -79,14 +93,16 @@ class Stats:
 
 
 def check_request(*, model, method: str, tokens: int, drop=None, form: str = "full", rank: int | None = None,
-                  minimum: float = 1.0) -> None:
+                  minimum: float = 1.0, objective: str = "mse") -> None:
     """Refuse, before any forward pass, a compensation that cannot run: an unknown method, a family
     whose MLP output a map cannot be folded into, fewer than `minimum` calibration tokens per column
     of a d x d map (below 1 it is underdetermined; a run's floor is compensation.min_tokens_per_column),
     or a block at layer 0 (no layer before it to fold into).
-    The scalar fold needs the layers' output projections and at least one token, and serves layer 0."""
+    The scalar fold needs the layers' output projections and at least one token, and serves layer 0;
+    the cosine `objective` needs a fitted map (method lstsq)."""
     if method not in METHODS:
         raise TrspError(f"compensation.method={method!r} is not valid; choose one of {', '.join(METHODS)}")
+    check_objective(objective, method=method)
     if method == "none":
         return
     layers = families.decoder_layers(model)
@@ -95,20 +111,46 @@ def check_request(*, model, method: str, tokens: int, drop=None, form: str = "fu
         if tokens < 1:
             raise TrspError(f"compensation has {tokens} calibration tokens; the scalar fold needs at least 1")
         return
-    families.mlp_output(layers[0], model)
+    families.map_output(layers[0], model)
     hidden = families.text_config(model).hidden_size
     check_form(form, rank, hidden)
-    check_tokens(tokens=tokens, hidden=hidden, form=form, minimum=minimum)
+    check_tokens(tokens=tokens, hidden=hidden, form=map_form(model, form), minimum=minimum)
     if drop is not None and 0 in set(drop):
         raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
                         f"compensation; {families.NO_COMPENSATION}, or protect layer 0 (gates.protect_head)")
 
 
+def map_form(model, form: str) -> str:
+    """The form a map of `form` is fitted in on `model`: as asked where the MLP's output projection
+    reaches the residual add; on a family with a norm between (Gemma 2/3, families.map_output) the
+    diagonal for full (the default: the only map that folds exactly through a norm, which divides by
+    the mapped output's own rms), and a one-line refusal for lowrank."""
+    family = families.family_of(model)
+    if not family.mlp_norm_path or form == "diagonal":
+        return form
+    if form == "lowrank":
+        raise TrspError(f"compensation.form='lowrank' cannot fold into family {family.name!r}: "
+                        f"{family.mlp_fold_refusal} unless the map is diagonal (folded into "
+                        f"{family.mlp_norm_path}'s weight); use compensation.form=diagonal, or full (which fits the "
+                        "diagonal there)")
+    return "diagonal"
+
+
 @torch.no_grad()
 def fold(*, model, layer, t: torch.Tensor) -> None:
     """Right-multiply the MLP output of decoder `layer` of `model` by `t` [d, d], in its weights:
-    output z W^T + b becomes (z W^T + b) T, i.e. W <- T^T W and b <- T^T b (cast back to their dtype)."""
-    proj = families.mlp_output(layer, model)
+    output z W^T + b becomes (z W^T + b) T, i.e. W <- T^T W and b <- T^T b (cast back to their dtype).
+    Through a norm (families.map_output "norm"; `t` must be diagonal) its scale c + w becomes
+    (c + w) diag(t): w <- (c + w) diag(t) - c."""
+    proj, kind = families.map_output(layer, model)
+    if kind == "norm":
+        scale = t.to(device=proj.weight.device, dtype=torch.float64).diagonal()
+        if not torch.equal(t.to(scale.device, torch.float64), torch.diag(scale)):
+            raise TrspError(f"family {families.family_of(model).name!r} takes only a diagonal map into its MLP "
+                            "output's norm; fit compensation.form=diagonal")
+        c = families.norm_offset(model)
+        proj.weight.copy_(((c + proj.weight.double()) * scale - c).to(proj.weight.dtype))
+        return
     w = proj.weight
     tt = t.to(device=w.device, dtype=torch.float64).T
     w.copy_((tt @ w.double()).to(w.dtype))
@@ -120,7 +162,7 @@ def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int | Non
     """Forward hooks on `model` writing store[(index, 'out')] (a decoder layer's output) and
     store[(index, 'mlp')] (its MLP output projection's output), flattened to [n, d]; the pass
     stops after decoder layer `stop_after` (None: it runs to the end)."""
-    mlp_output = mlp_output or families.mlp_output
+    mlp_output = mlp_output or (lambda layer, m: families.map_output(layer, m)[0])
     layers = families.decoder_layers(model)
     handles = []
 
@@ -173,7 +215,7 @@ def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor, *, scale:
 
 @torch.no_grad()
 def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | None = None, stop: bool = True,
-               mlp_output=None, weighting: str = "norm") -> list[Stats | None]:
+               mlp_output=None, weighting: str = "norm", sink=None) -> list[Stats | None]:
     """The sums of every block of `drop` over `windows` (batches of token ids [B, S]; None for a
     block when `windows` is empty).
 
@@ -181,10 +223,12 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
     `pruned` (the layer-removed model, earlier blocks already folded) and one `block`, M and h_mid
     come from pruned's copy of layer a-1 and the target from dense ("sequential" form).
     `stop=False` runs every pass to the end (a ZeRO-3 forward is a collective that must not stop
-    inside DeepSpeed's gather hooks); `mlp_output(layer, model)` finds the projection
-    (families.mlp_output by default; a partitioned model needs its layer gathered to look).
+    inside DeepSpeed's gather hooks); `mlp_output(layer, model)` finds the module whose output is M
+    (families.map_output's by default; a partitioned model needs its layer gathered to look).
     `weighting="norm"`: every token's rows of M and Y are divided by the norm of its dense target
-    stream, so the fit minimises the summed squared *relative* boundary error (module doc)."""
+    stream, so the fit minimises the summed squared *relative* boundary error (module doc).
+    `sink(block, out, m, target)`, when given, also gets every batch's unweighted rows [n, d] in the
+    forward's dtype (layer a-1's output, its MLP output, the dense target): the cosine fit keeps them."""
     if weighting not in WEIGHTINGS:
         raise TrspError(f"compensation.weighting={weighting!r} is not valid; choose one of {', '.join(WEIGHTINGS)}")
     num = families.num_layers(dense)
@@ -210,6 +254,8 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
             got = _run(pruned, batch, {new: "out mlp"}, stop_after=new)
             src = {(a, b): (got[(new, "out")], got[(new, "mlp")], target)}
         for s, (out, m, target) in src.items():
+            if sink is not None:
+                sink(s, out, m, target)
             m = m.double()  # the differences too: Y is small beside the stream it is taken from
             target = target.to(m.device).double()
             scale = target.norm(dim=-1).clamp_min(1e-12) if weighting == "norm" else None
@@ -217,13 +263,37 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
     return [stats[s] for s in spans]
 
 
-def describe(comp) -> dict:
+def cosine_sink(objective: str):
+    """The row cache the cosine fit needs from `accumulate` (None for least squares)."""
+    if objective != "cosine":
+        return None
+    from trsp_ray.compensation_cosine import Collector
+
+    return Collector()
+
+
+def refine(sink, info: dict, *, span, t: torch.Tensor, form: str, rank: int | None, ridge: float,
+           reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The cosine map of block `span` from its cached rows (dropped after), started at the least-squares
+    `t`; its mean 1 - cos before and after and the steps taken are appended to `info`."""
+    from trsp_ray.compensation_cosine import fit
+
+    t, got = fit(sink.pop(span), t, form=form, rank=rank, ridge=ridge, reduce=reduce)
+    for key, value in got.items():
+        info.setdefault(key, []).append(value)
+    return t
+
+
+def describe(comp, *, form: str | None = None) -> dict:
     """The manifest's and results' record of a CompensationConfig: the method, and for least
-    squares its form, ridge and token weighting."""
+    squares its form (`form`: the one fitted, compensate's "form", where known: the diagonal on Gemma
+    2/3), ridge, token weighting and objective (mse | cosine)."""
     out = {"compensation": comp.method}
     if comp.method == "lstsq":
-        out.update(compensation_form=f"lowrank {comp.rank}" if comp.form == "lowrank" else comp.form,
-                   compensation_ridge=comp.ridge, compensation_weighting=comp.weighting)
+        form = form or comp.form
+        out.update(compensation_form=f"lowrank {comp.rank}" if form == "lowrank" else form,
+                   compensation_ridge=comp.ridge, compensation_weighting=comp.weighting,
+                   compensation_objective=comp.objective)
     return out
 
 
@@ -242,27 +312,33 @@ def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense", stop
 
 def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: float = 1e-2,
                activations: str = "dense", form: str = "full", rank: int | None = None, weighting: str = "norm",
-               reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict:
+               objective: str = "mse", reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict:
     """Fold one least-squares map (`method="lstsq"`) or one scale (`"scalar"`) per removed block of
     `drop` into `model` (the layer-removed copy of `dense`, original indices in `drop`), from
     calibration `windows` (this rank's shard).
 
     `form` / `rank`: which maps least squares may fit (trsp_ray/compensation_forms.py);
-    `weighting`: "norm" fits the tokens' relative boundary errors, "none" their absolute ones (module doc).
+    `weighting`: "norm" fits the tokens' relative boundary errors, "none" their absolute ones (module doc);
+    `objective`: "mse" folds the least-squares map, "cosine" that map refined to the lowest mean
+    1 - cos of the repaired stream (trsp_ray/compensation_cosine.py; it adds "cosine_lstsq",
+    "cosine" and "cosine_steps" per block to the result).
     `reduce(t)` returns the sum of tensor `t` over ranks (float64, on the activations' device; an
     NCCL caller moves it); every rank gets the same sums, solves the same T and folds it.
     Returns {"blocks", "tokens" (after `reduce`), "residual", "residual_identity"} (the summed
     squared boundary error, relative to the target's norm under "norm" weighting, with the map and
-    without it, per block; the scalar fold adds "scales")."""
+    without it, per block; the scalar fold adds "scales", a map its "form": map_form's, the diagonal
+    on Gemma 2/3)."""
     if activations not in ACTIVATIONS:
         raise TrspError(f"compensation.activations={activations!r} is not valid; "
                         f"choose one of {', '.join(ACTIVATIONS)}")
 
     tokens = sum(int(w.numel()) for w in windows)
     total = int(round(reduce(torch.tensor(float(tokens), dtype=torch.float64)).item()))  # float32 is exact to 2^24
-    check_request(model=dense, method=method, tokens=total, drop=drop, form=form, rank=rank)
+    check_request(model=dense, method=method, tokens=total, drop=drop, form=form, rank=rank, objective=objective)
     if method == "none":
         return {"blocks": [], "tokens": 0, "residual": [], "residual_identity": []}
+    if method == "lstsq":
+        form = map_form(dense, form)  # the diagonal through Gemma's MLP norm
     if method == "scalar":
         if activations != "dense":
             raise TrspError(f"compensation.activations={activations!r} is not used by the scalar fold (its scales "
@@ -274,17 +350,20 @@ def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: flo
     spans = blocks(drop, num)
     kept = [i for i in range(num) if i not in set(drop)]
     layers = families.decoder_layers(model)
-    dense_stats = accumulate(dense=dense, windows=windows, drop=drop, weighting=weighting) \
+    sink = cosine_sink(objective)
+    dense_stats = accumulate(dense=dense, windows=windows, drop=drop, weighting=weighting, sink=sink) \
         if activations == "dense" else None
-    info: dict = {"blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
+    info: dict = {"blocks": spans, "tokens": 0, "residual": [], "residual_identity": [], "form": form}
     for k, span in enumerate(spans):
         if dense_stats is not None:
             stats = dense_stats[k]
         else:
             stats, = accumulate(dense=dense, windows=windows, drop=drop, pruned=model, block=span,
-                                weighting=weighting)
+                                weighting=weighting, sink=sink)
         stats = stats.reduced(reduce)
         t = solve(stats.mtm, stats.mty, ridge=ridge, form=form, rank=rank)
+        if sink is not None:
+            t = refine(sink, info, span=span, t=t, form=form, rank=rank, ridge=ridge, reduce=reduce)
         fold(model=model, layer=layers[kept.index(span[0] - 1)], t=t)
         info["tokens"] = stats.tokens
         info["residual"].append(stats.residual(t))

@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # torch is imported where a map is solved: the config validat
 FORMS = ("full", "diagonal", "lowrank")
 # how tokens count in the fit (trsp_ray/compensation.py): relative to their stream's norm, or absolute
 WEIGHTINGS = ("norm", "none")
+# what the map minimises: mse, the ridge objective above (closed form); cosine, ReplaceMe's mean
+# 1 - cos over the tokens, refined from the mse map (trsp_ray/compensation_cosine.py)
+OBJECTIVES = ("mse", "cosine")
 
 
 # Calibration for a map, sized from the hidden size d (issue 33 item 3): a d x d map has d unknowns
@@ -37,6 +40,20 @@ WEIGHTINGS = ("norm", "none")
 # refused. The diagonal form has one unknown per column and needs no more than a token.
 TOKENS_PER_COLUMN = 28.0
 MIN_TOKENS_PER_COLUMN = 8.0
+
+
+# the cosine fit's cached rows moved to the map's device at a time (trsp_ray/compensation_cosine.py)
+COSINE_CHUNK = 4096
+
+
+def cosine_bytes(*, tokens: int, hidden: int, dtype_bytes: int, blocks: int) -> dict[str, int]:
+    """What the cosine objective adds to a fit of `tokens` calibration tokens (this rank's), in bytes:
+    "host", the cached rows (x, r, y) of every block in the forward's dtype; on the map's device,
+    "matrices", six d x d float64 (T, the gradient with L, the step and its solve, the curvature's
+    Cholesky factor, the lowrank projection), and "chunk", seven float64 [COSINE_CHUNK, d] working rows
+    (x, r, y, the prediction, the step's image and two temporaries). One formula for every plan."""
+    return {"host": blocks * 3 * tokens * hidden * dtype_bytes, "matrices": 6 * hidden * hidden * 8,
+            "chunk": 7 * min(tokens, COSINE_CHUNK) * hidden * 8}
 
 
 def sized_windows(*, windows: int, hidden: int, seqlen: int, tokens_per_column: float = TOKENS_PER_COLUMN) -> int:
@@ -67,6 +84,18 @@ def check_form(form: str, rank: int | None, hidden: int | None = None) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or (hidden and rank > hidden):
             raise TrspError(f"compensation.rank={rank!r} is not valid for the lowrank form; pass {top} "
                             "(the hidden size is the full form)")
+
+
+def check_objective(objective: str, *, method: str) -> None:
+    """Refuse an unknown objective, or a cosine objective where no linear map is fitted, in one line
+    (`method`: compensation.method; auto passes, its resolution is checked again once resolved)."""
+    if objective not in OBJECTIVES:
+        raise TrspError(f"compensation.objective={objective!r} is not valid; choose one of {', '.join(OBJECTIVES)}")
+    if objective != "mse" and method in ("none", "scalar"):
+        fits = "no map" if method == "none" else "per-block scales, not a map"
+        raise TrspError(f"compensation.objective={objective!r} refines a least-squares map and "
+                        f"compensation.method={method!r} fits {fits} (auto is none for a method without a fit); "
+                        "use compensation.method=lstsq or a +comp/+cos method, or compensation.objective=mse")
 
 
 def _shift(a: torch.Tensor, ridge: float) -> torch.Tensor:

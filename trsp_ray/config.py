@@ -28,6 +28,8 @@ from trsp_ray.config_sections import (  # noqa: F401 (re-exported: the sections 
     TrackingConfig,
     _choice,
     _positive,
+    check_heal_recipe,
+    heal_recipe,
 )
 from trsp_ray.errors import TrspError
 from trsp_ray.registry import DEFAULT_METHOD, METHOD_NAMES
@@ -228,7 +230,7 @@ def named_fit(cfg: RunConfig, fit: str, *, method: str) -> RunConfig:
         raise TrspError(f"compensation.method={c.method!r} contradicts --method {method} (its +{fit} is "
                         f"{want_method}); leave compensation.method at auto or set {want_method}")
     out = replace(cfg, **{"compensation.method": want_method})
-    if want_objective is not None and hasattr(c, "objective"):
+    if want_objective is not None:
         if c.objective not in (CompensationConfig().objective, want_objective):
             raise TrspError(f"compensation.objective={c.objective!r} contradicts --method {method} (its +{fit} "
                             f"fits {want_objective}); leave compensation.objective unset")
@@ -267,6 +269,7 @@ def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None
         raise TrspError(f"compensation.method={comp!r} is not available with --method {name}: its stage 2 trains "
                         "the weights that a fit on the dense model's activations would fold into; compensate one "
                         f"of {able}, or set stage2.enabled=false")
+    check_heal_recipe(out, method=spec, stage2=bool(stage2))  # tail | map where nothing can train them
     return out
 
 

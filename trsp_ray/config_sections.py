@@ -7,9 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trsp_ray.compensation_forms import MIN_TOKENS_PER_COLUMN, TOKENS_PER_COLUMN, WEIGHTINGS, check_form
+from trsp_ray.compensation_forms import (
+    MIN_TOKENS_PER_COLUMN,
+    OBJECTIVES,
+    TOKENS_PER_COLUMN,
+    WEIGHTINGS,
+    check_form,
+    check_objective,
+)
 from trsp_ray.domains import DEFAULT_MIX, eval_domain_names, parse_mix
 from trsp_ray.errors import TrspError
+from trsp_ray.registry import HEAL_RECIPES
+
+# the registry's heal recipes by role (HEAL_RECIPES: all, lora, tail, map; HealConfig.trainable says what
+# each trains): "tail" is also a selector's name, so the recipe is named here once, not spelled out
+_, _, TAIL_RECIPE, MAP_RECIPE = HEAL_RECIPES
+PARTIAL_RECIPES = (TAIL_RECIPE, MAP_RECIPE)  # recipes that train a subset of the weights (heal.recipe_params)
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -117,7 +130,9 @@ class Stage2Config:
     p_lr_scale: float = 1.0  # learning-rate multiplier for the weights of the layers in P
     mode: str = "joint"  # joint: all of P at once; sequential: one layer of P per segment
     norm: str = "l2"  # per-token distance: l2 | l1
-    trainable: str = "all"  # all | lora
+    # all | lora; a heal method heals with this setting (methods.method_heal), so it also takes the heal
+    # recipes tail | map (HealConfig), which TRSP's own stage 2 refuses (heal_recipe)
+    trainable: str = "all"
     lora_rank: int = 8
     # constant: fixed lambda2; ramp: lambda2 grows linearly from 0; anneal: the P layers' residual
     # contribution is scaled by a factor going 1 -> 0 over anneal_fraction of the steps, so they are
@@ -132,7 +147,7 @@ class Stage2Config:
         _positive("stage2.p_lr_scale", self.p_lr_scale, allow_zero=True)
         _choice("stage2.mode", self.mode, ("joint", "sequential"))
         _choice("stage2.norm", self.norm, ("l2", "l1"))
-        _choice("stage2.trainable", self.trainable, ("all", "lora"))
+        _choice("stage2.trainable", self.trainable, HEAL_RECIPES)
         _positive("stage2.lora_rank", self.lora_rank)
         _choice("stage2.schedule", self.schedule, ("constant", "ramp", "anneal", "skip"))
         if not 0.0 < self.anneal_fraction <= 1.0:
@@ -143,8 +158,15 @@ class Stage2Config:
 class HealConfig:
     steps: int = 0  # CE-only fine-tuning of the pruned model; 0 = off
     lr: float = 1e-4
-    trainable: str = "all"  # all | lora
+    # which weights the heal trains (trsp_ray/heal.py): all; lora (adapters, merged at the end); tail
+    # (lm_head + the last tail_layers kept decoder layers, Lu et al.'s partial fine-tune); map (only
+    # the down_proj weights a least-squares fold wrote its maps into, ReplaceMe's "LT" heal). A heal
+    # method heals with stage2.trainable unless this names another recipe than all (heal_recipe).
+    trainable: str = "all"
     lora_rank: int = 8
+    # 3: Lu et al. ("Reassessing Layer Pruning", ICLR'26) found lm_head + the last three kept layers the
+    # best partial fine-tune after a 25% cut (above LoRA of every layer) at a fraction of its state
+    tail_layers: int = 3
     # total dense-forward tokens (selection + compensation + heal, SPEC section 5) a heal method may
     # spend: its heal gets the steps the budget leaves (trsp_ray/budget.py); 0 = off (stage2.steps)
     compute_budget: float = 0.0
@@ -153,8 +175,46 @@ class HealConfig:
         _positive("heal.steps", self.steps, allow_zero=True)
         _positive("heal.compute_budget", self.compute_budget, allow_zero=True)
         _positive("heal.lr", self.lr)
-        _choice("heal.trainable", self.trainable, ("all", "lora"))
+        _choice("heal.trainable", self.trainable, HEAL_RECIPES)
         _positive("heal.lora_rank", self.lora_rank)
+        if isinstance(self.tail_layers, bool) or not isinstance(self.tail_layers, int) or self.tail_layers < 1:
+            raise TrspError(f"heal.tail_layers={self.tail_layers!r} is not valid; it must be an integer >= 1")
+
+
+def heal_recipe(cfg, *, heal_method: bool) -> tuple[str, int]:
+    """(trainable, lora_rank) of the heal `cfg` runs: a heal method's heal (`heal_method`, stage 2's
+    budget) trains stage2.trainable unless heal.trainable names another recipe than all; an extra heal
+    after any other method trains heal.trainable. One rule for one process, the workers and the plans."""
+    h, s2 = cfg.heal, cfg.stage2
+    if heal_method and h.trainable == "all":
+        return s2.trainable, s2.lora_rank
+    return h.trainable, h.lora_rank
+
+
+def check_tail_layers(tail_layers: int, *, kept: int) -> None:
+    """A tail heal trains lm_head + the last `tail_layers` of `kept` decoder layers: fewer than all of them
+    (all of them is heal.trainable=all without the embedding); a one-line refusal otherwise."""
+    if not 1 <= tail_layers < kept:
+        raise TrspError(f"heal.tail_layers={tail_layers} is not valid for a heal of {kept} kept layers; use 1.."
+                        f"{kept - 1}, or heal.trainable=all to train every layer")
+
+
+def check_heal_recipe(cfg, *, method, stage2: bool) -> None:
+    """One-line refusals of a recipe the run cannot serve, before any work (`method`: the resolved
+    registry.Method; `stage2`: whether TRSP's stage 2 runs; `cfg` with compensation.method resolved,
+    config.for_method): tail | map in TRSP's
+    own stage 2 (its penalty needs the drop set's layers trained, and no fold precedes it), and map
+    without a least-squares fold (there is no map to train)."""
+    if stage2 and cfg.stage2.trainable in PARTIAL_RECIPES:
+        raise TrspError(f"stage2.trainable={cfg.stage2.trainable!r} is a heal recipe; TRSP's stage 2 (method="
+                        f"{method.name}) trains all or lora weights; use stage2.trainable=all|lora, or a heal method "
+                        f"(e.g. trsp+heal) with heal.trainable={cfg.stage2.trainable}")
+    heals = (method.heal and cfg.stage2.steps + cfg.heal.steps > 0) or cfg.heal.steps > 0
+    trainable, _ = heal_recipe(cfg, heal_method=method.heal)
+    if heals and trainable == MAP_RECIPE and cfg.compensation.method != "lstsq":
+        raise TrspError(f"heal.trainable=map trains only the down_proj weights a least-squares fold wrote its maps "
+                        f"into, and compensation.method={cfg.compensation.method} folds no map; use a compensating "
+                        f"method (e.g. {method.selector}+comp+heal) or heal.trainable=all|lora|tail")
 
 
 @dataclass(frozen=True)
@@ -204,9 +264,16 @@ class CompensationConfig:
     # norm: each token's error relative to its stream's norm (attention-sink tokens do not own the
     # fit); none: absolute errors, ReplaceMe's form (trsp_ray/compensation.py, module doc)
     weighting: str = "norm"
+    # what the map minimises over the calibration tokens: mse (the ridge least squares above, closed
+    # form) or cosine (ReplaceMe's mean 1 - cos of the repaired stream and the dense one, a few
+    # Gauss-Newton steps from the mse map; trsp_ray/compensation_cosine.py). Same map, same fold:
+    # cosine serves only a fitted map (method lstsq, or auto where it resolves to lstsq)
+    objective: str = "mse"
 
     def __post_init__(self):
         _choice("compensation.method", self.method, ("auto", "none", "lstsq", "scalar"))
+        _choice("compensation.objective", self.objective, OBJECTIVES)
+        check_objective(self.objective, method=self.method)
         check_form(self.form, self.rank)
         _positive("compensation.ridge", self.ridge, allow_zero=True)
         _positive("compensation.windows", self.windows, allow_zero=True)

@@ -23,6 +23,11 @@ class Family:
     attn_out_path: str = "self_attn.o_proj"
     # why a map folded into that linear would not reach the residual stream ("" = it does)
     mlp_fold_refusal: str = ""
+    # dotted path from a decoder layer to the norm between that linear and the residual add (Gemma 2/3's
+    # post_feedforward_layernorm, "" = none), and the constant its scale adds to its weight (Gemma's
+    # RMSNorm multiplies by 1 + weight): a compensating map folds there only as a diagonal, into that scale
+    mlp_norm_path: str = ""
+    norm_offset: float = 0.0
 
 
 _DEFAULT = "model.layers"
@@ -36,8 +41,10 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("mistral", _DEFAULT),
     "qwen2": Family("qwen2", _DEFAULT),
     "qwen3": Family("qwen3", _DEFAULT),
-    "gemma2": Family("gemma2", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM),
-    "gemma3_text": Family("gemma3_text", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM),
+    "gemma2": Family("gemma2", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM, mlp_norm_path="post_feedforward_layernorm",
+                     norm_offset=1.0),
+    "gemma3_text": Family("gemma3_text", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM,
+                          mlp_norm_path="post_feedforward_layernorm", norm_offset=1.0),
     "phi3": Family("phi3", _DEFAULT),
     # OPTDecoderLayer adds fc2's output straight to the residual (its LayerNorm comes first)
     "opt": Family("opt", "model.decoder.layers", mlp_out_path="fc2", attn_out_path="self_attn.out_proj"),
@@ -76,8 +83,17 @@ def set_decoder_layers(model, layers) -> None:
 
 
 def fold_refusal(config) -> str:
-    """Why a model of this config.json (a transformers config) cannot take a fold into its layer
-    outputs (a norm after them); "" when it can or its family is unknown (family_of refuses that)."""
+    """Why a model of this config.json (a transformers config) cannot take a compensating map's fold
+    (a norm after its layer outputs); "" when it can, when its MLP norm takes a diagonal map
+    (map_output), or when its family is unknown (family_of refuses that)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is not None and family.mlp_norm_path:
+        return ""
+    return _projection_refusal(config)
+
+
+def _projection_refusal(config) -> str:
+    """Why the layers' output projections cannot take a fold (a norm after them); "" when they can."""
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is None:
         return ""
@@ -91,7 +107,7 @@ def fold_refusal(config) -> str:
 def _refuse_fold(model) -> None:
     """A one-line error for a family whose layer outputs a fold cannot reach (a norm after them)."""
     family = family_of(model)
-    reason = fold_refusal(model.config)
+    reason = _projection_refusal(model.config)
     if reason:
         raise TrspError(f"compensation cannot fold into family {family.name!r}: {reason}; {NO_COMPENSATION}")
 
@@ -125,6 +141,22 @@ def mlp_output(layer, model):
     family = family_of(model)
     _refuse_fold(model)
     return _linear(layer, family.mlp_out_path, family, "MLP")
+
+
+def map_output(layer, model):
+    """(module, kind) where a compensating map of decoder `layer`'s MLP contribution folds: ("linear",
+    mlp_output) where the projection's output reaches the residual add unchanged (any map folds); ("norm",
+    the norm after it) where a norm sits between (only a diagonal map D folds, exactly: rmsnorm(z) (c + w) D
+    = rmsnorm(z) (c + w'), w' = (c + w) D - c, c = Family.norm_offset). Other families: a one-line error."""
+    family = family_of(model)
+    if family.mlp_norm_path:
+        return _get(layer, family.mlp_norm_path), "norm"
+    return mlp_output(layer, model), "linear"
+
+
+def norm_offset(model) -> float:
+    """The constant `model`'s norms add to their weight (Family.norm_offset)."""
+    return family_of(model).norm_offset
 
 
 def hidden_size(config) -> int:

@@ -1,13 +1,25 @@
-"""Heal: CE-only fine-tuning of an already-pruned model, available after any method.
+"""Heal: fine-tuning of an already-pruned model (next-token CE or distillation), available after any method.
 
 It gives the baselines the recovery training the paper's baselines received, and lets every method
-be compared at an equal token budget.
+be compared at an equal token budget. Recipes (`trainable`), i.e. which weights train:
+  all   every weight;
+  lora  low-rank adapters on the decoder layers' Linears, merged at the end;
+  tail  lm_head + the last `tail_layers` kept decoder layers (Lu et al., "Reassessing Layer Pruning");
+  map   only the MLP output projections (down_proj) a least-squares fold wrote its maps into
+        (ReplaceMe's "LT" heal), weight and bias: the fold wrote both.
+Everything outside a recipe's set is frozen and never reaches the optimizer (no gradient, master
+copy or Adam moment for it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
+from trsp_ray import families
+from trsp_ray.config_sections import MAP_RECIPE, PARTIAL_RECIPES, TAIL_RECIPE, check_tail_layers
+from trsp_ray.errors import TrspError
 from trsp_ray.training import Batches, MakeStepper, Report, TorchStepper, add_lora, freeze, merge_lora, null_report
 
 
@@ -20,13 +32,61 @@ class HealResult:
     last_ce: float | None
 
 
+def recipe_params(model, *, trainable: str, layers, tail_layers: int = 3, map_layers=(),
+                  mlp_output=families.mlp_output) -> list[nn.Parameter]:
+    """The parameters a `tail` or `map` heal trains, each once. `layers`: the kept decoder layers of
+    `model` in order (the modules; on Ray Train workers the gated layers' inner ones); `map_layers`:
+    indices into `layers` of the layers whose MLP output took a fold's map; `mlp_output(layer, model)`
+    finds a layer's MLP output projection (ZeRO-3 workers: with the layer gathered, as their fit does)."""
+    if trainable == TAIL_RECIPE:
+        check_tail_layers(tail_layers, kept=len(layers))
+        modules = [model.get_output_embeddings(), *list(layers)[-tail_layers:]]
+    elif trainable == MAP_RECIPE:
+        if not map_layers:
+            raise TrspError("heal.trainable=map trains the down_proj weights a least-squares fold wrote its maps "
+                            "into, and no map was folded; use compensation.method=lstsq or heal.trainable=all|tail")
+        modules = [mlp_output(layers[i], model) for i in map_layers]
+    else:
+        raise TrspError(f"heal.trainable={trainable!r} has no parameter set here; choose tail or map")
+    out, seen = [], set()
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def output_side_only(model):
+    """A hook handle (None when lm_head is not tied): a tail heal of a model whose lm_head *is* the
+    input embedding trains that shared weight as the LM head, from the head's gradient only. The
+    embedding's output is detached, so backward stops at the first trained layer (memory and compute
+    as an untied head) and the earlier layers stay frozen in effect too; the input embedding moves
+    with the head because it is the same tensor. Untying instead would add vocab x hidden parameters
+    to the export (21% of SmolLM2-135M), and freezing it would leave out the piece Lu et al. train."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight is not embedding.weight:
+        return None
+    return embedding.register_forward_hook(lambda _module, _inputs, output: output.detach())
+
+
 def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str = "all", lora_rank: int = 8,
-             make_stepper: MakeStepper = TorchStepper, report: Report = null_report) -> HealResult:
-    """Fine-tune `model` (pruned, no gates) for `steps` batches with next-token CE."""
+             tail_layers: int = 3, map_layers=(), make_stepper: MakeStepper = TorchStepper,
+             report: Report = null_report) -> HealResult:
+    """Fine-tune `model` (pruned, no gates) for `steps` batches with the stepper's objective (next-token
+    CE by default). `tail_layers`: the tail recipe's k; `map_layers`: the map recipe's layers (indices
+    of the pruned model's decoder layers whose down_proj took a map)."""
+    hook = None
     if trainable == "lora":
         freeze(model)
         train_model = add_lora(model, rank=lora_rank)
         params = [p for p in train_model.parameters() if p.requires_grad]
+    elif trainable in PARTIAL_RECIPES:
+        train_model = model
+        params = recipe_params(model, trainable=trainable, layers=families.decoder_layers(model),
+                               tail_layers=tail_layers, map_layers=map_layers)
+        freeze(model, except_params=params)
+        hook = output_side_only(model) if trainable == TAIL_RECIPE else None
     else:
         train_model = model
         freeze(model, except_params=list(model.parameters()))
@@ -40,6 +100,8 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
         last = ce.item()
         first = last if first is None else first
         report({"heal/ce": last}, step)
+    if hook is not None:
+        hook.remove()
     final = merge_lora(train_model) if trainable == "lora" else model
     freeze(final)
     return HealResult(model=final, steps=steps, tokens=steps * batches.tokens_per_batch, first_ce=first, last_ce=last)

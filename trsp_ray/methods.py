@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from trsp_ray import compensation, families, registry
+from trsp_ray.boundaries import fold_layers
 from trsp_ray.config import for_method, sized
 from trsp_ray.gates import attach_gates
 from trsp_ray.heal import run_heal
@@ -233,24 +234,28 @@ def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
                       make_stepper=recovery_stepper(bench), report=progress, **stage2_settings(s2))
 
 
-def _heal(bench, *, model, heal, report: Report):
+def _heal(bench, *, model, heal, report: Report, map_layers=()):
     def progress(metrics: dict, step: int) -> None:
         report(metrics, step)
         if step % 5 == 0 or step == heal.steps:
             _log(f"  heal step {step}/{heal.steps}: {bench.cfg.recovery.objective} {metrics['heal/ce']:.4f}")
 
     return run_heal(model=model, batches=bench.batches(seed_offset=2), steps=heal.steps, lr=heal.lr,
-                    trainable=heal.trainable, lora_rank=heal.lora_rank, make_stepper=recovery_stepper(bench),
-                    report=progress)
+                    trainable=heal.trainable, lora_rank=heal.lora_rank, tail_layers=heal.tail_layers,
+                    map_layers=map_layers, make_stepper=recovery_stepper(bench), report=progress)
 
 
 def method_heal(cfg):
     """The heal a heal method (e.g. trsp+heal) runs: stage 2's weight-update budget (stage2.steps
-    batches at stage2.lr, stage2.trainable) on the pruned model, then any heal.steps on top."""
+    batches at stage2.lr, stage2.trainable unless heal.trainable names another recipe: heal_recipe)
+    on the pruned model, then any heal.steps on top."""
     from dataclasses import replace
 
-    return replace(cfg.heal, steps=cfg.stage2.steps + cfg.heal.steps, lr=cfg.stage2.lr,
-                   trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank)
+    from trsp_ray.config import heal_recipe
+
+    trainable, rank = heal_recipe(cfg, heal_method=True)
+    return replace(cfg.heal, steps=cfg.stage2.steps + cfg.heal.steps, lr=cfg.stage2.lr, trainable=trainable,
+                   lora_rank=rank)
 
 
 @contextmanager
@@ -327,8 +332,8 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         with _dense_beside(bench, model, activations=comp.activations) as dense:
             done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method=comp.method,
                                            ridge=comp.ridge, activations=comp.activations, form=comp.form,
-                                           rank=comp.rank, weighting=comp.weighting)
-        info.update(**compensation.describe(comp), compensation_tokens=done["tokens"],
+                                           rank=comp.rank, weighting=comp.weighting, objective=comp.objective)
+        info.update(**compensation.describe(comp, form=done.get("form")), compensation_tokens=done["tokens"],
                     compensation_seconds=time.time() - t3,
                     compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],
                                                         activations=comp.activations))
@@ -336,7 +341,9 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     if heal.steps > 0:
         t2 = time.time()
         _log(f"{method}: heal ({heal.steps} steps)")
-        healed = _heal(bench, model=model, heal=heal, report=report)
+        # the map recipe trains the layers the fold reported writing into (pruned-model indices)
+        maps = [kept.index(i) for i in fold_layers(done["blocks"])] if comp.method == "lstsq" else []
+        healed = _heal(bench, model=model, heal=heal, report=report, map_layers=maps)
         model = healed.model
         info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_seconds=time.time() - t2)
     info["weight_tokens"] = info.get("stage2_tokens", 0) + info.get("heal_tokens", 0)

@@ -24,7 +24,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--micro-batch", type=int, default=1, help="windows per GPU per step")
     parser.add_argument("--seqlen", type=int, default=2048, help="tokens per window")
-    parser.add_argument("--trainable", choices=("all", "lora"), default="all", help="stage-2 weights")
+    from trsp_ray import registry
+
+    parser.add_argument("--trainable", choices=registry.HEAL_RECIPES, default="all",
+                        help="stage-2 weights (a heal method's heal: tail | map too, see heal.trainable)")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--offload-optimizer", action="store_true")
     parser.add_argument("--offload-params", action="store_true")
@@ -40,14 +43,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-shard-mb", type=int, default=5000, help="safetensors shard size of the export")
     parser.add_argument("--storage", choices=("remote", "shared"), default="remote",
                         help="remote (s3://, gs://: saves staged on local disk) or a shared path (written in place)")
-    from trsp_ray import registry
-
     parser.add_argument("--method", choices=registry.WORKER_METHODS, default=registry.DEFAULT_METHOD,
                         help="what the workers run (default %(default)s: no stage-1 probes; the TRSP methods "
                              "add stage 1's removal probes and refinement)")
     parser.add_argument("--compensation", choices=("none", "lstsq", "scalar"), default=None,
                         help="closed-form compensation after the selection (its float64 sums, solve and fold); "
                              "default: lstsq for a method that compensates (shortgpt+comp+heal), else none")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override as a run takes it, e.g. --set heal.trainable=tail (repeatable)")
 
 
 def setup_from_args(args: argparse.Namespace):
@@ -102,15 +105,17 @@ def run_plan(args: argparse.Namespace) -> int:
     # the probes' settings: the config's stage1 / gates defaults (stage-1 settings are not flags)
     overrides = [f"method={args.method}"] + ([] if args.ratio is None else [f"ratio={args.ratio}"])
     overrides += [f"compensation.method={args.compensation}"] if args.compensation else []
+    overrides += [f"stage2.trainable={args.trainable}", f"stage2.lora_rank={args.lora_rank}"]
+    overrides += list(getattr(args, "overrides", []))  # --set: a heal's recipe (heal.trainable, heal.tail_layers)
     cfg = for_method(load_config(None, overrides))  # the compensation the method runs
     from trsp_ray.distributed.compensate import check_for_workers
-    from trsp_ray.distributed.zero3_plan import with_frozen_drop_set
+    from trsp_ray.distributed.zero3_plan import with_heal_setup
 
     shape = planner.read_shape(args.model_config)
     # compensation.windows 0: sized to the model, in the plan's windows (--seqlen), as a run sizes it
     cfg = sized(replace(cfg, **{"data.seqlen": args.seqlen}), hidden=shape.hidden)
     check_for_workers(cfg, workers=args.workers)  # what a run on these workers would refuse
-    result = planner.plan(shape, with_frozen_drop_set(cfg, setup_from_args(args), shape))  # as a run plans
+    result = planner.plan(shape, with_heal_setup(cfg, setup_from_args(args), shape))  # as a run plans
     disk = result.disk_problem()
     if disk:
         raise TrspError(disk)
@@ -129,7 +134,8 @@ def run_plan(args: argparse.Namespace) -> int:
         check_tokens(tokens=c.windows * cfg.data.seqlen, hidden=shape.hidden, form=c.form,
                      minimum=c.min_tokens_per_column)
         comp = compensation_plan(result.shape, result.setup, ratio=cfg.ratio, protect_head=cfg.gates.protect_head,
-                                 protect_tail=cfg.gates.protect_tail)
+                                 protect_tail=cfg.gates.protect_tail, objective=c.objective,
+                                 calibration_tokens=c.windows * cfg.data.seqlen)
         line = calibration_line(windows=c.windows, seqlen=cfg.data.seqlen, hidden=shape.hidden,
                                 tokens_per_column=c.tokens_per_column, floor=c.min_tokens_per_column)
         after += format_compensation_plan(comp, result.setup, calibration=line)

@@ -13,6 +13,12 @@ the whole model (compensation.accumulate's early stop would leave a pass half-wa
 DeepSpeed's gather hooks). `fold` applies the maps where one process does: after stage 2, before
 a heal. Only the "dense" activations are served here (check_for_workers refuses the rest).
 
+The cosine objective (`compensation.objective=cosine`, trsp_ray/compensation_cosine.py) is no
+function of the sums: each rank keeps its own shard's rows (x, r, y) of every block on the host,
+from the same dense pass, and the Gauss-Newton steps from the least-squares map all-reduce their
+curvature, gradient and step-length losses, so every rank takes the same steps on all the tokens
+without another forward (compensation_plan counts the cached rows and the steps' matrices).
+
 The scalar fold (`compensation.method=scalar`) shards the same way: each rank sums its windows'
 token norms and inner products (compensation_scalar.scalar_sums), the six float64 sums are all-reduced,
 every rank computes the same scales, and `apply` scales the output projections of the kept layers
@@ -59,14 +65,14 @@ def check_for_workers(cfg, *, workers: int | None = None) -> None:
 
 
 def _mlp_output_resolver(model):
-    """families.mlp_output for a ZeRO-3 model: a partitioned weight is an empty 1-D placeholder,
+    """families.map_output's module for a ZeRO-3 model: a partitioned weight is an empty 1-D placeholder,
     so the layer is gathered (one layer, once per layer) while its projection is looked up."""
     from trsp_ray.distributed.engine import gather_context
 
     @functools.cache
     def resolve(layer):
         with gather_context(list(layer.parameters())):
-            return families.mlp_output(layer, model)
+            return families.map_output(layer, model)[0]
 
     return lambda layer, _model: resolve(layer)
 
@@ -123,11 +129,12 @@ def apply(*, model, drop: list[int], info: dict) -> None:
 
 @torch.no_grad()
 def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int, world: int, ridge: float,
-        form: str = "full", map_rank: int | None = None, weighting: str = "norm", reduce=all_reduce_sum,
-        minimum: float = 1.0) -> dict:
+        form: str = "full", map_rank: int | None = None, weighting: str = "norm", objective: str = "mse",
+        reduce=all_reduce_sum, minimum: float = 1.0) -> dict:
     """The maps of every block of `drop`, from the dense model's activations over all `windows`
     (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
-    float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"}."""
+    float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"},
+    and for the cosine `objective` "cosine_lstsq", "cosine", "cosine_steps" per block."""
     t0 = time.time()
     num = families.num_layers(model)
     layers = families.decoder_layers(model)
@@ -136,22 +143,27 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     total = sum(int(w.numel()) for w in windows)
     hidden = families.text_config(model).hidden_size
     compensation.check_form(form, map_rank, hidden)
+    form = compensation.map_form(model, form)  # the diagonal through Gemma's MLP norm
     compensation.check_tokens(tokens=total, hidden=hidden, form=form, minimum=minimum)
+    compensation.check_objective(objective, method="lstsq")
     mine, padding = shard(windows, rank=rank, world=world)
+    sink = compensation.cosine_sink(objective)
     with gates.state(gated=False, bypass=[]):
         stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve,
-                                        weighting=weighting)
+                                        weighting=weighting, sink=sink)
         device = next(model.parameters()).device
         for _ in range(padding):  # the collective forwards of the other ranks' extra windows
             model(input_ids=windows[0][:1].to(device), use_cache=False)
     spans = compensation.blocks(drop, num)
-    info: dict = {"maps": [], "blocks": spans, "tokens": 0, "residual": [], "residual_identity": []}
+    info: dict = {"maps": [], "blocks": spans, "tokens": 0, "residual": [], "residual_identity": [], "form": form}
     for k, span in enumerate(spans):
         if stats[k] is None:  # this rank had no window: zeros of the right shape join the sum
             z = torch.zeros(hidden, hidden, dtype=torch.float64, device=device)
             stats[k] = compensation.Stats(span, z, z.clone(), z.new_zeros(()), 0)
         summed = stats[k].reduced(reduce)
         t = compensation.solve(summed.mtm, summed.mty, ridge=ridge, form=form, rank=map_rank)
+        if sink is not None:  # every rank steps together (its shard's rows, all-reduced sums)
+            t = compensation.refine(sink, info, span=span, t=t, form=form, rank=map_rank, ridge=ridge, reduce=reduce)
         info["maps"].append((span, t.cpu()))
         info["tokens"] = summed.tokens
         info["residual"].append(summed.residual(t))
@@ -168,8 +180,8 @@ def manifest_metrics(comp, info: dict | None) -> dict:
     (methods.apply_method); empty without a compensation."""
     if info is None:
         return {}
-    return {**compensation.describe(comp), "compensation_tokens": info["tokens"], "compensation_cost": info["cost"],
-            "compensation_seconds": info["seconds"]}
+    return {**compensation.describe(comp, form=info.get("form")), "compensation_tokens": info["tokens"],
+            "compensation_cost": info["cost"], "compensation_seconds": info["seconds"]}
 
 
 @torch.no_grad()

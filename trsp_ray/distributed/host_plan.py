@@ -39,10 +39,8 @@ def host_and_disk(s: Shape, st: Setup, stages: tuple[StagePlan, ...]) -> HostPla
     shards and holds about 2 x the largest shard (the shard being filled + the one being written).
     """
     trained = s.params if st.train_base else 0
-    if len(stages) > 1 and st.trainable != "lora":
-        trained = max(trained, s.params - st.frozen_layers * s.layer_params)
-    if len(stages) > 1 and st.trainable == "lora":
-        trained = s.lora_params(st.lora_rank)
+    if len(stages) > 1:  # stage 2's (or the heal's) recipe: its optimizer state is what a save holds
+        trained = st.trained_params(s) if st.trainable == "lora" else max(trained, st.trained_params(s))
     ckpt = checkpoint_bytes(s, st, trained=trained) / GB
     per_node = min(st.gpus_per_node, st.workers)
     offload = st.offload_optimizer or st.offload_params

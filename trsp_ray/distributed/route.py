@@ -84,14 +84,15 @@ def worker_extras_problem(cfg, plan: Plan) -> str | None:
         return (f"stage 1's removal probes need {probed.memory.total:.1f} GB per worker (logits over the "
                 f"vocabulary of each probe window), more than the {available:g} GB available; use more workers, "
                 "a shorter data.seqlen or stage1.probe=0")
-    from trsp_ray.config import for_method
+    from trsp_ray.config import for_method, sized
 
     if for_method(cfg).compensation.method == "lstsq":  # the compensation the method runs (auto resolved)
         from trsp_ray.distributed.compensation_plan import compensation_plan
 
-        g = cfg.gates
+        g, c = cfg.gates, sized(for_method(cfg), hidden=plan.shape.hidden).compensation  # windows 0: auto
         comp = compensation_plan(plan.shape, plan.setup, ratio=cfg.ratio, protect_head=g.protect_head,
-                                 protect_tail=g.protect_tail).memory
+                                 protect_tail=g.protect_tail, objective=c.objective,
+                                 calibration_tokens=c.windows * cfg.data.seqlen).memory
         if comp.total > available:
             return (f"the least-squares compensation needs {comp.total:.1f} GB per worker (float64 sums of "
                     f"d x d per block, the solve and the fold), more than the {available:g} GB available; use "

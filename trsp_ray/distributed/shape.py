@@ -19,6 +19,8 @@ class Counts:
     lora_width: int  # in + out features summed over the decoder layers' nn.Linear (LoRA parameters per rank)
     largest_tensor: int  # elements of the largest parameter (the export holds it whole)
     tied: bool  # the LM head shares the input embedding
+    head: int = 0  # the LM head's parameters (weight + bias; a tied head is the input embedding)
+    mlp_out: int = 0  # one decoder layer's MLP output projection (down_proj; a fold's map target), bias included
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,24 @@ class Shape:
         """Adapters on every Linear of every decoder layer (training.lora_targets): rank x (in + out) each."""
         return rank * self.counts.lora_width
 
+    def recipe_params(self, trainable: str, *, kept_layers: int, lora_rank: int = 8, tail_layers: int = 3,
+                      maps: int = 0) -> int:
+        """Parameters a training with `trainable` (heal.py's recipes) updates when `kept_layers` decoder
+        layers stay in it (the others removed or frozen): all = every kept weight; lora = the kept
+        layers' adapters; tail = lm_head + `tail_layers` layers; map = `maps` MLP output projections.
+        The one count every plan (one process, ZeRO-3, checkpoints) sizes a training's state with."""
+        if trainable == "lora":
+            return self.lora_params(lora_rank) * kept_layers // self.layers
+        from trsp_ray.config_sections import MAP_RECIPE, TAIL_RECIPE, check_tail_layers
+
+        if trainable == TAIL_RECIPE:
+
+            check_tail_layers(tail_layers, kept=kept_layers)
+            return self.counts.head + tail_layers * self.layer_params
+        if trainable == MAP_RECIPE:
+            return maps * self.counts.mlp_out
+        return self.params - (self.layers - kept_layers) * self.layer_params
+
 
 def _llama_counts(s: Shape) -> Counts:
     """A Llama decoder layer: q, k, v, o projections, SwiGLU's gate, up and down, two RMSNorms."""
@@ -64,7 +84,7 @@ def _llama_counts(s: Shape) -> Counts:
     layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
     return Counts(total=s.layers * layer + s.vocab * h * (1 if s.tied else 2) + h, layer=layer,
                   lora_width=s.layers * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3),
-                  largest_tensor=max(s.vocab * h, h * i, h * q), tied=s.tied)
+                  largest_tensor=max(s.vocab * h, h * i, h * q), tied=s.tied, head=s.vocab * h, mlp_out=h * i)
 
 
 def _hf_config(config: dict):
@@ -96,12 +116,17 @@ def _counts(config_json: str) -> Counts:
     layers = families.decoder_layers(model)
     params = list(model.parameters())  # a tied weight is yielded once
     head = model.get_output_embeddings()
+    try:
+        mlp_out = sum(p.numel() for p in families.mlp_output(layers[0], model).parameters())
+    except TrspError:  # no fold reaches this family's MLP output (Gemma 2/3): no map to train
+        mlp_out = 0
     return Counts(total=sum(p.numel() for p in params),
                   layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
                   lora_width=sum(m.in_features + m.out_features for layer in layers for m in layer.modules()
                                  if isinstance(m, nn.Linear)),
                   largest_tensor=max(p.numel() for p in params),
-                  tied=head is not None and head.weight is model.get_input_embeddings().weight)
+                  tied=head is not None and head.weight is model.get_input_embeddings().weight,
+                  head=0 if head is None else sum(p.numel() for p in head.parameters()), mlp_out=mlp_out)
 
 
 def read_shape(path: str) -> Shape:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trsp_ray.config_sections import TAIL_RECIPE
 from trsp_ray.distributed.activations import forward_layer_bytes, training_activations_gb
 from trsp_ray.distributed.memory import GB, SINGLE_OVERHEAD_GB, Peaks, StagePlan
 from trsp_ray.distributed.shape import Shape, read_shape
-from trsp_ray.distributed.zero3_plan import method_on_workers
+from trsp_ray.distributed.zero3_plan import method_on_workers, planned_maps
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,17 @@ def _optimizer_gb(params: int, e: int) -> float:
 
 
 def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int, gated: bool, lora: bool = False,
-                    layers: int | None = None) -> StagePlan:
+                    layers: int | None = None, grad_layers: int | None = None) -> StagePlan:
     """One training stage in one process (stage 1, stage 2, heal); `layers` < L after removal;
-    `lora`: `trained_params` are fp32 adapters beside the frozen weights."""
+    `lora`: `trained_params` are fp32 adapters beside the frozen weights; `grad_layers`: the layers
+    backward runs through (default all of `layers`; a tail heal's k)."""
     layers = s.layers if layers is None else layers
     params = s.params - (s.layers - layers) * s.layer_params
     plan = StagePlan(name)
     _single_weights(plan, s, st, params)
     # Adapters keep the same Linear inputs for their gradients as trained weights do.
-    acts = training_activations_gb(s, dtype_bytes=st.dtype_bytes, tokens=st.batch * st.seqlen, layers=layers,
+    acts = training_activations_gb(s, dtype_bytes=st.dtype_bytes, tokens=st.batch * st.seqlen,
+                                   layers=layers if grad_layers is None else grad_layers,
                                    checkpointing=st.activation_checkpointing, trained=trained_params > 0,
                                    gated=gated)
     if lora:
@@ -136,8 +139,9 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
 
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
-                heal_lora_rank: int = 8) -> SinglePlan:
-    """The plan of the single-process `stages` (names as `single_stages` gives them)."""
+                heal_lora_rank: int = 8, heal_tail_layers: int = 3, heal_maps: int = 0) -> SinglePlan:
+    """The plan of the single-process `stages` (names as `single_stages` gives them); the heal trains
+    `heal_trainable` (heal.py's recipes: the tail's k = `heal_tail_layers`, the map's `heal_maps`)."""
     from trsp_ray import registry
 
     built = []
@@ -146,14 +150,17 @@ def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: i
             built.append(single_training(name, s, st, trained_params=s.params if st.train_base else 0, gated=True))
         elif name == "stage 2":
             lora = st.trainable == "lora"
-            trained = s.lora_params(st.lora_rank) if lora else s.params
+            trained = s.recipe_params(st.trainable, kept_layers=s.layers, lora_rank=st.lora_rank)
             built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora))
         elif name == "heal":
             kept = s.layers - n_drop
             lora = heal_trainable == "lora"
-            trained = (kept * s.lora_params(heal_lora_rank) // s.layers if lora
-                       else s.params - n_drop * s.layer_params)
-            built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora, layers=kept))
+            trained = s.recipe_params(heal_trainable, kept_layers=kept, lora_rank=heal_lora_rank,
+                                      tail_layers=heal_tail_layers, maps=heal_maps)
+            # a tail heal's backward stops at its first trained layer (heal.output_side_only)
+            grad = heal_tail_layers if heal_trainable == TAIL_RECIPE else None
+            built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora, layers=kept,
+                                         grad_layers=grad))
         elif name in registry.FORWARD_SELECTORS:
             built.append(single_forward(name, s, st, batch=st.baseline_batch, seqlen=st.baseline_seqlen,
                                         evaluation=False))
@@ -166,6 +173,7 @@ def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[st
                         shape: Shape | None = None) -> SinglePlan:
     """The single-process plan of `cfg` (or of every method in `methods`) on one `device` of `memory_gb`."""
     from trsp_ray import registry
+    from trsp_ray.config import heal_recipe
     from trsp_ray.stage1 import n_drop_for
 
     s = shape or run_shape(cfg)
@@ -173,10 +181,12 @@ def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[st
     # a heal method heals with stage 2's weights setting (methods.method_heal, the benchmark's heal rows);
     # heal.* sizes only an extra heal after another method
     heals = any(registry.recipe(m)[1] == "heal" for m in (methods or (cfg.method,)))
-    trainable, rank = ((cfg.stage2.trainable, cfg.stage2.lora_rank) if heals
-                       else (cfg.heal.trainable, cfg.heal.lora_rank))
-    return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=n_drop_for(cfg.ratio, s.layers),
-                       heal_trainable=trainable, heal_lora_rank=rank)
+    trainable, rank = heal_recipe(cfg, heal_method=heals)
+    n_drop = n_drop_for(cfg.ratio, s.layers)
+    # the map recipe: the most folds any planned method's drop set can take
+    maps = max(planned_maps(registry.recipe(m)[0], n_drop=n_drop) for m in (methods or (cfg.method,)))
+    return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=n_drop, heal_trainable=trainable,
+                       heal_lora_rank=rank, heal_tail_layers=cfg.heal.tail_layers, heal_maps=maps)
 
 
 def run_shape(cfg) -> Shape:

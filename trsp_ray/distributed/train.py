@@ -143,11 +143,16 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
                         ("distributed.checkpoint_every", dist.checkpoint_every)):
         if steps % dist.grad_accum:  # a round or checkpoint must end on an optimizer step
             raise TrspError(f"{name}={steps} is not a multiple of distributed.grad_accum={dist.grad_accum}")
+    from trsp_ray import registry
+    from trsp_ray.config import heal_recipe
     from trsp_ray.distributed.zero3_plan import trains_on_workers
 
-    if cfg.stage2.trainable == "lora" and dist.strategy == "zero3" and trains_on_workers(cfg):
+    heals = registry.method(cfg.method).heal  # a heal method's heal trains its recipe, stage 2 stage2.trainable
+    trainable = heal_recipe(cfg, heal_method=True)[0] if heals else cfg.stage2.trainable
+    if trainable == "lora" and dist.strategy == "zero3" and trains_on_workers(cfg):
         raise TrspError("stage2.trainable=lora is not supported under distributed.strategy=zero3 yet "
-                        "(peft merges into partitioned weights); use trainable=all with offload_optimizer=true")
+                        "(peft merges into partitioned weights); use trainable=all|tail|map, or all with "
+                        "offload_optimizer=true")
     storage = check_storage(dist.storage_path or str(Path.cwd() / "runs" / "ray"))
     if cfg.output:
         check_output_dir(cfg.output, overwrite=overwrite)

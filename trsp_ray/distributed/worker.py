@@ -96,7 +96,7 @@ def train_loop(config: dict) -> None:
     if heal:
         compensate.apply(model=bench.model, drop=drop, info=comp)
     model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
-                    engine_dir=engine_dir, rank=rank, fault=fault)
+                    engine_dir=engine_dir, rank=rank, fault=fault, comp=comp)
     if comp is not None and not heal:
         compensate.apply(model=model, drop=drop, info=comp)
     _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank,
@@ -228,10 +228,11 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
 
 
 def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
-            engine_dir: str | None, rank: int, fault: FaultInjector):
-    """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards."""
+            engine_dir: str | None, rank: int, fault: FaultInjector, comp: dict | None = None):
+    """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards. A heal
+    trains its recipe's set (`comp`: the fit's info, whose blocks name the map recipe's layers)."""
     from trsp_ray import registry
-    from trsp_ray.distributed.recovery import heal_stepper, recovery_settings
+    from trsp_ray.distributed.recovery import heal_recipe_of, heal_stepper, recovery_settings
     from trsp_ray.stage2 import run_stage2
 
     s2 = cfg.stage2
@@ -262,9 +263,12 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     bench.factory.on_build = on_build
     reset_peak_memory()
     # a heal reads the batch stream the single-process heal reads (seed + 2), stage 2 its own (seed + 1)
-    make = heal_stepper(bench.factory, gates=bench.gates, drop=drop) if heal else bench.factory
+    make = (heal_stepper(bench.factory, gates=bench.gates, drop=drop, recipe=heal_recipe_of(cfg, comp=comp))
+            if heal else bench.factory)
     result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 2 if heal else 1),
                         drop=drop, make_stepper=make, report=report, **settings)
+    for hook in getattr(make, "hooks", []):
+        hook.remove()
     updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
     events.write("stage2_done", steps_computed=result.steps - done, peak_gb=peak_memory_gb(), relative_update=updates)
     return result.model
@@ -294,7 +298,7 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
     else:
         info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
                               world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank,
-                              weighting=c.weighting, minimum=c.min_tokens_per_column)
+                              weighting=c.weighting, objective=c.objective, minimum=c.min_tokens_per_column)
     events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
     return info
 

@@ -22,6 +22,7 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
+from trsp_ray.config_sections import MAP_RECIPE, TAIL_RECIPE
 from trsp_ray.distributed.activations import training_activations_gb
 from trsp_ray.distributed.host_plan import HostPlan, disk_problem, host_and_disk
 from trsp_ray.distributed.memory import ADAM_FP32, GB, OVERHEAD_GB, REDUCE_BUCKET, Peaks, StagePlan
@@ -29,7 +30,8 @@ from trsp_ray.distributed.shape import Shape, read_shape
 from trsp_ray.distributed.zero3_setup import Setup, setup_for_run
 
 
-def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int, gated: bool = False) -> StagePlan:
+def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int, gated: bool = False,
+           grad_layers: int | None = None) -> StagePlan:
     b, w = st.dtype_bytes, st.workers
     plan = StagePlan(name)
     weights = (trained + frozen) * b / w
@@ -47,9 +49,11 @@ def _stage(name: str, s: Shape, st: Setup, *, trained: int, frozen: int, gated: 
             plan.parts["gradients (partition)"] = grads / GB
             plan.parts["optimizer fp32 + Adam (partition)"] = optim / GB
         plan.parts["reduce bucket"] = min(REDUCE_BUCKET, trained) * b / GB
-    # every layer: a gate's gradient flows through all later layers in stage 1, all weights train in stage 2
+    # every layer: a gate's gradient flows through all later layers in stage 1, all weights train in
+    # stage 2 (a tail heal's backward: its k layers, `grad_layers`)
     plan.parts["activations"] = training_activations_gb(
-        s, dtype_bytes=b, tokens=st.micro_batch * st.seqlen, layers=s.layers, checkpointing=st.activation_checkpointing,
+        s, dtype_bytes=b, tokens=st.micro_batch * st.seqlen, layers=s.layers if grad_layers is None else grad_layers,
+        checkpointing=st.activation_checkpointing,
         trained=trained > 0, gated=gated, zero3=True)
     plan.parts["runtime overhead"] = OVERHEAD_GB[st.device]
     return plan
@@ -59,11 +63,13 @@ def estimate(s: Shape, st: Setup) -> tuple[StagePlan, StagePlan]:
     """(stage 1, stage 2) per-worker plans."""
     p = s.params
     stage1 = _stage("stage 1", s, st, trained=p if st.train_base else 0, frozen=0 if st.train_base else p, gated=True)
+    trained = st.trained_params(s)
     if st.trainable == "lora":
-        stage2 = _stage("stage 2 (lora)", s, st, trained=s.lora_params(st.lora_rank), frozen=p)
+        stage2 = _stage("stage 2 (lora)", s, st, trained=trained, frozen=p)
     else:
-        frozen = st.frozen_layers * s.layer_params
-        stage2 = _stage("stage 2 (all weights)", s, st, trained=p - frozen, frozen=frozen)
+        what = {"all": "all weights", TAIL_RECIPE: f"lm_head + last {st.tail_layers} layers",
+                MAP_RECIPE: f"{st.maps} folded down_proj"}[st.trainable]
+        stage2 = _stage(f"stage 2 ({what})", s, st, trained=trained, frozen=p - trained, grad_layers=st.grad_layers(s))
     return stage1, stage2
 
 
@@ -158,17 +164,36 @@ def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
     return zero3_plan(cfg, read_shape(model_path), ds_config)
 
 
-def with_frozen_drop_set(cfg, st: Setup, s: Shape) -> Setup:
-    """`st` with a heal method's drop set frozen (recovery.heal_stepper keeps it out of the optimizer)."""
+def with_heal_setup(cfg, st: Setup, s: Shape) -> Setup:
+    """`st` with a heal method's drop set frozen (recovery.heal_stepper keeps it out of the optimizer)
+    and its heal's recipe (config.heal_recipe): the tail's k, and for the map recipe one folded
+    down_proj per block, at most one per dropped layer (a contiguous selector's drop set is one block)."""
     from trsp_ray import registry
+    from trsp_ray.config import heal_recipe
     from trsp_ray.stage1 import n_drop_for
 
-    return replace(st, frozen_layers=n_drop_for(cfg.ratio, s.layers)) if registry.method(cfg.method).heal else st
+    if not registry.method(cfg.method).heal:
+        return st
+    n_drop = n_drop_for(cfg.ratio, s.layers)
+    trainable, rank = heal_recipe(cfg, heal_method=True)
+    return replace(st, frozen_layers=n_drop, trainable=trainable, lora_rank=rank, tail_layers=cfg.heal.tail_layers,
+                   maps=planned_maps(registry.method(cfg.method).selector, n_drop=n_drop))
+
+
+def planned_maps(selector: str | None, *, n_drop: int) -> int:
+    """The folded down_proj a map heal after `selector`'s drop set trains, as a plan counts them before
+    the drop set is known: one per block of the drop set, so one for a contiguous selector (tail,
+    angular) and at most `n_drop` (every dropped layer its own block) for the others; 0 for the dense model."""
+    from trsp_ray import registry
+
+    if selector is None:
+        return 0
+    return min(1, n_drop) if selector in (registry.TAIL_SELECTOR, registry.ANGULAR_SELECTOR) else n_drop
 
 
 def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
-    st = with_frozen_drop_set(cfg, setup_for_run(cfg, ds_config), s)
+    st = with_heal_setup(cfg, setup_for_run(cfg, ds_config), s)
     p = plan(s, st)
     if not recovers_on_workers(cfg):
         p.stages = p.stages[:1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trsp_ray.config_sections import TAIL_RECIPE
 from trsp_ray.distributed.memory import GB, MAX_LIVE_PARAMETERS
 
 
@@ -14,8 +15,10 @@ class Setup:
     dtype_bytes: int = 2  # 2 = bf16 (GPU), 4 = fp32 (CPU)
     micro_batch: int = 1  # windows per worker per step
     seqlen: int = 2048
-    trainable: str = "all"  # stage 2: all | lora
+    trainable: str = "all"  # stage 2 (or a heal run as stage 2): all | lora | tail | map (heal.py's recipes)
     lora_rank: int = 8
+    tail_layers: int = 3  # the tail recipe's k: lm_head + the last k kept layers train
+    maps: int = 0  # the map recipe's folded down_proj count (at most one per block of the drop set)
     offload_params: bool = False
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
@@ -33,6 +36,17 @@ class Setup:
     async_upload: bool = True  # a remote save uploads while the next is staged: two on local disk
     frozen_layers: int = 0  # decoder layers stage 2 leaves out of the optimizer (a heal's drop set)
 
+    def trained_params(self, s) -> int:
+        """Parameters stage 2 (or the heal) updates on Shape `s`: the recipe's count (Shape.recipe_params)
+        with the frozen drop set out of it."""
+        return s.recipe_params(self.trainable, kept_layers=s.layers - self.frozen_layers, lora_rank=self.lora_rank,
+                               tail_layers=self.tail_layers, maps=self.maps)
+
+    def grad_layers(self, s) -> int:
+        """Decoder layers stage 2's backward runs through: a tail heal's backward stops at its first
+        trained layer (heal.output_side_only detaches a tied head's embedding); otherwise every layer
+        (the map recipe's first target is unknown before selection: at most all of them)."""
+        return self.tail_layers if self.trainable == TAIL_RECIPE else s.layers
 
 
 
