@@ -559,3 +559,23 @@ def test_the_dense_rows_scores_are_computed_once_and_cached(tiny_dir, tmp_path, 
     assert set(first) == {"news", "code"} and len(first["news"]) == 3  # data.eval_max_windows=3
     monkeypatch.setattr(comparison_jobs, "domain_nlls", lambda *a, **k: pytest.fail("scored the dense model again"))
     assert comparison_jobs.dense_nlls(bench) == first
+
+
+def test_the_anchor_rows_run_the_fit_and_recipe_their_names_spell(tiny_dir):
+    """shortgpt+cos+heal fits the cosine map on the default's drop set; shortgpt+comp+heal.map trains
+    only the folded maps and tail+heal.tail only lm_head + the last layers, so each scores another
+    model than the full heal of the same drop set, with the same heal budget."""
+    from trsp_ray.comparison_jobs import row_job, selection_job
+
+    cfg = _cfg(tiny_dir, "compensation.windows=16").to_dict()
+    sel = {s: selection_job(cfg, s, 0) for s in ("shortgpt", "tail")}
+    by = {r: row_job(cfg, r, 0, sel[r.split("+")[0]]) for r in
+          ("shortgpt+comp+heal", "shortgpt+cos+heal", "shortgpt+comp+heal.map", "tail+heal", "tail+heal.tail")}
+    assert by["shortgpt+cos+heal"]["info"]["compensation_objective"] == "cosine"
+    assert by["shortgpt+comp+heal"]["info"]["compensation_objective"] == "mse"
+    assert by["tail+heal.tail"]["drop"] == by["tail+heal"]["drop"] == sel["tail"]["drops"]["tail"]
+    for a, b in (("shortgpt+cos+heal", "shortgpt+comp+heal"), ("shortgpt+comp+heal.map", "shortgpt+comp+heal"),
+                 ("tail+heal.tail", "tail+heal")):
+        assert by[a]["drop"] == by[b]["drop"]
+        assert by[a]["nll"] != by[b]["nll"], (a, b)  # another model on the same windows
+        assert by[a]["info"]["weight_tokens"] == by[b]["info"]["weight_tokens"] > 0

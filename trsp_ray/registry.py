@@ -174,6 +174,13 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("angular", "angular", "none", "selection", default=False),
     Row("angular+heal", "angular", "heal", "trained", default=False),
     Row("angular+comp+heal", "angular", "heal", "trained", default=False, fit="comp"),
+    # the anchors' fits and partial heals on the default's selection and on the tail cut: ReplaceMe's
+    # cosine objective for the same map; its "LT" heal of the folded maps alone; Lu et al.'s tail
+    # cut healed in lm_head + the last kept layers only (heal.tail_layers)
+    Row("shortgpt+cos+heal", "shortgpt", "heal", "trained", default=False, fit="cos"),
+    Row("shortgpt+comp+heal.map", "shortgpt", "heal", "trained", default=False, fit="comp", recipe="map"),
+    Row("shortgpt+heal.tail", "shortgpt", "heal", "trained", default=False, recipe="tail"),
+    Row("tail+heal.tail", "tail", "heal", "trained", default=False, recipe="tail"),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
