@@ -151,6 +151,30 @@ def test_a_map_heal_moves_only_the_folded_down_projections(objective):
     assert _state_ids(spy.stepper) == {id(named[n]) for n in targets}
 
 
+def test_a_map_heal_on_gemma_trains_the_mlp_norms_the_diagonal_maps_folded_into():
+    """Gemma 2 folds its (diagonal) map into post_feedforward_layernorm: the map heal trains those norm
+    weights of the fold targets and nothing else (not the down_proj, which the fold left alone)."""
+    import copy
+
+    from trsp_ray import compensation
+    from trsp_ray.boundaries import fold_layers
+
+    drop = [1, 3]
+    dense = tiny_model("gemma2", layers=6)
+    model = copy.deepcopy(dense)
+    kept = remove_layers(model, drop)
+    windows = [torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(k)) for k in range(16)]
+    done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method="lstsq")
+    maps = [kept.index(i) for i in fold_layers(done["blocks"])]
+    spy = Spy()
+    before = _snapshot(model)
+    run_heal(model=model, batches=_batches(), steps=3, lr=1e-2, trainable="map", map_layers=maps, make_stepper=spy)
+    targets = {f"model.layers.{i}.post_feedforward_layernorm.weight" for i in maps}
+    assert maps == [0, 1] and _changed(before, model) == targets
+    named = dict(model.named_parameters())
+    assert _state_ids(spy.stepper) == {id(named[n]) for n in targets}
+
+
 def test_the_workers_heal_stepper_hands_the_engine_only_the_recipe():
     """The Ray Train path (recovery.heal_stepper, before deepspeed.initialize): on the gated model
     with the drop set still in it, the engine's param groups hold exactly lm_head + the last k kept

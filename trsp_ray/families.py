@@ -154,6 +154,12 @@ def map_output(layer, model):
     return mlp_output(layer, model), "linear"
 
 
+def map_module(layer, model):
+    """The module a compensating map of decoder `layer`'s MLP contribution was folded into (map_output):
+    what a `map` heal trains (the down_proj, or on Gemma 2/3 the norm after it)."""
+    return map_output(layer, model)[0]
+
+
 def norm_offset(model) -> float:
     """The constant `model`'s norms add to their weight (Family.norm_offset)."""
     return family_of(model).norm_offset

@@ -33,11 +33,12 @@ class HealResult:
 
 
 def recipe_params(model, *, trainable: str, layers, tail_layers: int = 3, map_layers=(),
-                  mlp_output=families.mlp_output) -> list[nn.Parameter]:
+                  mlp_output=families.map_module) -> list[nn.Parameter]:
     """The parameters a `tail` or `map` heal trains, each once. `layers`: the kept decoder layers of
     `model` in order (the modules; on Ray Train workers the gated layers' inner ones); `map_layers`:
     indices into `layers` of the layers whose MLP output took a fold's map; `mlp_output(layer, model)`
-    finds a layer's MLP output projection (ZeRO-3 workers: with the layer gathered, as their fit does)."""
+    finds the module the map folded into (families.map_module: the down_proj, or Gemma's MLP norm;
+    ZeRO-3 workers: with the layer gathered, as their fit does)."""
     if trainable == TAIL_RECIPE:
         check_tail_layers(tail_layers, kept=len(layers))
         modules = [model.get_output_embeddings(), *list(layers)[-tail_layers:]]

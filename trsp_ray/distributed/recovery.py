@@ -60,7 +60,7 @@ def heal_stepper(make_stepper, *, gates, drop: list[int], recipe: dict | None = 
 
             def mlp_output(layer, model):  # a partitioned weight shows no shape until gathered
                 with gather_context(list(layer.parameters())):
-                    return families.mlp_output(layer, model)
+                    return families.map_module(layer, model)
 
             wrappers = [w for w in gates.wrappers if w.index not in set(drop)]
             order = [w.index for w in wrappers]

@@ -117,8 +117,8 @@ def _counts(config_json: str) -> Counts:
     params = list(model.parameters())  # a tied weight is yielded once
     head = model.get_output_embeddings()
     try:
-        mlp_out = sum(p.numel() for p in families.mlp_output(layers[0], model).parameters())
-    except TrspError:  # no fold reaches this family's MLP output (Gemma 2/3): no map to train
+        mlp_out = sum(p.numel() for p in families.map_module(layers[0], model).parameters())
+    except TrspError:  # no fold reaches this family's MLP output: no map to train
         mlp_out = 0
     return Counts(total=sum(p.numel() for p in params),
                   layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
