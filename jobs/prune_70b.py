@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-di
 PROG = Path(__file__).name  # what argparse calls the job; its own errors start with it too
 
 from trsp_ray import registry  # noqa: E402 (after the path insert)
+from trsp_ray.run_args import method_type  # noqa: E402
 
 
 def job_config(args: argparse.Namespace):
@@ -77,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="meta-llama/Llama-2-70b-hf", help="model directory, hub id or smollm2-135m")
-    p.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.WORKER_METHODS,
+    p.add_argument("--method", default=registry.DEFAULT_METHOD, type=method_type(workers=True),
                    help="shortgpt+comp+heal (default): Block-Influence selection on the workers, a least-squares "
                         "fold of each cut fitted data-parallel, then the stage-2 budget spent healing the pruned "
                         "model (best at equal total compute, README); shortgpt+heal: the same without the fold; "

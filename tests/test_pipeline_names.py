@@ -72,3 +72,24 @@ def test_recipe_of_a_composition_is_what_a_plan_sizes():
     assert registry.recipe("angular+comp") == ("angular", "none")
     with pytest.raises(TrspError, match="neither a method"):
         registry.recipe("nope")
+
+
+def test_composed_heal_pipelines_after_a_worker_selector_run_on_workers():
+    assert registry.on_workers("shortgpt+cos+heal") and registry.on_workers("tail+heal.tail")
+    assert registry.on_workers("trsp+comp+heal.map")
+    assert not registry.on_workers("angular+cos+heal")  # the workers do not choose an angular block...
+    assert registry.on_workers("angular+cos+heal", drop_given=True)  # ...one process does, they heal it
+    assert not registry.on_workers("shortgpt+cos")  # nothing to heal: the workers' job is the heal
+    assert not registry.on_workers("sleb") and registry.on_workers("sleb+heal", drop_given=True)
+
+
+def test_the_70b_job_takes_a_composed_pipeline_and_refuses_one_workers_cannot_run(capsys):
+    import argparse
+
+    from trsp_ray.run_args import method_type
+
+    parse = method_type(workers=True)
+    assert parse("tail+cos+heal.tail") == "tail+cos+heal.tail"
+    for bad, said in (("shortgpt+cos", "not run on Ray Train workers"), ("nope+heal", "not valid")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            parse(bad)

@@ -6,7 +6,7 @@ import argparse
 
 from trsp_ray.config import METHODS
 from trsp_ray.registry import GRAMMAR
-from trsp_ray.run_args import add_run_arguments, run_config
+from trsp_ray.run_args import add_run_arguments, method_type, run_config
 
 
 def _prune(args) -> int:
@@ -72,18 +72,6 @@ def _fit_line(cfg) -> str:
 QUICK = {"lambada": 100, "zeroshot": 0, "budgets": "1"}
 QUICK_EVAL_WINDOWS = 8  # held-out windows per domain in the quick run (data.eval_max_windows: 16)
 FULL = {"lambada": 500, "zeroshot": 100, "budgets": "1,4"}
-
-
-def method_name(text: str) -> str:
-    """argparse type of --method: a registered method or a composed pipeline (registry.method)."""
-    from trsp_ray import registry
-    from trsp_ray.errors import TrspError
-
-    try:
-        registry.method(text)
-    except TrspError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -198,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prune", help="prune one model with one method and export it")
     add_run_arguments(p)
-    p.add_argument("--method", default=None, type=method_name,
+    p.add_argument("--method", default=None, type=method_type(),
                    help="default shortgpt+comp+heal: ShortGPT's Block-Influence selection, a least-squares fold "
                         "of each cut (compensation.*), then a heal with stage 2's budget (the best pipeline at "
                         "equal total compute, README); shortgpt+heal = the same without the fold; trsp+heal = "

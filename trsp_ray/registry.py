@@ -224,6 +224,19 @@ def method(name: str) -> Method:
     return Method(name, selector, heal=heal is not None, fit=fit, recipe=recipe)
 
 
+def on_workers(name: str, *, drop_given: bool = False) -> bool:
+    """Whether Ray Train workers run pipeline `name`: a registered name when WORKER_METHODS (or, with
+    a drop set chosen in one process, HANDED_OVER_METHODS) holds it; a composition when it heals after
+    a selector the workers run (trsp, shortgpt, tail), or after any selector when its drop set is handed
+    over. Its fit and recipe are then checked by the worker settings' refusals (check_worker_settings)."""
+    if name in WORKER_METHODS or (drop_given and name in HANDED_OVER_METHODS):
+        return True
+    m = method(name)
+    if m.name in METHODS or not m.heal:
+        return False
+    return drop_given or m.selector in (TRSP_SELECTOR, SHORTGPT_SELECTOR, TAIL_SELECTOR)
+
+
 def compose(selector: str, *, fit: str | None = None, heal: bool = False, recipe: str | None = None) -> str:
     """The name of a composed pipeline (the inverse of `method` for compositions)."""
     return "+".join([selector] + ([fit] if fit else []) + ([f"heal.{recipe}" if recipe else "heal"] if heal else []))

@@ -6,6 +6,26 @@ from __future__ import annotations
 import argparse
 
 
+def method_type(*, workers: bool = False):
+    """argparse type of a --method flag: a registered method or a composed pipeline (registry.method);
+    `workers`: also one Ray Train workers run (registry.on_workers). A bad name exits 2 on one line."""
+    def parse(text: str) -> str:
+        from trsp_ray import registry
+        from trsp_ray.errors import TrspError
+
+        try:
+            registry.method(text)
+        except TrspError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if workers and not registry.on_workers(text, drop_given=True):
+            raise argparse.ArgumentTypeError(
+                f"method={text!r} is not run on Ray Train workers; use one of {', '.join(registry.WORKER_METHODS)} "
+                "or a composed +heal pipeline")
+        return text
+
+    return parse
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The run-config flags every command that runs a method takes (prune, benchmark, search)."""
     p.add_argument("--model", default=None, help="model dir, hub id, or smollm2-135m (default)")

@@ -101,7 +101,8 @@ def check_worker_settings(cfg, *, drop_given: bool = False) -> None:
         handed = (f" ({', '.join(registry.HANDED_OVER_METHODS)} with a drop set chosen in one process)"
                   if registry.HANDED_OVER_METHODS else "")
         raise TrspError(f"method={cfg.method!r} is not run on Ray Train workers; use one of "
-                        f"{', '.join(registry.WORKER_METHODS)}{handed} or distributed.workers=0")
+                        f"{', '.join(registry.WORKER_METHODS)}{handed}, a composed +heal pipeline after trsp, "
+                        "shortgpt or tail, or distributed.workers=0")
     if drop_given and not registry.method(cfg.method).heal:
         raise TrspError(f"a drop set handed to the workers is healed there; method={cfg.method!r} does not heal, "
                         f"use a heal method ({', '.join(m.name for m in registry.METHODS.values() if m.heal)})")

@@ -136,8 +136,7 @@ def method_on_workers(method: str, *, drop_given: bool = False) -> bool:
     `drop_given`: its drop set is chosen in one process and handed over, the workers only heal it."""
     from trsp_ray import registry
 
-    name = registry.method(method).name
-    return name in registry.WORKER_METHODS or (drop_given and name in registry.HANDED_OVER_METHODS)
+    return registry.on_workers(registry.method(method).name, drop_given=drop_given)
 
 
 def trains_on_workers(cfg) -> bool:
