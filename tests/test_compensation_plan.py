@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trsp_ray.distributed import planner
-from trsp_ray.distributed.compensation_plan import compensation_plan, max_blocks
+from trsp_ray.distributed.compensation_plan import WORKING_SET, compensation_plan, max_blocks
 
 MODELS = Path(__file__).resolve().parents[1] / "cluster" / "models"
 LLAMA2_70B = str(MODELS / "llama-2-70b.json")
@@ -23,20 +23,21 @@ def test_the_most_blocks_a_drop_set_can_have():
 
 
 def test_llama2_70b_compensation_memory_at_d_8192():
+    """The default's 112 windows on 16 workers: 7 windows x 2048 tokens per forward (issue 33 item 4)."""
     s = planner.read_shape(LLAMA2_70B)
     assert (s.hidden, s.intermediate) == (8192, 28672)
     st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True)
-    cp = compensation_plan(s, st, ratio=0.25, protect_head=1, protect_tail=1)
+    cp = compensation_plan(s, st, ratio=0.25, windows=112, protect_head=1, protect_tail=1)
     matrix = 8192 * 8192 * 8 / 2**30
     assert matrix == 0.5  # 512 MiB: one d x d float64 matrix
-    assert (cp.n_drop, cp.blocks) == (20, 20)
-    parts = cp.memory.parts
-    assert parts["sums M^T M, M^T Y (float64, 20 blocks)"] == 20 * 2 * matrix == 20.0
-    assert parts["solve (reduced sums, eye, ridge copy, LU, T in float64)"] == 6 * matrix
-    assert parts["fold (gathered projection, T^T W in float64)"] == pytest.approx(8192 * 28672 * 18 / 2**30)
-    assert cp.host_gb == 20 * matrix  # the maps kept from the fit to the fold
-    assert "activations" not in parts  # a no-grad pass under stage 1's engine
-    assert cp.memory.total == pytest.approx(41.0, abs=0.05)
+    assert (cp.n_drop, cp.blocks, cp.rows) == (20, 20, 7)
+    sums = 20 * 2 * matrix
+    assert cp.phases["solve"] == sums + 4 * matrix  # the ridge's two copies, the LU factors and T
+    assert cp.phases["fold"] == pytest.approx(8192 * 28672 * 18 / 2**30 + matrix)  # after the fit: sums freed
+    assert cp.phases["pass"] > cp.phases["solve"]  # 14,336 tokens per forward: more than the solve's 2 GB
+    assert cp.memory.parts[WORKING_SET] == max(cp.phases.values())
+    assert cp.host_gb == 20 * matrix  # the maps, from the fit to the fold
+    assert "activations" not in cp.memory.parts  # a no-grad pass under stage 1's engine
 
 
 def test_plan_command_prints_the_compensation_the_method_runs():
@@ -50,9 +51,10 @@ def test_plan_command_prints_the_compensation_the_method_runs():
                            text=True, timeout=300)
     for run in (default, asked):
         assert run.returncode == 0, run.stderr
-        for figure in ("compensation (lstsq, after the selection): 41.0 GB per worker (fits), host 10.0 GB",
-                       "sums M^T M, M^T Y (float64, 20 blocks): 20.00 GB", "solve (reduced sums, eye, ridge copy, "
-                       "LU, T in float64): 3.00 GB"):
+        for figure in ("compensation (lstsq, after the selection): 36.6 GB per worker (fits), host 10.0 GB",
+                       "pass: sums M^T M, M^T Y of 20 blocks (float64) + 7 windows x 2048 tokens per forward "
+                       "(112 windows / 16 workers", "solve: sums M^T M, M^T Y of 20 blocks (float64) + the ridge's "
+                       "two copies, LU factors and T (float64, d x d): 22.00 GB"):
             assert figure in run.stdout, figure
     plain = subprocess.run([*args, "--method", "shortgpt+heal"], capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0 and "compensation" not in plain.stdout
@@ -64,8 +66,8 @@ def test_plan_command_prints_the_compensation_the_method_runs():
 
 
 def test_a_run_whose_compensation_does_not_fit_is_refused_before_any_worker():
-    """Llama-2-70B on 16 x 40 GB: stage 1 (17 GB) and its probes fit, the least-squares sums of its
-    20 possible blocks (41 GB with the solve and the fold) do not; the scalar fold has no d x d sums."""
+    """Llama-2-70B on 16 x 34 GB: stage 1 (17 GB) and its probes fit, the least-squares sums of its
+    20 possible blocks (35.2 GB with the solve) do not; the scalar fold has no d x d sums."""
     from trsp_ray.config import load_config
     from trsp_ray.distributed.train import check_plan
     from trsp_ray.errors import TrspError
@@ -73,9 +75,9 @@ def test_a_run_whose_compensation_does_not_fit_is_refused_before_any_worker():
     common = ["distributed.workers=16", "distributed.use_gpu=true", "distributed.activation_checkpointing=true",
               "data.batch_size=16", "data.seqlen=2048", "method=trsp-no-stage2", "compensation.windows=16"]
     at = lambda gb, comp: load_config(None, [*common, f"distributed.gpu_memory_gb={gb}", f"compensation.method={comp}"])
-    assert planner.plan_for_run(at(40, "lstsq"), LLAMA2_70B).fits
-    with pytest.raises(TrspError, match=r"compensation needs 4[01]\.[0-9] GB per worker") as err:
-        check_plan(at(40, "lstsq"), LLAMA2_70B)
+    assert planner.plan_for_run(at(34, "lstsq"), LLAMA2_70B).fits
+    with pytest.raises(TrspError, match=r"compensation needs 35\.[0-9] GB per worker") as err:
+        check_plan(at(34, "lstsq"), LLAMA2_70B)
     assert "\n" not in str(err.value) and "compensation.method=scalar" in str(err.value)
-    check_plan(at(40, "scalar"), LLAMA2_70B)
-    check_plan(at(48, "lstsq"), LLAMA2_70B)
+    check_plan(at(34, "scalar"), LLAMA2_70B)
+    check_plan(at(36, "lstsq"), LLAMA2_70B)

@@ -190,15 +190,14 @@ def test_the_plan_counts_the_cached_rows_and_the_steps():
 
     s = planner.read_shape(str(Path(__file__).resolve().parents[1] / "cluster" / "models" / "llama-2-70b.json"))
     st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True)
-    mse = compensation_plan(s, st, ratio=0.25, protect_head=1, protect_tail=1)
-    cos = compensation_plan(s, st, ratio=0.25, protect_head=1, protect_tail=1, objective="cosine",
-                            calibration_tokens=112 * 2048)
+    mse = compensation_plan(s, st, ratio=0.25, windows=112, protect_head=1, protect_tail=1)
+    cos = compensation_plan(s, st, ratio=0.25, windows=112, protect_head=1, protect_tail=1, objective="cosine")
     assert cos.host_gb - mse.host_gb == pytest.approx(20 * 3 * 14336 * 8192 * 2 / 2**30) == 13.125
-    added = {k: v for k, v in cos.memory.parts.items() if k not in mse.memory.parts}
-    assert sorted(added.values()) == [1.75, 3.0]
-    assert cos.memory.total == pytest.approx(mse.memory.total + 4.75)
-    with pytest.raises(ValueError, match="calibration tokens"):
-        compensation_plan(s, st, ratio=0.25, objective="cosine")
+    assert set(cos.phases) - set(mse.phases) == {"cosine"}
+    assert cos.phases["cosine"] == pytest.approx(20.0 + 3.0 + 1.75)  # beside the 20 blocks' sums
+    assert cos.memory.total == pytest.approx(mse.memory.total - max(mse.phases.values()) + cos.phases["cosine"])
+    with pytest.raises(ValueError, match="calibration windows"):
+        compensation_plan(s, st, ratio=0.25, windows=0, objective="cosine")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])

@@ -46,7 +46,8 @@ def test_a_7b_default_prune_on_one_80gb_gpu_is_refused_naming_what_would_run(lla
         route.route(cfg, device="gpu", memory_gb=80)
     message = str(err.value)
     assert "\n" not in message and "heal needs 87.3 GB in one process" in message
-    assert "set stage2.trainable=lora" in message and "peak 14.5 GB" in message
+    # the LoRA route's peak is its least-squares fit (a dense bf16 copy on the GPU + the sums), not the heal
+    assert "set stage2.trainable=lora" in message and "peak 16.6 GB" in message
     assert "distributed.workers=N" in message
     chosen = route.route(replace(cfg, **{"distributed.workers": 8}), device="gpu", memory_gb=80)
     assert chosen.workers == 2  # allowed workers: the fewest whose ZeRO-3 plan fits

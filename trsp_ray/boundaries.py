@@ -2,7 +2,9 @@
 
 Shared by both compensation forms (trsp_ray/compensation.py, trsp_ray/compensation_scalar.py): each
 repairs the boundary a_k-1 -> b_k+1 of every maximal run [a_k..b_k] of removed layers, and reads the
-dense stream with forward hooks that stop the pass once the deepest layer they need has run.
+dense stream with forward hooks that stop the pass once the deepest layer they need has run
+(`stream_blocks` hands each block its rows as soon as its last layer has run, so a pass holds one
+block's rows at a time).
 """
 
 from __future__ import annotations
@@ -36,3 +38,53 @@ class Stop(Exception):
 def hidden(output):
     """The hidden-state tensor of a module's output (decoder layers may return a tuple)."""
     return output[0] if isinstance(output, tuple) else output
+
+
+def forward_pass(model, batch) -> None:
+    """One no-grad pass of token ids `batch` [B, S] through `model` for its hooks: only the last
+    position's logits are computed (the fit reads decoder layers; a whole vocabulary's logits over
+    every token would be the pass's largest tensor at a 128k vocabulary), the same modules run, so
+    a ZeRO-3 forward makes the same gathers on every rank."""
+    model(input_ids=batch.to(next(model.parameters()).device), use_cache=False, logits_to_keep=1)
+
+
+def stream_blocks(model, batch, spans, *, on_block, stop: bool, mlp_output=None) -> None:
+    """One pass of `batch` through `model` that hands every block (a, b) of `spans` its rows [n, d]
+    as soon as layer b has run: on_block(span, out, m, target) with layer a-1's output, its MLP
+    output and layer b's output. Layer a-1's two rows are the only ones held across layers, until
+    the block is summed (compensation_plan counts them); `stop`: the pass ends after the last block."""
+    from trsp_ray import families
+
+    mlp_output = mlp_output or (lambda layer, m: families.map_output(layer, m)[0])
+    layers = families.decoder_layers(model)
+    held: dict = {}
+    last = max(b for _, b in spans)
+
+    def keep(key):
+        def hook(_module, _inputs, output):
+            h = hidden(output)
+            held[key] = h.reshape(-1, h.shape[-1])
+        return hook
+
+    def finish(span):
+        def hook(_module, _inputs, output):
+            h = hidden(output)
+            a = span[0]
+            on_block(span, held.pop((a - 1, "out")), held.pop((a - 1, "mlp")), h.reshape(-1, h.shape[-1]))
+            if stop and span[1] == last:
+                raise Stop
+        return hook
+
+    handles = []
+    try:
+        for a, b in spans:
+            handles.append(mlp_output(layers[a - 1], model).register_forward_hook(keep((a - 1, "mlp"))))
+            handles.append(layers[a - 1].register_forward_hook(keep((a - 1, "out"))))
+            handles.append(layers[b].register_forward_hook(finish((a, b))))
+        forward_pass(model, batch)
+    except Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+        held.clear()

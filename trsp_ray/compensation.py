@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from trsp_ray import families
-from trsp_ray.boundaries import Stop, blocks, hidden
+from trsp_ray.boundaries import Stop, blocks, forward_pass, hidden, stream_blocks
 from trsp_ray.compensation_forms import (  # noqa: F401 (re-exported)
     WEIGHTINGS,
     check_form,
@@ -190,7 +190,7 @@ def _run(model, batch, wanted: dict[int, str], *, stop_after: int | None, mlp_ou
     store: dict = {}
     handles = _record(model, wanted, store, stop_after=stop_after, mlp_output=mlp_output)
     try:
-        model(input_ids=batch.to(next(model.parameters()).device), use_cache=False)
+        forward_pass(model, batch)
     except Stop:
         pass
     finally:
@@ -199,16 +199,27 @@ def _run(model, batch, wanted: dict[int, str], *, stop_after: int | None, mlp_ou
     return store
 
 
-def _add(stats: Stats | None, block, m: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor | None = None) -> Stats:
-    if scale is not None:  # each token's rows divided by its target's norm: its relative error counts
-        m, y = m / scale[:, None], y / scale[:, None]
+def _add(stats: Stats | None, block, out: torch.Tensor, m: torch.Tensor, target: torch.Tensor, *,
+         weighting: str) -> Stats:
+    """Add one batch's rows of `block` [n, d] to its float64 sums: Y = target - (out - m), and under
+    "norm" weighting every token's rows of M and Y divided by its target's norm (its relative error
+    counts). Two float64 [n, d] are live at a time (Y, built in place, and M), on M's device: the
+    differences are taken in float64, Y being small beside the streams it is taken from."""
+    y = target.to(device=m.device, dtype=torch.float64, copy=True)
+    scale = y.norm(dim=-1).clamp_min_(1e-12)[:, None] if weighting == "norm" else None
+    y.sub_(out)  # before M's float64 copy exists: a mixed-dtype in-place op may cast `out` to a temporary
+    m = m.to(torch.float64, copy=True)  # a copy: `m` may be the forward's own float64 tensor
+    y.add_(m)
+    if scale is not None:
+        m.div_(scale)
+        y.div_(scale)
     if stats is None:
         d = m.shape[1]
         z = m.new_zeros(d, d)
         stats = Stats(block, z, z.clone(), m.new_zeros(()), 0)
-    stats.mtm += m.T @ m
-    stats.mty += m.T @ y
-    stats.yty += (y * y).sum()
+    stats.mtm.addmm_(m.T, m)
+    stats.mty.addmm_(m.T, y)
+    stats.yty += torch.dot(y.view(-1), y.view(-1))
     stats.tokens += m.shape[0]
     return stats
 
@@ -219,9 +230,10 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
     """The sums of every block of `drop` over `windows` (batches of token ids [B, S]; None for a
     block when `windows` is empty).
 
-    With `pruned` None, everything comes from `dense` in one pass per batch ("dense" form). With
-    `pruned` (the layer-removed model, earlier blocks already folded) and one `block`, M and h_mid
-    come from pruned's copy of layer a-1 and the target from dense ("sequential" form).
+    With `pruned` None, everything comes from `dense` in one pass per batch ("dense" form), each
+    block summed as soon as its last layer has run (boundaries.stream_blocks). With `pruned` (the layer-removed
+    model, earlier blocks already folded) and one `block`, M and h_mid come from pruned's copy of
+    layer a-1 and the target from dense ("sequential" form).
     `stop=False` runs every pass to the end (a ZeRO-3 forward is a collective that must not stop
     inside DeepSpeed's gather hooks); `mlp_output(layer, model)` finds the module whose output is M
     (families.map_output's by default; a partitioned model needs its layer gathered to look).
@@ -237,29 +249,25 @@ def accumulate(*, dense, windows, drop, pruned=None, block: tuple[int, int] | No
         raise TrspError(f"drop set {sorted(drop)} removes layer 0: no earlier layer's MLP output can take the "
                         f"compensation; {families.NO_COMPENSATION}, or protect layer 0 (gates.protect_head)")
     stats: dict[tuple[int, int], Stats | None] = {s: None for s in spans}
+
+    def on_block(s, out, m, target):
+        if sink is not None:
+            sink(s, out, m, target)
+        stats[s] = _add(stats[s], s, out, m, target, weighting=weighting)
+
     kept = [i for i in range(num) if i not in set(drop)]
     for batch in windows:
+        if not spans:
+            break
         if pruned is None:
-            wanted: dict[int, str] = {}
-            for a, b in spans:
-                wanted[a - 1] = wanted.get(a - 1, "") + "out mlp"
-                wanted[b] = wanted.get(b, "") + "out"
-            got = _run(dense, batch, wanted, stop_after=max(b for _, b in spans) if stop else None,
-                       mlp_output=mlp_output)
-            src = {s: (got[(s[0] - 1, "out")], got[(s[0] - 1, "mlp")], got[(s[1], "out")]) for s in spans}
-        else:
-            (a, b), = spans
-            target = _run(dense, batch, {b: "out"}, stop_after=b)[(b, "out")]
-            new = kept.index(a - 1)
-            got = _run(pruned, batch, {new: "out mlp"}, stop_after=new)
-            src = {(a, b): (got[(new, "out")], got[(new, "mlp")], target)}
-        for s, (out, m, target) in src.items():
-            if sink is not None:
-                sink(s, out, m, target)
-            m = m.double()  # the differences too: Y is small beside the stream it is taken from
-            target = target.to(m.device).double()
-            scale = target.norm(dim=-1).clamp_min(1e-12) if weighting == "norm" else None
-            stats[s] = _add(stats[s], s, m, target - (out.double() - m), scale=scale)
+            stream_blocks(dense, batch, spans, on_block=on_block, stop=stop, mlp_output=mlp_output)
+            continue
+        (a, b), = spans
+        target = _run(dense, batch, {b: "out"}, stop_after=b)[(b, "out")]
+        new = kept.index(a - 1)
+        got = _run(pruned, batch, {new: "out mlp"}, stop_after=new)
+        on_block((a, b), got.pop((new, "out")), got.pop((new, "mlp")), target)
+        del target, got  # not held through the next batch's passes
     return [stats[s] for s in spans]
 
 

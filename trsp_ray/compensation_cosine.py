@@ -69,7 +69,8 @@ class Collector:
     def __call__(self, block, out: torch.Tensor, m: torch.Tensor, target: torch.Tensor) -> None:
         """`out` layer a-1's output, `m` its MLP output, `target` the dense stream [n, d]."""
         dtype = out.dtype
-        r = (out.double() - m.double()).to(dtype)  # the difference of two large streams, taken in float64
+        # the difference of two large streams, taken in float64 (in place: one float64 [n, d] at a time)
+        r = out.to(torch.float64, copy=True).sub_(m).to(dtype)
         self.samples.setdefault(block, Samples(block)).parts.append(
             tuple(t.detach().to("cpu", dtype) for t in (m, r, target)))
 

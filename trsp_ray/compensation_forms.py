@@ -114,10 +114,13 @@ def solve(mtm: torch.Tensor, mty: torch.Tensor, *, ridge: float = 1e-2, form: st
         num, den = b.diagonal() + r, a.diagonal() + r
         t = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.ones_like(den))
         return torch.diag(t)
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    eye = None if form == "full" else torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     try:
-        if form == "full":
-            return torch.linalg.solve(a + r * eye, b + r * eye)
+        if form == "full":  # the ridge added on copies' diagonals: no d x d identity beside them
+            a_r, b_r = a.clone(), b.clone()
+            a_r.diagonal().add_(r)
+            b_r.diagonal().add_(r)
+            return torch.linalg.solve(a_r, b_r)
         d_full = torch.linalg.solve(a + r * eye, b - a)  # ridge solution of the residual target Y - M
     except torch.linalg.LinAlgError:
         raise TrspError(f"the compensation system is singular at compensation.ridge={ridge}; raise the ridge "

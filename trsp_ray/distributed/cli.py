@@ -134,8 +134,7 @@ def run_plan(args: argparse.Namespace) -> int:
         check_tokens(tokens=c.windows * cfg.data.seqlen, hidden=shape.hidden, form=c.form,
                      minimum=c.min_tokens_per_column)
         comp = compensation_plan(result.shape, result.setup, ratio=cfg.ratio, protect_head=cfg.gates.protect_head,
-                                 protect_tail=cfg.gates.protect_tail, objective=c.objective,
-                                 calibration_tokens=c.windows * cfg.data.seqlen)
+                                 protect_tail=cfg.gates.protect_tail, objective=c.objective, windows=c.windows)
         line = calibration_line(windows=c.windows, seqlen=cfg.data.seqlen, hidden=shape.hidden,
                                 tokens_per_column=c.tokens_per_column, floor=c.min_tokens_per_column)
         after += format_compensation_plan(comp, result.setup, calibration=line)

@@ -7,7 +7,9 @@ index) while P stays bypassed, and export.py writes the folded weights from the 
 `fit` runs on the dense model (every gate off, nothing bypassed) before any weight trains, i.e.
 right after stage 1 (which trains only the gates): rank r of W accumulates M^T M and M^T Y over
 windows k with k % W == r (the removal probes' split, stage1.RemovalScorer), the float64 sums are
-all-reduced, and every rank solves the same T per block. Under ZeRO-3 every forward is a
+all-reduced, and every rank solves the same T per block (each rank runs its share of the
+windows in batches of the run's batch size, so a forward has min(batch, ceil(windows / W)) rows:
+compensation_plan sizes the fit in those, and measured: benchmarks/fit_memory.py). Under ZeRO-3 every forward is a
 collective, so a rank with fewer windows runs a padding forward it discards, and the passes run
 the whole model (compensation.accumulate's early stop would leave a pass half-way through
 DeepSpeed's gather hooks). `fold` applies the maps where one process does: after stage 2, before
@@ -33,6 +35,7 @@ import time
 import torch
 
 from trsp_ray import compensation, compensation_scalar, families
+from trsp_ray.boundaries import forward_pass
 from trsp_ray.distributed.ranks import all_reduce_sum, shard
 from trsp_ray.errors import TrspError
 
@@ -113,9 +116,11 @@ def gather_layer(layer):
 
 @torch.no_grad()
 def apply(*, model, drop: list[int], info: dict) -> None:
-    """Fold `info` (from `fit` or `fit_scalar`) into `model`, which still holds every layer."""
+    """Fold `info` (from `fit` or `fit_scalar`) into `model`, which still holds every layer. The maps
+    (one d x d float64 per block, 512 MiB each at d = 8192) leave `info` once folded, so that the
+    host does not carry them through a heal and the export (compensation_plan counts them to the fold)."""
     if "scales" not in info:
-        fold(model=model, maps=info["maps"])
+        fold(model=model, maps=info.pop("maps"))
         return
     layers = families.decoder_layers(model)
     num, dropped = len(layers), set(drop)
@@ -153,7 +158,7 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
                                         weighting=weighting, sink=sink)
         device = next(model.parameters()).device
         for _ in range(padding):  # the collective forwards of the other ranks' extra windows
-            model(input_ids=windows[0][:1].to(device), use_cache=False)
+            forward_pass(model, windows[0][:1])
     spans = compensation.blocks(drop, num)
     info: dict = {"maps": [], "blocks": spans, "tokens": 0, "residual": [], "residual_identity": [], "form": form}
     for k, span in enumerate(spans):
@@ -161,6 +166,7 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
             z = torch.zeros(hidden, hidden, dtype=torch.float64, device=device)
             stats[k] = compensation.Stats(span, z, z.clone(), z.new_zeros(()), 0)
         summed = stats[k].reduced(reduce)
+        stats[k] = None  # the all-reduced copy replaces this rank's sums (compensation_plan's solve)
         t = compensation.solve(summed.mtm, summed.mty, ridge=ridge, form=form, rank=map_rank)
         if sink is not None:  # every rank steps together (its shard's rows, all-reduced sums)
             t = compensation.refine(sink, info, span=span, t=t, form=form, rank=map_rank, ridge=ridge, reduce=reduce)

@@ -91,8 +91,7 @@ def worker_extras_problem(cfg, plan: Plan) -> str | None:
 
         g, c = cfg.gates, sized(for_method(cfg), hidden=plan.shape.hidden).compensation  # windows 0: auto
         comp = compensation_plan(plan.shape, plan.setup, ratio=cfg.ratio, protect_head=g.protect_head,
-                                 protect_tail=g.protect_tail, objective=c.objective,
-                                 calibration_tokens=c.windows * cfg.data.seqlen).memory
+                                 protect_tail=g.protect_tail, objective=c.objective, windows=c.windows).memory
         if comp.total > available:
             return (f"the least-squares compensation needs {comp.total:.1f} GB per worker (float64 sums of "
                     f"d x d per block, the solve and the fold), more than the {available:g} GB available; use "

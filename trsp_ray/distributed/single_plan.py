@@ -9,8 +9,12 @@ the activations, so the stage peaks at the larger of the two. A no-grad forward 
 intermediates and its logits (bytes per token, e = dtype bytes, V vocab): SLEB / ShortGPT the
 model-dtype logits, their fp32 upcast and the log-softmax (eV + 4V + 4V; fp32 skips the upcast);
 evaluation (perplexity.py) fp32 logits, their shifted copy and the log-softmax (12V); SLEB also
-the inputs of every layer for one batch (L e h): baselines.sleb_drop streams batches.
-Measured: benchmarks/planner_single.py.
+the inputs of every layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squares
+fit ("compensation", after the removal): on a GPU a transient dense copy on the device (the pruned copy
+steps out to host memory, methods._dense_beside; the fold lands there), on CPU the pruned copy and the
+original; beside it the fit's sums and its largest phase over min(data.batch_size, windows) windows per
+forward (distributed/compensation_plan.fit_phases, the workers' formula).
+Measured: benchmarks/planner_single.py; the fit on workers: benchmarks/fit_memory.py.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 from trsp_ray.config_sections import TAIL_RECIPE
 from trsp_ray.distributed.activations import forward_layer_bytes, training_activations_gb
+from trsp_ray.distributed.compensation_plan import WORKING_SET, cosine_host_gb, fit_phases, fit_rows, max_blocks
 from trsp_ray.distributed.memory import GB, SINGLE_OVERHEAD_GB, Peaks, StagePlan
 from trsp_ray.distributed.shape import Shape, read_shape
 from trsp_ray.distributed.zero3_plan import method_on_workers, planned_maps
@@ -110,6 +115,67 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     return plan
 
 
+@dataclass(frozen=True)
+class FitSetup:
+    """What the single-process fit's memory depends on (compensation.*, resolved and sized)."""
+
+    windows: int
+    blocks: int  # the most blocks the planned drop sets can have
+    objective: str = "mse"
+    activations: str = "dense"  # sequential: one block's sums at a time
+
+
+def single_fit(s: Shape, st: SingleSetup, fit: FitSetup, *, n_drop: int) -> StagePlan:
+    """The least-squares fit and fold in one process (module doc)."""
+    e = st.dtype_bytes
+    plan = StagePlan("compensation")
+    if st.device == "gpu":
+        plan.parts["model (a transient dense copy; the pruned copy waits in host memory)"] = s.params * e / GB
+        plan.parts["runtime overhead"] = SINGLE_OVERHEAD_GB[st.device]
+    else:
+        _single_weights(plan, s, st, s.params - n_drop * s.layer_params)
+    rows = fit_rows(windows=fit.windows, batch=st.batch)
+    share = fit.windows * st.seqlen if fit.objective == "cosine" else 0
+    blocks = fit.blocks if fit.activations == "dense" else min(1, fit.blocks)
+    phases = fit_phases(s, dtype_bytes=e, tokens=rows * st.seqlen, blocks=blocks, sharded=False,
+                        fold_here=st.device == "cpu", cosine_share=share)
+    plan.parts[WORKING_SET] = max(phases.values())
+    if share:  # the cosine fit's cached rows, in host memory
+        rows_gb = cosine_host_gb(share=share, hidden=s.hidden, dtype_bytes=e, blocks=blocks)
+        if st.device == "cpu":
+            plan.parts["cosine rows of every block"] = rows_gb
+        else:
+            plan.host += rows_gb
+    return plan
+
+
+def _fits(cfg, method: str) -> bool:
+    """Whether `method` runs a least-squares fit in one process (config.for_method resolves auto)."""
+    from trsp_ray.config import for_method
+    from trsp_ray.errors import TrspError
+
+    try:
+        return for_method(cfg, method).compensation.method == "lstsq"
+    except TrspError:  # a compensation the run refuses in one line (after stage 2): no fit to plan
+        return False
+
+
+def fit_setup(cfg, *, methods: tuple[str, ...] | None, layers: int, hidden: int) -> FitSetup | None:
+    """The largest least-squares fit any of `methods` (default cfg.method) runs, None when none does
+    (the scalar fold's six sums per block are left out)."""
+    from trsp_ray.config import for_method, sized
+    from trsp_ray.stage1 import n_drop_for
+
+    fits = [sized(for_method(cfg, m), hidden=hidden).compensation for m in methods or (cfg.method,) if _fits(cfg, m)]
+    if not fits:
+        return None
+    g = cfg.gates
+    blocks = max_blocks(n_drop=n_drop_for(cfg.ratio, layers), candidates=layers - g.protect_head - g.protect_tail)
+    worst = max(fits, key=lambda c: c.windows)
+    return FitSetup(windows=worst.windows, blocks=blocks, objective="cosine" if any(
+        c.objective == "cosine" for c in fits) else "mse", activations=worst.activations)
+
+
 def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark rows)."""
     from trsp_ray import registry
@@ -122,6 +188,8 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, 
             wanted.append("stage 2")
         if selector in registry.FORWARD_SELECTORS:
             wanted.append(selector)
+        if _fits(cfg, m):
+            wanted.append("compensation")
         if (cfg.heal.steps > 0 and selector is not None) or recovery == "heal":
             wanted.append("heal")
         out += [w for w in wanted + ["evaluation"] if w not in out]
@@ -139,14 +207,20 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
 
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
-                heal_lora_rank: int = 8, heal_tail_layers: int = 3, heal_maps: int = 0) -> SinglePlan:
+                heal_lora_rank: int = 8, heal_tail_layers: int = 3, heal_maps: int = 0,
+                fit: FitSetup | None = None) -> SinglePlan:
     """The plan of the single-process `stages` (names as `single_stages` gives them); the heal trains
-    `heal_trainable` (heal.py's recipes: the tail's k = `heal_tail_layers`, the map's `heal_maps`)."""
+    `heal_trainable` (heal.py's recipes: the tail's k = `heal_tail_layers`, the map's `heal_maps`);
+    `fit`: the least-squares fit of the "compensation" stage."""
     from trsp_ray import registry
 
     built = []
     for name in stages:
-        if name == "stage 1":
+        if name == "compensation":
+            if fit is None:
+                raise ValueError("the compensation stage's plan needs its FitSetup (fit_setup)")
+            built.append(single_fit(s, st, fit, n_drop=n_drop))
+        elif name == "stage 1":
             built.append(single_training(name, s, st, trained_params=s.params if st.train_base else 0, gated=True))
         elif name == "stage 2":
             lora = st.trainable == "lora"
@@ -186,7 +260,8 @@ def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[st
     # the map recipe: the most folds any planned method's drop set can take
     maps = max(planned_maps(registry.recipe(m)[0], n_drop=n_drop) for m in (methods or (cfg.method,)))
     return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=n_drop, heal_trainable=trainable,
-                       heal_lora_rank=rank, heal_tail_layers=cfg.heal.tail_layers, heal_maps=maps)
+                       heal_lora_rank=rank, heal_tail_layers=cfg.heal.tail_layers, heal_maps=maps,
+                       fit=fit_setup(cfg, methods=methods, layers=s.layers, hidden=s.hidden))
 
 
 def run_shape(cfg) -> Shape:
