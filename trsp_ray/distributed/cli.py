@@ -43,7 +43,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-shard-mb", type=int, default=5000, help="safetensors shard size of the export")
     parser.add_argument("--storage", choices=("remote", "shared"), default="remote",
                         help="remote (s3://, gs://: saves staged on local disk) or a shared path (written in place)")
-    parser.add_argument("--method", choices=registry.WORKER_METHODS, default=registry.DEFAULT_METHOD,
+    from trsp_ray.run_args import method_type
+
+    parser.add_argument("--method", type=method_type(workers=True), default=registry.DEFAULT_METHOD,
                         help="what the workers run (default %(default)s: no stage-1 probes; the TRSP methods "
                              "add stage 1's removal probes and refinement)")
     parser.add_argument("--compensation", choices=("none", "lstsq", "scalar"), default=None,
