@@ -34,7 +34,8 @@ def test_changing_lambda1_recomputes_stage1_in_the_search_store(tmp_path):
     from trsp_ray.search.trial import _execute
 
     preset = tiny_preset(tmp_path)
-    run = load_config(overrides=[f"model={preset.models[0].model}"], base=preset.run).to_dict()
+    # the search runs any pipeline now; this is TRSP's, whose stage 1 the store holds
+    run = load_config(overrides=[f"model={preset.models[0].model}", "method=trsp"], base=preset.run).to_dict()
     search = tmp_path / "search"
     for point in ({"stage1.lambda1": 1e-3}, {"stage1.lambda1": 1e-3, "ratio": 0.5}, {"stage1.lambda1": 2e-2}):
         _execute(_trial_config(search, run, point), report=lambda metrics: None)
