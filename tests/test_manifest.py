@@ -43,7 +43,8 @@ def _exports(tmp_path, monkeypatch) -> dict[str, dict]:
     attach_gates(gated)
     export_streaming(gated, tokenizer=None, drop=DROP, output=str(tmp_path / "zero3"),
                      manifest={"method": cfg.method, "config": cfg.to_dict(), "workers": 2})  # as train.py passes
-    record = {"config": cfg.to_dict(), "val_ppl": 9.5, "kept_parameters": 10, "kept_fraction": 0.7}
+    record = {"config": cfg.to_dict(), "val_ppl": 9.5, "kept_parameters": 10, "kept_fraction": 0.7,
+              "total_compute": 100.0}  # a trial record carries its total compute (search/trial.py)
     trial_dir = trial._export(outcome, bench, tmp_path / "search", "t0", record)
     cell_dir = work.export_cell(outcome, bench, method="shortgpt+heal", config=cfg.to_dict(), info={"x": 1},
                                 target=str(tmp_path / "cell"))
