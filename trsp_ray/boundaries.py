@@ -48,6 +48,18 @@ def forward_pass(model, batch) -> None:
     model(input_ids=batch.to(next(model.parameters()).device), use_cache=False, logits_to_keep=1)
 
 
+
+def hooked_pass(model, batch, handles) -> None:
+    """forward_pass with the hooks of `handles` in place: a hook's Stop ends it early, and the hooks
+    are removed whatever happens (every pass of the fit and its streams goes through here)."""
+    try:
+        forward_pass(model, batch)
+    except Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+
 def stream_blocks(model, batch, spans, *, on_block, stop: bool, mlp_output=None) -> None:
     """One pass of `batch` through `model` that hands every block (a, b) of `spans` its rows [n, d]
     as soon as layer b has run: on_block(span, out, m, target) with layer a-1's output, its MLP
@@ -81,10 +93,11 @@ def stream_blocks(model, batch, spans, *, on_block, stop: bool, mlp_output=None)
             handles.append(mlp_output(layers[a - 1], model).register_forward_hook(keep((a - 1, "mlp"))))
             handles.append(layers[a - 1].register_forward_hook(keep((a - 1, "out"))))
             handles.append(layers[b].register_forward_hook(finish((a, b))))
-        forward_pass(model, batch)
-    except Stop:
-        pass
-    finally:
+    except BaseException:
         for h in handles:
             h.remove()
+        raise
+    try:
+        hooked_pass(model, batch, handles)
+    finally:
         held.clear()

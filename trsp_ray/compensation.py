@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from trsp_ray import families
-from trsp_ray.boundaries import Stop, blocks, forward_pass, hidden, stream_blocks
+from trsp_ray.boundaries import Stop, blocks, hidden, hooked_pass, stream_blocks
 from trsp_ray.compensation_forms import (  # noqa: F401 (re-exported)
     WEIGHTINGS,
     check_form,
@@ -188,14 +188,7 @@ def _record(model, wanted: dict[int, str], store: dict, *, stop_after: int | Non
 
 def _run(model, batch, wanted: dict[int, str], *, stop_after: int | None, mlp_output=None) -> dict:
     store: dict = {}
-    handles = _record(model, wanted, store, stop_after=stop_after, mlp_output=mlp_output)
-    try:
-        forward_pass(model, batch)
-    except Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    hooked_pass(model, batch, _record(model, wanted, store, stop_after=stop_after, mlp_output=mlp_output))
     return store
 
 

@@ -14,7 +14,7 @@ and, beside them, the largest of its phases:
                               output, which the hooks hold until the block's last layer b has run; there
                               the block's rows are summed in float64 (Y built in place, and M: two
                               [n, d], beside layer b's input and output) and dropped. Only the last
-                              position's logits are computed (compensation.forward_pass).
+                              position's logits are computed (boundaries.forward_pass).
     solve   4 x d^2 x 8       the ridge's two copies, the LU factors and T (the block's all-reduced sums
                               replace its own); the residuals after it hold as many
     fold    d x I x (e + 16) + d^2 x 8   the gathered output projection, W in float64 and T^T W, and T;
