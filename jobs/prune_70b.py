@@ -121,13 +121,14 @@ def main(argv=None) -> int:
     def body() -> int:
         from trsp_ray import assets
         from trsp_ray.distributed.deepspeed_config import build_ds_config
-        from trsp_ray.driver import with_budget
         from trsp_ray.export import check_export_target
-        from trsp_ray.workbench import method_config
+        from trsp_ray.pipeline import resolve
 
         # the compensation the method runs (the default's least squares), then the heal steps that
         # --set heal.compute_budget=N buys after it
-        cfg = with_budget(method_config(job_config(args)))
+        pipe = resolve(job_config(args))
+        cfg = pipe.cfg
+        print(pipe.describe(), flush=True)
         options = parse_options(args.deepspeed)
         ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
         plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds)

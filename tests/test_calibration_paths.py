@@ -36,11 +36,12 @@ def _embedding_inputs(monkeypatch) -> set:
 def test_a_calibration_file_is_all_that_selection_fold_and_heal_see(tiny_dir, monkeypatch):
     from trsp_ray.methods import apply_method
     from trsp_ray.perplexity import encode
-    from trsp_ray.workbench import method_config, prepare
+    from trsp_ray.pipeline import resolve
+    from trsp_ray.workbench import prepare
 
-    cfg = method_config(load_config(None, SMALL, base={
+    cfg = resolve(load_config(None, SMALL, base={
         "model": str(tiny_dir / "model"), "ratio": 0.34, "method": "shortgpt+comp+heal",
-        "data": {"calib_text": str(tiny_dir / "mine.txt"), "eval_text": str(tiny_dir / "eval.txt")}}))
+        "data": {"calib_text": str(tiny_dir / "mine.txt"), "eval_text": str(tiny_dir / "eval.txt")}})).cfg
     bench = prepare(cfg)
     allowed = set(encode(bench.tokenizer, (tiny_dir / "mine.txt").read_text()).tolist())
     assert bench.calibration.source == str(tiny_dir / "mine.txt") and bench.calib_strata is None
@@ -50,8 +51,8 @@ def test_a_calibration_file_is_all_that_selection_fold_and_heal_see(tiny_dir, mo
     assert seen and seen <= allowed, sorted(seen - allowed)[:10]
 
     # the same paths on the default mixture read other tokens (so the check above can fail)
-    mixed = method_config(load_config(None, SMALL, base={"model": str(tiny_dir / "model"), "ratio": 0.34,
-                                                         "method": "shortgpt+comp+heal"}))
+    mixed = resolve(load_config(None, SMALL, base={"model": str(tiny_dir / "model"), "ratio": 0.34,
+                                                         "method": "shortgpt+comp+heal"})).cfg
     seen.clear()
     apply_method(prepare(mixed), mixed.method)
     assert len(seen - allowed) > 100

@@ -32,12 +32,13 @@ def test_workers_handed_a_drop_set_fit_and_fold_like_one_process(tiny_dir, tmp_p
     from trsp_ray.config import load_config
     from trsp_ray.export import export_model
     from trsp_ray.methods import apply_method
-    from trsp_ray.workbench import method_config, prepare
+    from trsp_ray.pipeline import resolve
+    from trsp_ray.workbench import prepare
 
     base = [f"model={tiny_dir}"] + OVERRIDES + ["method=sleb+heal", "compensation.method=lstsq"] + COMP
     drop = [2, 4]
     result = _on_workers(base, tmp_path, drop=drop)
-    cfg = method_config(load_config(overrides=base + ["distributed.workers=0"]))
+    cfg = resolve(load_config(overrides=base + ["distributed.workers=0"])).cfg
     bench = prepare(cfg)
     out = apply_method(bench, cfg.method, drop=drop)
     export_model(out.model, bench.tokenizer, tmp_path / "single", manifest={"method": cfg.method})

@@ -24,9 +24,9 @@ def llama7b(tmp_path):
 
 def test_the_heal_is_planned_with_the_weights_a_heal_method_trains(llama7b):
     from trsp_ray.distributed.single_plan import single_plan_for_run
-    from trsp_ray.workbench import method_config
+    from trsp_ray.pipeline import resolve
 
-    cfg = method_config(load_config(overrides=[f"model={llama7b}"]))  # the default heals
+    cfg = resolve(load_config(overrides=[f"model={llama7b}"])).cfg  # the default heals
     full = single_plan_for_run(cfg, device="gpu", memory_gb=80)
     lora = single_plan_for_run(replace(cfg, **{"stage2.trainable": "lora"}), device="gpu", memory_gb=80)
     assert full.worst().name == "heal" and full.peak > 80 and not full.fits
@@ -39,9 +39,9 @@ def test_the_heal_is_planned_with_the_weights_a_heal_method_trains(llama7b):
 
 def test_a_7b_default_prune_on_one_80gb_gpu_is_refused_naming_what_would_run(llama7b):
     from trsp_ray.distributed import route
-    from trsp_ray.workbench import method_config
+    from trsp_ray.pipeline import resolve
 
-    cfg = method_config(load_config(overrides=[f"model={llama7b}"]))
+    cfg = resolve(load_config(overrides=[f"model={llama7b}"])).cfg
     with pytest.raises(TrspError) as err:
         route.route(cfg, device="gpu", memory_gb=80)
     message = str(err.value)

@@ -161,7 +161,7 @@ def test_every_script_imports_what_the_package_has():
 
 def test_the_import_check_sees_a_missing_module_and_name(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text("from trsp_ray.pipeline import run\nfrom trsp_ray.workbench import nothing_here, prepare\n"
+    script.write_text("from trsp_ray.nowhere import run\nfrom trsp_ray.workbench import nothing_here, prepare\n"
                       "from trsp_ray import atomic\nimport trsp_ray.nope\natomic.write_json\natomic.gone\n")
     found = [line.split(" ", 1)[1] for line in unresolved_imports([script])]
-    assert found == ["trsp_ray.pipeline", "trsp_ray.workbench.nothing_here", "trsp_ray.nope", "trsp_ray.atomic.gone"]
+    assert found == ["trsp_ray.nowhere", "trsp_ray.workbench.nothing_here", "trsp_ray.nope", "trsp_ray.atomic.gone"]

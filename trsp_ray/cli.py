@@ -10,7 +10,7 @@ from trsp_ray.run_args import add_run_arguments, method_type, run_config
 
 
 def _prune(args) -> int:
-    from trsp_ray.driver import route_for, run, with_budget
+    from trsp_ray.driver import route_for, run
 
     cfg = run_config(args, method=args.method, output=args.output)
     if args.compute_budget is not None:
@@ -18,9 +18,11 @@ def _prune(args) -> int:
 
         cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
     if args.dry_run:
-        from trsp_ray.workbench import method_config
+        from trsp_ray.pipeline import resolve
 
-        cfg = with_budget(method_config(cfg))  # as driver.run resolves it: the fit that runs, then the heal
+        pipe = resolve(cfg)  # as driver.run resolves it: the fit that runs, then the heal
+        cfg = pipe.cfg
+        print(pipe.describe())
         print(_describe(route_for(cfg)))
         print(_fit_line(cfg))
         return 0
@@ -191,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of each cut (compensation.*), then a heal with stage 2's budget (the best pipeline at "
                         "equal total compute, README); shortgpt+heal = the same without the fold; trsp+heal = "
                         "TRSP's stage-1 selection + the heal; trsp = the paper's stage 2. Registered: "
-                        f"{', '.join(METHODS)}; or any pipeline {GRAMMAR}")
+                        f"{', '.join(METHODS)}; or any pipeline {GRAMMAR}; or a YAML file of "
+                        "selector, fit, heal (README, pipelines)")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--compute-budget", type=_tokens, default=None, metavar="TOKENS",
                    help="total dense-forward tokens (e.g. 200k, 1.5M) for selection + compensation + heal: the "

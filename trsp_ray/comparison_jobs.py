@@ -182,17 +182,17 @@ def dense_lambada(bench, *, limit: int) -> dict:
 
 
 def row_config(run_cfg: RunConfig, row: registry.Row) -> RunConfig:
-    """The config a row runs: its fit (a +comp row fits the configured compensation, a +cos or +scalar
-    row that fit; every other row none) and its heal recipe."""
-    from trsp_ray.config import named_fit
+    """The config a row runs: its pipeline (Row.pipeline) resolved as `prune` resolves one
+    (pipeline.resolve: the fit a +comp row's name spells with the configured compensation, a +cos or
+    +scalar row's fit, the heal recipe, the calibration sized to the model). A row without a fit fits
+    none, whatever compensation.method says: a --set compensation.method=... configures the +comp
+    rows' fit, it does not turn every row into a compensated one. The dense row keeps run_cfg."""
+    from trsp_ray.pipeline import resolve
 
-    if row.fit is None:
-        cfg = replace(run_cfg, **{"compensation.method": "none"})
-    else:
-        cfg = compensated(run_cfg if row.fit == "comp" else named_fit(run_cfg, row.fit, method=row.name))
-    if row.recipe is not None:
-        cfg = replace(cfg, **{"stage2.trainable": row.recipe, "heal.trainable": row.recipe})
-    return cfg
+    if row.pipeline is None:
+        return replace(run_cfg, **{"compensation.method": "none"})
+    cfg = run_cfg if row.fit is not None else replace(run_cfg, **{"compensation.method": "none"})
+    return resolve(replace(cfg, method=row.pipeline), budget_layers=False).cfg
 
 
 def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, export_dir: str | None = None,

@@ -175,6 +175,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, bas
             raise TrspError(f"config file {path!r} is not valid YAML{where}: {what}{opened}") from None
         if not isinstance(data, dict):
             raise TrspError(f"config file {path!r} must hold a YAML mapping, got {type(data).__name__}")
+    if isinstance(data.get("method"), dict):  # a pipeline's mapping form: {selector, fit, heal}
+        data = {**data, "method": registry.name_of(data["method"])}
     merged = apply_overrides(data, [f"{k}={_yaml_value(v)}" for k, v in _flat(base or {}).items()])
     merged = apply_overrides(merged, overrides or [])
     return from_dict(merged)
@@ -242,7 +244,7 @@ def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None
     """`cfg` as `method` (default cfg.method) runs it, with compensation.method resolved: auto is least
     squares for a compensating method (shortgpt+comp+heal, the default; compensated) and none for
     any other; an explicit lstsq|scalar after any other method's selection is run as configured.
-    Applied where a run starts (driver.run and `prune --dry-run` through workbench.method_config, the
+    Applied where a run starts (driver.run and `prune --dry-run` through pipeline.resolve, the
     Ray Train path, the jobs, the planner, methods.apply_method), so the manifest, MLflow params, the
     budget and the plan all see the compensation that runs.
 
@@ -276,7 +278,7 @@ def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None
 def sized(cfg: RunConfig, *, hidden: int) -> RunConfig:
     """`cfg` with compensation.windows 0 (auto) sized from the model's hidden size
     (compensation_forms.sized_windows): what every path that fits reads, resolved once where the run
-    starts (workbench.method_config, the benchmark, the plan)."""
+    starts (pipeline.resolve: one process, the workers, the benchmark, the plan)."""
     from trsp_ray.compensation_forms import sized_windows
 
     c = cfg.compensation

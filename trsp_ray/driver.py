@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from trsp_ray import calibration, domains, registry, workbench
+from trsp_ray import calibration, domains, pipeline, registry, workbench
 from trsp_ray.config import RunConfig
 from trsp_ray.logs import log
 from trsp_ray.perplexity import bos_token, perplexity
@@ -48,8 +48,10 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     from trsp_ray.table import render
     from trsp_ray.tracking import make_tracker
 
-    # the compensation the method runs on this family, then the heal a budget buys
-    cfg = with_budget(workbench.method_config(cfg))
+    # the pipeline on this model, decided once: the fit it runs on this family, the heal a budget buys
+    pipe = pipeline.resolve(cfg)
+    cfg = pipe.cfg
+    log(pipe.describe())
     chosen = route_for(cfg)  # config.json only: no weights are read before the output is checked
     check_export_target(cfg.output, overwrite=overwrite, plan=chosen.plan, ratio=cfg.ratio)
     log(f"route: {chosen.describe()}")
@@ -61,6 +63,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     dense_params = workbench.kept_parameters(bench.model)
     with tracker.run(f"{cfg.method}-r{cfg.ratio}", tags={"method": cfg.method, "model": cfg.model}):
         tracker.log_params(cfg.to_dict())
+        tracker.log_params({f"pipeline.{k}": v for k, v in pipe.to_dict().items()})
         tracker.log_params({"data.calibration_source": bench.calibration.source,
                             "data.heldout_source": bench.texts.heldout_source})
         log(f"model {cfg.model}: {bench.num_layers} layers, dropping {bench.n_drop()} with {cfg.method}")
@@ -83,7 +86,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                    "num_layers_kept": len(outcome.kept), "dense_ppl": dense_ppl, "heldout_ppl": ppl,
                    "kept_parameters": workbench.kept_parameters(outcome.model), "dense_parameters": dense_params,
                    "heldout_source": bench.texts.heldout_source, "calibration_source": bench.calibration.source,
-                   "calibration_shares": bench.calibration.shares, **{k: v for k, v in outcome.info.items()}}
+                   "calibration_shares": bench.calibration.shares, "pipeline": pipe.to_dict(),
+                   **{k: v for k, v in outcome.info.items()}}
         if stage1 is not None:
             results["stage1_drop_order"] = stage1.drop_order
             results["stage1_rounds_computed"] = stage1.rounds_computed  # 0: reused from the store
@@ -108,18 +112,6 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                    "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
     print(f"(held-out text: {bench.texts.heldout_source}; calibration: {bench.calibration.source})")
     return results
-
-
-def with_budget(cfg: RunConfig) -> RunConfig:
-    """`cfg` with heal.compute_budget resolved into heal steps (budget.py; config.json only), logged."""
-    if not cfg.heal.compute_budget:
-        return cfg
-    from trsp_ray import budget
-
-    layers = workbench.check_inputs(cfg)
-    cfg = budget.resolve(cfg, num_layers=layers)
-    log(budget.describe(cfg, num_layers=layers))
-    return cfg
 
 
 def route_for(cfg: RunConfig):

@@ -147,6 +147,17 @@ class Row:
     def uses_stage1(self) -> bool:
         return self.method is not None and METHODS[self.method].uses_stage1
 
+    @property
+    def pipeline(self) -> str | None:
+        """The pipeline name the row runs (None: the dense model): its method's selector with the
+        row's fit, heal and recipe (trsp-selection+comp+heal -> trsp+comp+heal); a stage-2 row or a
+        bare selection runs its method."""
+        if self.method is None:
+            return None
+        if self.recovery == "stage2" or (self.recovery == "none" and self.fit is None):
+            return self.method
+        return compose(METHODS[self.method].selector, fit=self.fit, heal=self.recovery == "heal", recipe=self.recipe)
+
 
 ROWS: dict[str, Row] = {r.name: r for r in (
     Row("dense", None, "none", "dense", quick=True),
@@ -240,6 +251,45 @@ def on_workers(name: str, *, drop_given: bool = False) -> bool:
 def compose(selector: str, *, fit: str | None = None, heal: bool = False, recipe: str | None = None) -> str:
     """The name of a composed pipeline (the inverse of `method` for compositions)."""
     return "+".join([selector] + ([fit] if fit else []) + ([f"heal.{recipe}" if recipe else "heal"] if heal else []))
+
+
+# The mapping form of a pipeline (a YAML file given as --method, or `method:` in a config file):
+# what each key may say, in the words of the name's parts; FIT_WORDS also takes the fit's own names
+FIT_WORDS = {"none": None, "comp": "comp", "lstsq": "comp", "cos": "cos", "cosine": "cos", "scalar": "scalar"}
+HEAL_WORDS = {"none": None, "false": None, "true": "", "all": "", **{r: r for r in HEAL_RECIPES if r != "all"}}
+
+
+def parts_of(name: str) -> dict:
+    """The mapping form of a composable pipeline (the inverse of name_of): {selector, fit, heal}."""
+    m = method(name)
+    return {"selector": m.selector, "fit": m.fit or "none", "heal": (m.recipe or "all") if m.heal else "none"}
+
+
+def name_of(spec: dict) -> str:
+    """The pipeline name of its mapping form, e.g. {selector: tail, fit: cos, heal: tail} -> tail+cos+heal.tail
+    ({name: trsp} names a registered method). Keys: selector (required), fit (none|comp|lstsq|cos|cosine|scalar,
+    default none), heal (none|all|lora|tail|map or true/false, default none). One-line TrspError otherwise."""
+    if not isinstance(spec, dict):
+        raise TrspError(f"a pipeline mapping must be a YAML mapping of selector, fit, heal; got {spec!r}")
+    if "name" in spec:
+        if set(spec) != {"name"}:
+            raise TrspError(f"pipeline {spec!r}: give either name or selector/fit/heal, not both")
+        return method(str(spec["name"])).name
+    unknown = set(spec) - {"selector", "fit", "heal"}
+    if unknown or "selector" not in spec:
+        raise TrspError(f"pipeline {spec!r} is not valid: it takes the keys selector (one of {'|'.join(SELECTORS)}), "
+                        f"fit ({'|'.join(FIT_WORDS)}) and heal ({'|'.join(HEAL_WORDS)})"
+                        + (f"; unknown key(s) {', '.join(sorted(map(str, unknown)))}" if unknown else ""))
+    fit, heal = str(spec.get("fit", "none")).lower(), str(spec.get("heal", "none")).lower()
+    if fit not in FIT_WORDS:
+        raise TrspError(f"pipeline fit={spec['fit']!r} is not valid; choose one of {', '.join(FIT_WORDS)}")
+    if heal not in HEAL_WORDS:
+        raise TrspError(f"pipeline heal={spec['heal']!r} is not valid; choose one of {', '.join(HEAL_WORDS)}")
+    if spec["selector"] not in SELECTORS:
+        raise TrspError(f"pipeline selector={spec['selector']!r} is not valid; choose one of {', '.join(SELECTORS)}")
+    recipe_ = HEAL_WORDS[heal]
+    name = compose(spec["selector"], fit=FIT_WORDS[fit], heal=recipe_ is not None, recipe=recipe_ or None)
+    return method(name).name  # the grammar's own refusals (a map heal without a fit)
 
 
 def recipe(name: str) -> tuple[str | None, str]:

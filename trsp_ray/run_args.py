@@ -7,13 +7,18 @@ import argparse
 
 
 def method_type(*, workers: bool = False):
-    """argparse type of a --method flag: a registered method or a composed pipeline (registry.method);
+    """argparse type of a --method flag: a registered method, a composed pipeline (registry.method) or
+    a YAML file of its mapping form (pipeline.read_yaml), read into its name;
     `workers`: also one Ray Train workers run (registry.on_workers). A bad name exits 2 on one line."""
     def parse(text: str) -> str:
         from trsp_ray import registry
         from trsp_ray.errors import TrspError
 
         try:
+            if text.endswith((".yaml", ".yml")):  # the pipeline's mapping form (pipeline.py)
+                from trsp_ray.pipeline import read_yaml
+
+                text = read_yaml(text)
             registry.method(text)
         except TrspError as e:
             raise argparse.ArgumentTypeError(str(e)) from None

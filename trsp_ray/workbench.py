@@ -157,43 +157,6 @@ def _progress_printer(what: str):
     return progress
 
 
-def method_config(cfg: RunConfig) -> RunConfig:
-    """`cfg` as its method runs on its model (config.json only, before any weights): a compensating
-    method (the default shortgpt+comp+heal) fits least squares (config.for_method); on a family whose
-    layer outputs no fold can reach (Gemma 2/3's norm after the MLP) and with compensation.method
-    left at auto, it runs as shortgpt+heal, said in the log and recorded as the method. A compensation
-    set explicitly (compensation.method=none|lstsq|scalar) is honoured or refused, never dropped."""
-    from transformers import AutoConfig
-
-    from trsp_ray import registry
-    from trsp_ray.compensation_forms import check_tokens
-    from trsp_ray.config import for_method, replace, sized, uncompensated
-
-    spec = registry.method(cfg.method)
-    config = None
-    if spec.compensate or cfg.compensation.method not in ("auto", "none"):
-        try:
-            config = AutoConfig.from_pretrained(assets.resolve_model(cfg.model))
-        except (OSError, ValueError):
-            config = None  # an unreadable config.json is check_inputs' one-line error, raised next
-    if spec.compensate and cfg.compensation.method == "auto" and config is not None:
-        reason = families.fold_refusal(config)
-        if reason:
-            plain = uncompensated(cfg.method)
-            log(f"method {cfg.method}: no compensation on this model ({reason}); running {plain}")
-            cfg = replace(cfg, method=plain)
-    out = for_method(cfg)
-    if out.compensation.method != "none" and config is not None and config.model_type in families.FAMILIES:
-        hidden = families.hidden_size(config)
-        out = sized(out, hidden=hidden)  # compensation.windows 0: sized to the model
-        c = out.compensation
-        if c.method == "lstsq" and not families.fold_refusal(config):  # too few tokens per map column:
-            # refused before any weight loads (a family no fold reaches is refused by name later)
-            check_tokens(tokens=c.windows * out.data.seqlen, hidden=hidden, form=c.form,
-                         minimum=c.min_tokens_per_column)
-    return out
-
-
 def model_hidden(model: str) -> int | None:
     """The hidden size in a model's config.json, or None when it cannot be read (check_inputs says why)."""
     from transformers import AutoConfig

@@ -96,7 +96,7 @@ def _shortgpt_lines(cfg, result) -> list[str]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from trsp_ray import registry
-    from trsp_ray.config import for_method, load_config, replace, sized
+    from trsp_ray.config import load_config, replace
     from trsp_ray.distributed import planner
     from trsp_ray.distributed.probe_plan import ProbeSetup, format_probe_plan, probe_plan
     from trsp_ray.errors import TrspError
@@ -109,13 +109,16 @@ def run_plan(args: argparse.Namespace) -> int:
     overrides += [f"compensation.method={args.compensation}"] if args.compensation else []
     overrides += [f"stage2.trainable={args.trainable}", f"stage2.lora_rank={args.lora_rank}"]
     overrides += list(getattr(args, "overrides", []))  # --set: a heal's recipe (heal.trainable, heal.tail_layers)
-    cfg = for_method(load_config(None, overrides))  # the compensation the method runs
     from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.zero3_plan import with_heal_setup
+    from trsp_ray.pipeline import resolve
 
     shape = planner.read_shape(args.model_config)
-    # compensation.windows 0: sized to the model, in the plan's windows (--seqlen), as a run sizes it
-    cfg = sized(replace(cfg, **{"data.seqlen": args.seqlen}), hidden=shape.hidden)
+    # the pipeline as a run resolves it (the fit it runs, its calibration sized to the model in the
+    # plan's windows of --seqlen, refused below the floor), on the --model-config's hidden size
+    pipe = resolve(replace(load_config(None, overrides), **{"data.seqlen": args.seqlen}), hidden=shape.hidden,
+                   budget_layers=False)
+    cfg = pipe.cfg
     check_for_workers(cfg, workers=args.workers)  # what a run on these workers would refuse
     result = planner.plan(shape, with_heal_setup(cfg, setup_from_args(args), shape))  # as a run plans
     disk = result.disk_problem()
@@ -129,18 +132,16 @@ def run_plan(args: argparse.Namespace) -> int:
         after += ["  compensation (scalar, after the selection): six float64 sums per block and one layer's output "
                   "projections gathered at a time to scale: within stage 1's memory"]
     elif cfg.compensation.method != "none":
-        from trsp_ray.compensation_forms import check_tokens
         from trsp_ray.distributed.compensation_plan import calibration_line, compensation_plan, format_compensation_plan
 
         c = cfg.compensation
-        check_tokens(tokens=c.windows * cfg.data.seqlen, hidden=shape.hidden, form=c.form,
-                     minimum=c.min_tokens_per_column)
         comp = compensation_plan(result.shape, result.setup, ratio=cfg.ratio, protect_head=cfg.gates.protect_head,
                                  protect_tail=cfg.gates.protect_tail, objective=c.objective, windows=c.windows)
         line = calibration_line(windows=c.windows, seqlen=cfg.data.seqlen, hidden=shape.hidden,
                                 tokens_per_column=c.tokens_per_column, floor=c.min_tokens_per_column)
         after += format_compensation_plan(comp, result.setup, calibration=line)
         comp_fits = comp.memory.total <= result.setup.gpu_memory_gb
+    print(pipe.describe())
     print(planner.format_plan(result, after_stages=tuple(after)))
     return 0 if result.fits and probes.memory.total <= result.setup.gpu_memory_gb and comp_fits else 1
 

@@ -179,9 +179,11 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     """
     import ray
 
-    from trsp_ray.workbench import method_config
+    from trsp_ray.pipeline import resolve
 
-    cfg = method_config(cfg)  # a compensating method (the default) fits its compensation on the workers
+    # the pipeline on this model (idempotent for a config driver.run resolved): a compensating method
+    # (the default) fits its compensation on the workers
+    cfg = resolve(cfg, budget_layers=False).cfg
     # Everything but the cluster's resources is checked before Ray is even started or joined.
     if drop is not None and stage1 is not None:
         raise TrspError("run_distributed takes a stage-1 result or a drop set, not both")

@@ -68,7 +68,8 @@ def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tupl
     when this trial holds it, else budget.py's plan (the workers select; they report no cost here)."""
     from trsp_ray import budget
     from trsp_ray.methods import stage1_cost
-    from trsp_ray.search.pipeline import budgeted, training_steps
+    from trsp_ray.pipeline import training_steps
+    from trsp_ray.search.pipeline import budgeted
     from trsp_ray.workbench import model_hidden
 
     select, fit = budget.planned_select_cost(cfg, num_layers=num_layers), None

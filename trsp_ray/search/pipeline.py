@@ -67,11 +67,12 @@ def selection_key(cfg_dict: dict, fingerprint: str, *, num_layers: int) -> str:
 def effective(cfg_dict: dict, *, num_layers: int) -> dict:
     """The part of a trial config its pipeline reads, as the pipeline resolves it (module doc);
     raises the config's own one-line TrspError for a combination no pipeline runs."""
-    from trsp_ray.config import for_method, from_dict
+    from trsp_ray.config import from_dict
     from trsp_ray.methods import method_heal
+    from trsp_ray.pipeline import resolve
     from trsp_ray.stage1 import n_drop_for
 
-    cfg = for_method(from_dict(cfg_dict))
+    cfg = resolve(from_dict(cfg_dict), budget_layers=False).cfg
     spec = registry.method(cfg.method)
     d = cfg.to_dict()
     n_drop = n_drop_for(cfg.ratio, num_layers)
@@ -215,11 +216,12 @@ def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
     """One-line TrspError, before any trial, for a budgeted point whose method does not heal or whose
     selection and fit leave no heal step (budget.heal_steps says by how much)."""
     from trsp_ray import budget
-    from trsp_ray.config import for_method, from_dict
+    from trsp_ray.config import from_dict
+    from trsp_ray.pipeline import resolve
     from trsp_ray.search.space import apply_point
 
     for point in points:
-        cfg = for_method(from_dict(apply_point(base, point)))
+        cfg = resolve(from_dict(apply_point(base, point)), budget_layers=False).cfg
         if not cfg.heal.compute_budget:
             continue
         if not registry.method(cfg.method).heal:
@@ -233,13 +235,14 @@ def max_heal_steps(base: dict, points: list[dict], *, num_layers: int) -> int:
     """The most steps any point trains (a budgeted heal at most what its budget buys after the planned
     selection and fit): how many validation reports ASHA may see."""
     from trsp_ray import budget
-    from trsp_ray.config import for_method, from_dict
+    from trsp_ray.config import from_dict
     from trsp_ray.methods import method_heal
+    from trsp_ray.pipeline import resolve
     from trsp_ray.search.space import apply_point
 
     most = 0
     for point in points:
-        cfg = for_method(from_dict(apply_point(base, point)))
+        cfg = resolve(from_dict(apply_point(base, point)), budget_layers=False).cfg
         if cfg.heal.compute_budget and registry.method(cfg.method).heal:
             select, comp = planned_costs(cfg, num_layers=num_layers)
             most = max(most, budget.heal_steps(cfg, select=select, comp=comp))
@@ -272,13 +275,3 @@ def budgeted(cfg, *, drop: list[int], select_cost: float, num_layers: int, hidde
     if not (cfg.heal.compute_budget and registry.method(cfg.method).heal):
         return cfg, fit
     return budget.with_heal_steps(cfg, budget.heal_steps(cfg, select=select_cost, comp=fit)), fit
-
-
-def training_steps(cfg) -> int:
-    """Steps the trial's method trains: stage 2's, or its heal's (methods.method_heal)."""
-    from trsp_ray.methods import method_heal
-
-    spec = registry.method(cfg.method)
-    if spec.stage2 and cfg.stage2.enabled:
-        return cfg.stage2.steps
-    return method_heal(cfg).steps if spec.heal else cfg.heal.steps

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 from trsp_ray import registry
+from trsp_ray.pipeline import training_steps
 from trsp_ray.search.cache import RunLog, selection_for_trial, stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
-from trsp_ray.search.pipeline import budgeted, training_steps
+from trsp_ray.search.pipeline import budgeted
 from trsp_ray.search.space import apply_point, trial_key
 from trsp_ray.stage1_store import compute_stage1, stage1_content
 
@@ -134,6 +135,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     from trsp_ray import families
     from trsp_ray.config import from_dict, replace
     from trsp_ray.methods import apply_method
+    from trsp_ray.pipeline import resolve
     from trsp_ray.search.pipeline import selection_key, trial_stage1_key
     from trsp_ray.search.route import trial_device
     from trsp_ray.stage1 import n_drop_for
@@ -142,7 +144,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     torch.set_num_threads(int(config.get("threads") or 1))
     search_dir = Path(config["search_dir"])
     cfg_dict = apply_point(config["run"], config["point"])
-    cfg = from_dict(cfg_dict)
+    cfg = resolve(from_dict(cfg_dict), budget_layers=False).cfg  # the trial's pipeline on this model
     tkey = trial_key(cfg_dict)
     num_layers = int(config.get("num_layers") or check_inputs(cfg))
     if registry.method(cfg.method).uses_stage1:
