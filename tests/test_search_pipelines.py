@@ -255,3 +255,23 @@ def test_pipelines_at_one_budget_share_selections_and_score_the_calibration_tail
     assert summary["model_version"] is not None
     best = min(records, key=lambda r: r["val_ppl"])
     assert summary["best_trial"] == best["trial_key"]
+
+
+def test_selector_fit_and_heal_recipe_are_dimensions_that_compose_the_pipeline(config_dir):
+    """--space selector=... --space fit=... --space heal=...: each grid point runs the pipeline its parts
+    compose (registry.name_of); a combination no pipeline spells (a map heal without a fit) is left out
+    and recorded, not fatal."""
+    from trsp_ray.search.run import plan_trials
+    from trsp_ray.search.space import apply_point
+
+    space = parse_space({"params": {"selector": ["shortgpt", "tail"], "fit": ["none", "comp", "cos"],
+                                    "heal": ["all", "map"]}})
+    plan = plan_trials(_plan_base(config_dir), space)
+    base = _plan_base(config_dir).to_dict()
+    methods = [apply_point(base, p)["method"] for p in plan.points]
+    assert methods == ["shortgpt+heal", "shortgpt+comp+heal", "shortgpt+comp+heal.map", "shortgpt+cos+heal",
+                       "shortgpt+cos+heal.map", "tail+heal", "tail+comp+heal", "tail+comp+heal.map",
+                       "tail+cos+heal", "tail+cos+heal.map"]
+    assert sorted(apply_point(base, p)["method"] for p, _ in plan.refused) == ["shortgpt+heal.map", "tail+heal.map"]
+    # a part the point leaves out comes from the base method (trsp+heal here)
+    assert apply_point(base, {"fit": "cos"})["method"] == "trsp+cos+heal"

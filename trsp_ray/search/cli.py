@@ -64,7 +64,9 @@ def parse_space_args(items: list[str], *, algorithm: str | None, num_samples: in
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--space", action="append", default=[], metavar="KEY=SPEC",
-                   help="a searched key: values v1,v2,... or uniform|loguniform|int:LOW:HIGH (repeatable)")
+                   help="a searched key: values v1,v2,... or uniform|loguniform|int:LOW:HIGH (repeatable); "
+                        "selector, fit and heal compose the pipeline (e.g. --space selector=shortgpt,tail "
+                        "--space fit=none,comp,cos --space heal=all,tail)")
     p.add_argument("--space-file", default=None, help="YAML search space")
     p.add_argument("--algorithm", choices=("grid", "random", "optuna"), default=None)
     p.add_argument("--num-samples", type=int, default=None, help="random/optuna: number of trials")

@@ -21,6 +21,9 @@ from trsp_ray.stage1_store import content_key
 # that shape a trial's result, found in the config tree itself (so a key a section gains is
 # searchable with no code here). Keys that act only in some pipelines are handled by search/pipeline.py.
 TOP_KEYS = ("method", "ratio", "seed")
+# the pipeline's parts (registry.name_of): a point that sets any of them runs the pipeline composed of
+# them and the base method's other parts, so a grid crosses selector x fit x heal recipe
+PIPELINE_KEYS = ("selector", "fit", "heal")
 SECTIONS = ("data", "gates", "stage1", "stage2", "heal", "recovery", "compensation", "baselines")
 ALGORITHMS = ("grid", "random", "optuna")
 RANGES = ("uniform", "loguniform", "int")
@@ -57,7 +60,7 @@ def searchable(key: str) -> bool:
     """Whether `key` is `method`, `ratio`, `seed` or a leaf of one of SECTIONS of RunConfig."""
     import dataclasses
 
-    if key in TOP_KEYS:
+    if key in TOP_KEYS or key in PIPELINE_KEYS:
         return True
     section, _, leaf = key.partition(".")
     if section not in SECTIONS or not leaf or "." in leaf:
@@ -67,7 +70,7 @@ def searchable(key: str) -> bool:
 
 def _dimension(key: str, spec: Any) -> Dimension:
     if not searchable(key):
-        raise TrspError(f"search key {key!r} is not searchable; choose {', '.join(TOP_KEYS)} or a key of the "
+        raise TrspError(f"search key {key!r} is not searchable; choose {', '.join(TOP_KEYS + PIPELINE_KEYS)} or a key of the "
                         f"sections {', '.join(SECTIONS)} (e.g. heal.lr, compensation.method)")
     if isinstance(spec, (list, tuple)):
         if not spec:
@@ -153,11 +156,26 @@ def sample_points(space: SearchSpace) -> list[dict]:
 
 
 def apply_point(base: dict, point: dict) -> dict:
-    """The run config dict of one trial: `base` with the point's dotted keys set."""
+    """The run config dict of one trial: `base` with the point's dotted keys set; the pipeline's parts
+    (PIPELINE_KEYS) compose its method. A combination no pipeline spells (a map heal without a fit)
+    leaves its composed name, which the config refuses in one line (a grid records it as refused)."""
     import copy
 
+    from trsp_ray import registry
+
     out = copy.deepcopy(base)
+    parts = {k: v for k, v in point.items() if k in PIPELINE_KEYS}
+    if parts:
+        spec = {**registry.parts_of(point.get("method", out["method"])), **parts}
+        try:
+            out["method"] = registry.name_of(spec)
+        except TrspError:
+            fit = registry.FIT_WORDS.get(str(spec["fit"]).lower(), spec["fit"])
+            heal = registry.HEAL_WORDS.get(str(spec["heal"]).lower(), spec["heal"])
+            out["method"] = registry.compose(spec["selector"], fit=fit, heal=heal is not None, recipe=heal or None)
     for key, value in point.items():
+        if key in PIPELINE_KEYS:
+            continue
         node = out
         *parents, leaf = key.split(".")
         for part in parents:
@@ -174,9 +192,17 @@ def check_points(base: RunConfig, space: SearchSpace, points: list[dict] | None,
         {d.key: d.bounds()[i] for d in space.dims} for i in (0, 1)]
     g = base.gates
     candidates = candidate_layers(num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+    from trsp_ray import registry
+
     for point in probes:
+        applied = apply_point(base.to_dict(), point)
+        if points is not None and set(point) & set(PIPELINE_KEYS):
+            try:
+                registry.method(applied["method"])
+            except TrspError:
+                continue  # a combination of parts no pipeline spells: the grid records it as refused
         try:
-            cfg = from_dict(apply_point(base.to_dict(), point))
+            cfg = from_dict(applied)
         except TrspError as e:
             raise TrspError(f"search point {point}: {e}") from None
         check_drop_count(n_drop_for(cfg.ratio, num_layers), candidates, cfg.ratio, num_layers)
