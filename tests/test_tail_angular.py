@@ -75,3 +75,30 @@ def test_tail_and_angular_prune_a_tiny_model_with_a_heal(tmp_path):
                                          f"output={tmp_path / 'angular'}"]))
     a, b = sorted(angular["dropped_layers"])
     assert b == a + 1 and angular["select_cost"] == 2 * 32 and angular["compensation_tokens"] == 16 * 32
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "opt", "gpt_neox"])
+def test_tail_and_angular_pipelines_run_and_export_on_every_family(tmp_path, family):
+    """Issue 32 acceptance: `prune --method tail+heal` and `angular+comp+heal` on every family of
+    families.py (Llama above): the drop sets their selectors define, the fit on the angular block (a
+    diagonal map on Gemma), and an export that reloads with the in-memory logits."""
+    import json
+
+    from trsp_ray.config import load_config
+    from trsp_ray.driver import run
+    from trsp_ray.tiny import tiny_workspace
+
+    root = tiny_workspace(tmp_path / "ws", layers=6, calib_chars=12000, eval_chars=6000, family=family)
+    base = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}", f"data.eval_text={root / 'eval.txt'}",
+            "data.seqlen=32", "data.eval_seqlen=64", "data.eval_max_windows=1", "ratio=0.34", "threads=1",
+            "tracking.enabled=false", "stage2.steps=1", "baselines.calib_windows=2"]
+    tail = run(load_config(overrides=[*base, "method=tail+heal", f"output={tmp_path / 'tail'}"]))
+    assert sorted(tail["dropped_layers"]) == [3, 4] and tail["num_layers_kept"] == 4
+    angular = run(load_config(overrides=[*base, "method=angular+comp+heal", "compensation.windows=16",
+                                         f"output={tmp_path / 'angular'}"]))
+    a, b = sorted(angular["dropped_layers"])
+    assert b == a + 1 and angular["compensation_tokens"] == 16 * 32
+    assert angular["compensation_form"] == ("diagonal" if family.startswith("gemma") else "full")
+    for name in ("tail", "angular"):
+        check = json.loads((tmp_path / name / "trsp_ray.json").read_text())["export_check"]
+        assert check["max_abs_logit_diff"] <= check["atol"], (name, check)
