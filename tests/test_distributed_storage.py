@@ -143,3 +143,65 @@ def test_prune_job_refuses_bad_storage_on_one_line(s3, hub_tiny, tmp_path):
         errors = [line for line in done.stderr.splitlines() if line.startswith("prune_70b.py: error:")]
         assert done.returncode == 2 and len(errors) == 1 and needle in errors[0], done.stderr[-1500:]
         assert "Started a local Ray instance" not in done.stdout + done.stderr  # refused before Ray started
+
+
+def _upload_loop(config):
+    """A Ray Train worker that does `steps` steps of finished work, saving a checkpoint (async upload
+    to S3) after each, under the fault spec of config["fault"]; each step's payload makes the upload
+    take a while."""
+    import ray.train
+    import torch
+
+    from trsp_ray.distributed import checkpoints
+    from trsp_ray.distributed.events import EventLog, FaultInjector
+
+    events = EventLog(config["records"], 0)
+    meta, _ = checkpoints.restore_point(0)
+    state = meta["stage1"] if meta else {"work": []}
+    events.write("start", resumed_from=None if meta is None else meta["label"], work=state["work"],
+                 payload=None if meta is None else [state["payload"].numel(), state["payload"].unique().tolist()])
+    fault = FaultInjector([config["fault"]], 0, config["records"])
+    for step in range((meta or {}).get("step", 0) + 1, config["steps"] + 1):
+        state = {"work": [*state["work"], step], "payload": torch.full((config["payload"],), float(step))}
+        events.write("step", step=step)
+        checkpoints.save({"label": f"step{step}", "stage": 2, "step": step}, state, rank=0, upload="async")
+        fault.check_stage2(step)
+    checkpoints.flush_uploads()
+    events.write("done", work=state["work"])
+    ray.train.report({"done": 1})
+
+
+@pytest.mark.ray
+def test_a_worker_killed_while_its_checkpoint_uploads_resumes_from_the_last_committed_one(s3, private_ray):
+    """Step 2's save is still uploading to S3 when its worker is SIGKILLed (the fault's upload=in_flight;
+    the default flushes first, so no test saw this): the resumed worker starts from step 1's checkpoint,
+    which every save waits to be committed before the next one uploads, reads it whole (8 M float32
+    = 32 MB of 1.0), and redoes only step 2: finished work lost is the one step whose upload was cut."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trsp_ray.distributed.storage import RunRecords, filesystem
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the loop lives in this test file
+    private_ray(num_cpus=2)
+    storage, run, payload = f"s3://trsp/upload?{s3['query']}", "inflight", 8 * 2**20
+    fs, path = filesystem(storage)
+    records = {"storage": storage, "run": run}
+    fault = {"stage2_step": 2, "rank": 0, "upload": "in_flight", "marker": "fault-0"}
+    TorchTrainer(_upload_loop, train_loop_config={"records": records, "fault": fault, "steps": 3, "payload": payload},
+                 scaling_config=ScalingConfig(num_workers=1),
+                 run_config=RunConfig(name=run, storage_path=path, storage_filesystem=fs,
+                                      failure_config=FailureConfig(max_failures=1),
+                                      checkpoint_config=CheckpointConfig(num_to_keep=2))).fit()
+    events = RunRecords(storage, run).read()
+    fired = json.loads(RunRecords(storage, run).marker("fault-0"))
+    assert len(fired["pending"]) == 1  # step 2's staged save was still uploading when the worker died
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, "step1"]
+    assert starts[1]["work"] == [1] and starts[1]["payload"] == [payload, [1.0]]  # step 1's state, whole
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 2, 3]  # only step 2 done twice
+    assert [e["work"] for e in events if e["event"] == "done"] == [[1, 2, 3]]
+    keys = [o["Key"] for page in s3["client"].get_paginator("list_objects_v2").paginate(Bucket="trsp", Prefix="upload/")
+            for o in page.get("Contents", [])]
+    print("checkpoint objects left:", sorted(k for k in keys if "/checkpoint-" in k))

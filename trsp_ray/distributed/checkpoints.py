@@ -137,3 +137,9 @@ def flush_uploads() -> float:
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
         _STAGED.clear()
     return time.time() - t0
+
+
+def pending_uploads() -> list[str]:
+    """This rank's staged saves whose background upload has not finished (Ray deletes a staged
+    folder once its upload is done): what a failure now would leave half-uploaded."""
+    return [d for d in _STAGED if Path(d).exists()]

@@ -39,6 +39,9 @@ class FaultInjector:
     (1-based), or right after stage-2 step `stage2_step` (after that step's checkpoint, if it takes
     one). `action` "kill" SIGKILLs the worker (a lost process); "wait" writes the marker with this
     worker's node id and waits, so that a test can remove that whole node (a lost node).
+    `upload` "flushed" (default) lets a save still uploading in the background commit first;
+    "in_flight" fires at once, the last save's upload still running (its marker lists the staged
+    folders not yet uploaded): the resume must then take the last committed checkpoint.
     """
 
     def __init__(self, specs: list[dict] | None, rank: int, records: dict | None):
@@ -64,15 +67,20 @@ class FaultInjector:
     def _fire(self, spec: dict) -> None:
         import ray
 
-        from trsp_ray.distributed.checkpoints import flush_uploads
+        from trsp_ray.distributed.checkpoints import flush_uploads, pending_uploads
 
-        flush_uploads()  # a save still uploading in the background commits first: a known resume point
-        # Ray Train V2 takes a reported checkpoint from the worker's queue at its next poll
-        # (health-check interval, 2 s by default); dying sooner would lose the last checkpoint
-        # too, and the test would measure Ray's poll timing, not our resume.
-        time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
+        upload = spec.get("upload", "flushed")
+        if upload not in ("flushed", "in_flight"):
+            raise ValueError(f"fault {spec['marker']}: upload={upload!r}; choose flushed or in_flight")
+        if upload == "flushed":
+            flush_uploads()  # a save still uploading in the background commits first: a known resume point
+            # Ray Train V2 takes a reported checkpoint from the worker's queue at its next poll
+            # (health-check interval, 2 s by default); dying sooner would lose the last checkpoint
+            # too, and the test would measure Ray's poll timing, not our resume.
+            time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
         node = ray.get_runtime_context().get_node_id()
-        self.store.set_marker(spec["marker"], json.dumps({"pid": os.getpid(), "node": node, "time": time.time()}))
+        self.store.set_marker(spec["marker"], json.dumps({"pid": os.getpid(), "node": node, "time": time.time(),
+                                                          "pending": pending_uploads()}))
         if spec.get("action", "kill") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         deadline = time.time() + spec.get("wait_s", 600)
