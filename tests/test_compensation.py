@@ -283,6 +283,30 @@ def test_two_gloo_workers_fold_the_one_process_map(tmp_path):
         assert torch.allclose(got["weight"], one, rtol=1e-5, atol=1e-6)
 
 
+def _reload(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _eval_windows(root, *, count: int, seqlen: int) -> torch.Tensor:
+    """The first `count` windows of `seqlen` tokens of a tiny workspace's eval.txt, [count, seqlen]
+    (its SmolLM2 tokenizer adds no BOS)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(root / "model")((root / "eval.txt").read_text(), add_special_tokens=False)
+    return torch.tensor(ids.input_ids[:count * seqlen]).view(count, seqlen)
+
+
+@torch.no_grad()
+def _ppl(model, ids: torch.Tensor) -> float:
+    """exp of the mean next-token cross entropy over every window of `ids` [n, seqlen]."""
+    import math
+
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    return math.exp(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item())
+
+
 def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     import json
 
@@ -307,7 +331,16 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     assert results["compensation"] == "lstsq" and results["compensation_tokens"] == 4 * 32
     spans = compensation.blocks(results["dropped_layers"], 6)
     assert results["compensation_cost"] == pytest.approx(4 * 32 * (spans[-1][1] + 1) / 6)
-    assert results["heldout_ppl"] != pytest.approx(plain["heldout_ppl"], rel=1e-6)
+    # both reported PPLs recomputed here from the files: the plain run's is the dense model without its drop
+    # set, the compensated run's is its export, which differs from that model in the folded weights only
+    plain_model, exported = _reload(root / "model"), _reload(tmp_path / "out")
+    kept = remove_layers(plain_model, results["dropped_layers"])
+    ids = _eval_windows(root, count=2, seqlen=64)
+    assert plain["heldout_ppl"] == pytest.approx(_ppl(plain_model, ids), rel=1e-5)
+    assert results["heldout_ppl"] == pytest.approx(_ppl(exported, ids), rel=1e-5)
+    a, b = plain_model.state_dict(), exported.state_dict()
+    assert sorted(k for k in a if not torch.equal(a[k], b[k])) == sorted(
+        f"model.layers.{kept.index(first - 1)}.mlp.down_proj.weight" for first, _ in spans)
     manifest = json.loads((tmp_path / "out" / "trsp_ray.json").read_text())
     assert manifest["config"]["compensation"] == {"method": "lstsq", "ridge": 1e-2, "windows": 4,
                                                   "activations": "dense", "form": "full", "rank": 64,
@@ -319,40 +352,85 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     assert manifest["export_check"]["max_abs_logit_diff"] <= manifest["export_check"]["atol"]
 
 
-def test_on_a_gpu_run_the_fit_reads_a_transient_dense_copy_while_the_pruned_copy_waits_in_host_memory():
-    """On a GPU run the original model waits in host memory; the dense fit must not run its passes
-    there (a 7B forward over 16k tokens on the CPU) nor hold two models on the device. A stand-in
-    original on the meta device plays the host copy: the fit reads the run-device copy that
-    scoring_model hands out (once), releases it, and folds the same map as reading the original."""
+def _cuda():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.parametrize("run, host", [
+    ("cpu", "meta"),  # a stand-in original: only the swap's bookkeeping differs from a GPU run
+    pytest.param("cuda", "cpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA device")])])
+def test_a_bf16_fit_beside_a_host_original_folds_within_bf16_rounding_and_returns_the_copy_as_it_was(
+        run, host, monkeypatch):
+    """A GPU run (methods._dense_beside): the bf16 original waits in host memory, the pruned bf16 copy
+    steps out to host memory while a transient dense copy on the device gives the fit its passes, the
+    fold lands in the host copy (a float64 solve and T^T W, cast back to bf16) and the copy returns.
+    Checked: each folded weight is T^T W of the captured map within bf16's rounding (2^-8 relative,
+    elementwise); every other tensor is untouched; every parameter is back on its device in bf16; the
+    copy was in host memory while the transient copy existed, and that copy is freed, after an error
+    too; the bf16 fold repairs the boundary as the float64 solve says (its measured error within 0.2%)."""
     import gc
     import weakref
     from types import SimpleNamespace
 
     from trsp_ray.methods import _dense_beside
 
-    dense, drop, windows = tiny_model("llama", layers=6), [2, 3], _windows()
-    direct = _pruned(dense, drop)
-    compensation.compensate(model=direct, dense=dense, drop=drop, windows=windows)
-    handed = []
+    run = _cuda() if run == "cuda" else torch.device(run)
+    dense, drop = tiny_model("llama", layers=6).to(torch.bfloat16), [2, 3]
+    windows = [w.to(run) for w in _windows()]
+    swapped = _pruned(dense, drop).to(run)
+    handed, waited, moves, maps = [], [], [], []
 
-    def scoring_model():
-        handed.append(copy_model(dense, torch.device("cpu")))
+    def scoring_model():  # what Workbench.scoring_model hands out: a transient copy on the run's device
+        waited.append({p.device.type for p in swapped.parameters()})
+        handed.append(copy_model(dense, run))
         return handed[-1]
 
-    bench = SimpleNamespace(model=tiny_model("llama", layers=6).to("meta"), scoring_model=scoring_model)
-    swapped = _pruned(dense, drop)
+    real_to, real_fold = swapped.to, compensation.fold
+    swapped.to = lambda *a, **k: moves.append(torch.device(a[0] if a else k["device"]).type) or real_to(*a, **k)
+    monkeypatch.setattr(compensation, "fold", lambda *, model, layer, t: (
+        maps.append((layer, layer.mlp.down_proj.weight.detach().clone(), t)), real_fold(model=model, layer=layer, t=t)))
+    original = dense if host == "cpu" else copy_model(dense, torch.device(host))
+    bench = SimpleNamespace(model=original, scoring_model=scoring_model)
+    before = {k: v.clone() for k, v in swapped.state_dict().items()}
+    allocated = torch.cuda.memory_allocated(run) if run.type == "cuda" else 0
     with _dense_beside(bench, swapped, activations="dense") as used:
-        assert used is handed[0]
-        compensation.compensate(model=swapped, dense=used, drop=drop, windows=windows)
+        assert used is handed[0] and used is not original
+        assert {p.dtype for p in used.parameters()} == {torch.bfloat16} and next(used.parameters()).device == run
+        info = compensation.compensate(model=swapped, dense=used, drop=drop, windows=windows)
     gone = weakref.ref(handed.pop())
     del used
     gc.collect()
     assert gone() is None  # nothing keeps the transient copy alive after the fit
-    for a, b in zip(direct.parameters(), swapped.parameters()):
-        assert torch.equal(a, b)
-    assert {p.device.type for p in swapped.parameters()} == {"cpu"}  # back on the run's device
+    if run.type == "cuda":
+        assert torch.cuda.memory_allocated(run) == allocated  # no second model left on the device
+    assert waited == [{"cpu"}] and moves == ["cpu", run.type]  # out to host memory for the fit, then back
+
+    (layer, w, t), = maps  # one block, folded into original layer 1's down_proj (pruned index 1)
+    assert layer is families.decoder_layers(swapped)[1] and t.dtype == torch.float64
+    want = t.cpu().T @ w.cpu().double()
+    got = layer.mlp.down_proj.weight
+    assert ((got.cpu().double() - want).abs() <= 2.0 ** -8 * want.abs()).all()  # one bf16 rounding of T^T W
+    assert not torch.equal(got, w)
+    after = swapped.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed == ["model.layers.1.mlp.down_proj.weight"]
+    assert all(after[k].dtype == before[k].dtype and after[k].device == before[k].device for k in before)
+    assert {(p.dtype, p.device) for p in swapped.parameters()} == {(torch.bfloat16, run)}
+
+    target = _outputs(dense, [w.cpu() for w in windows], [3])[3]
+    measured = _error(_outputs(swapped, windows, [1])[1].cpu(), target, "norm")
+    assert measured == pytest.approx(info["residual"][0], rel=2e-3)
+    assert measured < 0.8 * info["residual_identity"][0]
+
+    moves.clear()
+    with pytest.raises(RuntimeError, match="the fit failed"), _dense_beside(bench, swapped, activations="dense"):
+        raise RuntimeError("the fit failed")
+    gone = weakref.ref(handed.pop())
+    gc.collect()
+    assert gone() is None and moves == ["cpu", run.type]  # an error in the fit still returns the copy
     with _dense_beside(bench, swapped, activations="sequential") as used:  # needs both models in each pass
-        assert used is bench.model and not handed
+        assert used is original and not handed
 
 
 def test_the_default_folds_a_diagonal_map_into_the_mlp_norm_on_gemma(tmp_path):
