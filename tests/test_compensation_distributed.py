@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from trsp_ray import compensation
-from trsp_ray.distributed import compensate, ranks
+from trsp_ray.distributed import compensate
 from trsp_ray.distributed.ranks import free_port
 from trsp_ray.errors import TrspError
 from trsp_ray.surgery import remove_layers
 from trsp_ray.tiny import VOCAB, tiny_model
+from trsp_ray.training import split_over_ranks
 from trsp_ray.workbench import copy_model
 
 DROP = [2, 4]  # two blocks: maps folded into layers 1 and 3
@@ -29,14 +30,14 @@ def _windows():
     return list(torch.randint(0, VOCAB, (3, 32), generator=gen).split(2))
 
 
-def test_shard_splits_windows_like_the_probes_and_pads_the_short_rank():
+def test_the_fit_splits_windows_like_the_probes_and_pads_the_short_rank():
     windows = _windows()
     rows = torch.cat(windows)
-    mine0, pad0 = ranks.shard(windows, rank=0, world=2)
-    mine1, pad1 = ranks.shard(windows, rank=1, world=2)
+    mine0, pad0 = split_over_ranks(windows, rank=0, world=2)
+    mine1, pad1 = split_over_ranks(windows, rank=1, world=2)
     assert torch.equal(torch.cat(mine0), rows[[0, 2]]) and torch.equal(torch.cat(mine1), rows[[1]])
     assert (len(mine0) + pad0, len(mine1) + pad1) == (1, 1)  # one forward each: the batch size is 2
-    assert ranks.shard(windows, rank=3, world=4) == ([], 1)
+    assert split_over_ranks(windows, rank=3, world=4) == ([], 1)
 
 
 def test_what_the_workers_cannot_serve_is_refused_before_they_start():

@@ -75,3 +75,22 @@ def test_one_module_renames_temp_files_into_place_and_one_starts_ray():
     # mkdtemp elsewhere makes scratch directories, never a file that is renamed into place
     assert _calls("tempfile.mkdtemp") - {"trsp_ray/atomic.py"} <= {"trsp_ray/comparison.py",
                                                                     "trsp_ray/distributed/checkpoints.py"}
+
+
+def test_one_function_splits_rows_over_the_data_parallel_ranks():
+    """Rows k % world == rank, batched and padded so the ranks stay in step, come from
+    training.split_over_ranks only (the probes', the fit's and Block Influence's forwards): a
+    second `rows[rank::world]` is a split that can disagree (the probes' once ran a forward of no
+    rows on a rank without a window)."""
+    import ast
+
+    def world(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "world") or (
+            isinstance(node, ast.Attribute) and node.attr == "world")
+
+    found = set()
+    for path in list((ROOT / "trsp_ray").rglob("*.py")) + list((ROOT / "jobs").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Slice) and node.step is not None and world(node.step):
+                found.add(path.relative_to(ROOT).as_posix())
+    assert found == {"trsp_ray/training.py"}

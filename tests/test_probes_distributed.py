@@ -8,9 +8,9 @@ import torch
 
 from trsp_ray.distributed.ranks import free_port
 from trsp_ray.gates import attach_gates
-from trsp_ray.stage1 import RemovalScorer, run_stage1
+from trsp_ray.stage1 import RemovalScorer, recall_positions, run_stage1
 from trsp_ray.tiny import tiny_model
-from trsp_ray.training import Batches
+from trsp_ray.training import Batches, split_over_ranks
 
 DROPS = [[], [2], [1, 3], [2, 4]]
 STAGE1 = dict(n_drop=2, candidates=[1, 2, 3, 4], lambda1=0.01, lr=0.05, first_round_steps=6, steps_per_round=2,
@@ -117,6 +117,32 @@ def test_uneven_shares_keep_the_ranks_in_step_and_score_every_window(tmp_path):
     # teacher recomputed every call (budget 0): 2 chunks x 2 passes x 3 calls on each rank
     assert ranks[0]["forward_tokens"] == ranks[1]["forward_tokens"] == 2 * 2 * 3 * 32
     assert one.cost == 3 * 2 * 96  # the scored tokens: teacher + student per call
+
+
+@pytest.mark.parametrize("rows, world, chunk", [(8, 2, 8), (3, 2, 1), (5, 2, 2), (7, 3, 2), (9, 4, 4), (2, 4, 1),
+                                              (1, 2, 3)])
+def test_the_probes_split_their_windows_as_every_data_parallel_forward(rows, world, chunk):
+    """RemovalScorer's chunks and forwards per call are training.split_over_ranks' (the one split of
+    the fit and Block Influence too) on every rank, a rank without a window included (it runs only
+    padding forwards, never a forward of no rows); every window is scored once; the recall masks
+    follow the chunks row for row."""
+    model = tiny_model("llama", layers=2)
+    gates = attach_gates(model)
+    windows = list(_ids()[:rows * 32].view(rows, 32).split(chunk))
+    scored, passes = [], set()
+    for rank in range(world):
+        scorer = RemovalScorer(model=model, gates=gates, windows=windows, criterion="recall", rank=rank,
+                               world=world, common=set())
+        mine, padding = split_over_ranks(windows, rank=rank, world=world)
+        assert [c.shape for c in scorer.chunks] == [c.shape for c in mine] and all(
+            torch.equal(a, b) for a, b in zip(scorer.chunks, mine))
+        assert scorer.passes == len(mine) + padding and all(c.shape[0] for c in scorer.chunks)
+        assert [m.shape[0] for m in scorer.masks] == [c.shape[0] for c in mine]
+        if mine:
+            assert torch.equal(torch.cat(scorer.masks), recall_positions(torch.cat(windows), common=set())[rank::world])
+        scored += [row.tolist() for c in scorer.chunks for row in c]
+        passes.add(scorer.passes)
+    assert sorted(scored) == sorted(torch.cat(windows).tolist()) and len(passes) == 1  # the ranks stay in step
 
 
 def test_teacher_recomputed_in_the_model_dtype_scores_like_the_cached_one():

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trsp_ray.errors import TrspError
-from trsp_ray.training import Batches, MakeStepper, Report, TorchStepper, freeze, null_report
+from trsp_ray.training import Batches, MakeStepper, Report, TorchStepper, freeze, null_report, split_over_ranks
 
 
 @dataclass
@@ -126,7 +126,8 @@ class RemovalScorer:
     the recall term weighs what needs the passage.
 
     Data-parallel: `windows` are all the probe windows (batches of shape [b, T], b = the chunk
-    size); rank `rank` of `world` scores windows k with k % world == rank, in chunks of b, and
+    size); rank `rank` of `world` scores windows k with k % world == rank, in chunks of b
+    (training.split_over_ranks, the split every data-parallel forward uses), and
     `all_reduce` sums the per-rank [score sum, token count] (identity in one process), so one
     process and W ranks give the same score. Every rank runs the same number of forwards per call
     (under ZeRO-3 each forward is a collective): a rank with fewer chunks runs a padding forward
@@ -146,13 +147,11 @@ class RemovalScorer:
             raise TrspError(f"probe start={start} leaves no scored position in {rows.shape[1]}-token windows")
         self.model, self.gates, self.criterion, self.start = model, gates, criterion, start
         self.all_reduce = all_reduce or (lambda values: values)
-        chunk = windows[0].shape[0]
-        self.chunks = list(rows[rank::world].split(chunk))
-        if criterion == "recall":
-            mask = recall_positions(rows[rank::world], common=common_tokens(rows) if common is None else common)
-            self.masks = list(mask.split(chunk))
-        share = math.ceil(rows.shape[0] / world)  # the largest rank's windows
-        self.passes = math.ceil(share / chunk)  # forwards per call on every rank
+        self.chunks, padding = split_over_ranks(windows, rank=rank, world=world)
+        self.passes = len(self.chunks) + padding  # forwards per call on every rank
+        if criterion == "recall":  # a row's positions depend on that row only: one mask per chunk
+            common = common_tokens(rows) if common is None else common
+            self.masks = [recall_positions(c, common=common) for c in self.chunks]
         self.padding = rows[:1]
         self.tokens = rows.numel()  # calibration tokens of all probe windows (every rank)
         self.cost = 0

@@ -7,6 +7,7 @@ stage loops run unchanged on one CPU or on a ZeRO-3 cluster.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -71,6 +72,20 @@ def stratified_order(strata: torch.Tensor, gen: torch.Generator) -> torch.Tensor
         order.append(int(pools[i][taken[i]]))
         taken[i] += 1
     return torch.tensor(order, dtype=torch.long)
+
+
+def split_over_ranks(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[torch.Tensor], int]:
+    """(this rank's rows k % world == rank of the concatenated `windows`, in batches of the first
+    window's batch size; the padding forwards this rank runs so that every rank runs as many
+    forwards as the largest share): the one data-parallel split of every forward that ranks share
+    (the removal probes', the fit's, Block Influence's). Under ZeRO-3 each forward is a collective,
+    so a rank short of a batch must still run one; a rank with no row gets none and only padding."""
+    rows = torch.cat(list(windows))
+    size = windows[0].shape[0]
+    part = rows[rank::world]
+    mine = list(part.split(size)) if part.shape[0] else []  # torch splits an empty tensor into one empty batch
+    passes = math.ceil(math.ceil(rows.shape[0] / world) / size)
+    return mine, passes - len(mine)
 
 
 class Stepper(Protocol):

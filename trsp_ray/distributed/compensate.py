@@ -36,8 +36,9 @@ import torch
 
 from trsp_ray import compensation, compensation_scalar, families
 from trsp_ray.boundaries import forward_pass
-from trsp_ray.distributed.ranks import all_reduce_sum, shard
+from trsp_ray.distributed.ranks import all_reduce_sum
 from trsp_ray.errors import TrspError
+from trsp_ray.training import split_over_ranks
 
 
 def check_for_workers(cfg, *, workers: int | None = None) -> None:
@@ -90,7 +91,7 @@ def fit_scalar(*, model, gates, drop: list[int], windows: list[torch.Tensor], ra
     layers = families.decoder_layers(model)
     with gather_layer(layers[0]):
         families.residual_writers(layers[0], model)  # a family the fold cannot serve fails before any forward
-    mine, padding = shard(windows, rank=rank, world=world)
+    mine, padding = split_over_ranks(windows, rank=rank, world=world)
     with gates.state(gated=False, bypass=[]):
         sums = compensation_scalar.scalar_sums(dense=model, windows=mine, drop=drop, stop=False)
         device = next(model.parameters()).device
@@ -151,7 +152,7 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     form = compensation.map_form(model, form)  # the diagonal through Gemma's MLP norm
     compensation.check_tokens(tokens=total, hidden=hidden, form=form, minimum=minimum)
     compensation.check_objective(objective, method="lstsq")
-    mine, padding = shard(windows, rank=rank, world=world)
+    mine, padding = split_over_ranks(windows, rank=rank, world=world)
     sink = compensation.cosine_sink(objective)
     with gates.state(gated=False, bypass=[]):
         stats = compensation.accumulate(dense=model, windows=mine, drop=drop, stop=False, mlp_output=resolve,

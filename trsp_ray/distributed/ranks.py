@@ -4,7 +4,6 @@ selection on the workers, and stage 1's Block-Influence shortlist)."""
 
 from __future__ import annotations
 
-import math
 import socket
 
 import torch
@@ -37,20 +36,6 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     return all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
-
-def shard(windows: list[torch.Tensor], *, rank: int, world: int) -> tuple[list[torch.Tensor], int]:
-    """(this rank's windows k % world == rank, in batches of the input's batch size; padding
-    forwards so that every rank runs as many forwards as the largest share): the split every
-    data-parallel forward of the workers uses (the fit's, Block Influence's; the removal probes'
-    RemovalScorer splits its rows the same way, rows k % world == rank)."""
-    rows = torch.cat(list(windows))
-    size = windows[0].shape[0]
-    part = rows[rank::world]
-    mine = list(part.split(size)) if part.shape[0] else []
-    passes = math.ceil(math.ceil(rows.shape[0] / world) / size)
-    return mine, passes - len(mine)
-
-
 def forward_engine(bench, *, fresh: bool = False) -> None:
     """Make sure a DeepSpeed engine wraps the ZeRO-3 model: a forward without an engine's hooks cannot
     gather a layer's partitions. Builds one over the gates (never stepped; the next stage's build
@@ -66,12 +51,13 @@ def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[d
     counts nowhere, so every rank runs as many ZeRO-3 forwards) and the sums are summed over the
     ranks, so every rank gets the same figures, equal to one process's on all the windows."""
     from trsp_ray.baselines import influence_sums
+    from trsp_ray.training import split_over_ranks
 
     # a stage-1 step's rows per rank (its micro batch): the activations and logits the plan's
     # stage-1 figure holds, at any world size
     size = max(1, cfg.data.batch_size // bench.world)
     rows = torch.cat(list(windows))
-    mine, padding = shard(list(rows.split(size)), rank=rank, world=bench.world)
+    mine, padding = split_over_ranks(list(rows.split(size)), rank=rank, world=bench.world)
     batches = mine + [rows[:1]] * padding  # padding forwards keep the ranks' collectives in step
     masks = [torch.ones(len(b)) for b in mine] + [torch.zeros(1)] * padding
     forward_engine(bench, fresh=True)
