@@ -275,3 +275,18 @@ def test_selector_fit_and_heal_recipe_are_dimensions_that_compose_the_pipeline(c
     assert sorted(apply_point(base, p)["method"] for p, _ in plan.refused) == ["shortgpt+heal.map", "tail+heal.map"]
     # a part the point leaves out comes from the base method (trsp+heal here)
     assert apply_point(base, {"fit": "cos"})["method"] == "trsp+cos+heal"
+
+
+def test_a_stopped_trial_records_its_pipeline_and_the_step_asha_stopped_it_at(tmp_path, config_dir):
+    """A trial ASHA stopped has a partial heal: its record names the pipeline its point composed and the
+    heal step its PPL was measured at, so a table never reads it as a finished trial's."""
+    from types import SimpleNamespace
+
+    from trsp_ray.search.run import _collect
+
+    base = _plan_base(config_dir).to_dict()
+    result = SimpleNamespace(config={"point": {"selector": "tail", "fit": "cos", "heal": "tail"}}, error=None,
+                             metrics={"val_loss": 4.0, "val_ppl": math.exp(4.0), "stage2_step": 6})
+    (record,) = _collect([result], tmp_path, base)
+    assert (record["status"], record["method"], record["stopped_at_step"]) == ("stopped", "tail+cos+heal.tail", 6)
+    assert json.loads(next((tmp_path / "trials").glob("*.json")).read_text())["stopped_at_step"] == 6

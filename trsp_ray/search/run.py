@@ -234,8 +234,11 @@ def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
             continue
         metrics = result.metrics or {}
         status = "failed" if result.error else "stopped"
-        record = {"trial_key": key, "point": point, "config": apply_point(base_dict, point), "status": status,
+        config = apply_point(base_dict, point)
+        # a stopped trial's PPL is at the step ASHA stopped it: the record says which, of how many
+        record = {"trial_key": key, "point": point, "config": config, "method": config["method"], "status": status,
                   "val_loss": metrics.get("val_loss"), "val_ppl": metrics.get("val_ppl"),
+                  "stopped_at_step": metrics.get("stage2_step"),
                   "error": str(result.error).splitlines()[0][:300] if result.error else None}
         if status == "stopped":  # ASHA's decision is final: a rerun does not revisit the trial
             atomic.write_json(path, record)
