@@ -175,23 +175,23 @@ def test_a_map_heal_on_gemma_trains_the_mlp_norms_the_diagonal_maps_folded_into(
     assert _state_ids(spy.stepper) == {id(named[n]) for n in targets}
 
 
-def test_the_workers_heal_stepper_hands_the_engine_only_the_recipe():
-    """The Ray Train path (recovery.heal_stepper, before deepspeed.initialize): on the gated model
-    with the drop set still in it, the engine's param groups hold exactly lm_head + the last k kept
-    layers (tail) or the fold targets' down_proj (map, original indices), the rest is frozen."""
-    from trsp_ray.distributed.recovery import heal_stepper
+def test_the_workers_heal_hands_the_engine_only_the_recipe():
+    """The Ray Train path (recovery.heal_on_workers -> heal.run_heal, before deepspeed.initialize): on
+    the gated model with the drop set still in it, the engine's param groups hold exactly lm_head +
+    the last k kept layers (tail) or the fold targets' down_proj (map, original indices), the rest is
+    frozen when the engine is built."""
+    from trsp_ray.distributed.recovery import heal_on_workers
     from trsp_ray.gates import attach_gates
-    from trsp_ray.training import freeze, layer_param_groups
 
     drop = [2, 3]
-    for recipe, expect in ((("tail", []), ["lm_head", 4, 5]), (("map", [1]), ["down_proj 1"])):
+    for recipe, comp, expect in (("tail", None, ["lm_head", 4, 5]), ("map", {"blocks": [(2, 3)]}, ["down_proj 1"])):
         model = tiny_model("llama", layers=6)
         gates = attach_gates(model)
-        freeze(model, except_params=[p for p in model.parameters() if all(p is not g for g in gates.gate_params())])
+        cfg = load_config(overrides=["method=tail+comp+heal", "compensation.method=lstsq", "stage2.steps=1",
+                                     f"heal.trainable={recipe}", "heal.tail_layers=2"])
         got: dict = {}
-        make = heal_stepper(functools.partial(_keep_groups, got), gates=gates, drop=drop,
-                            recipe={"trainable": recipe[0], "tail_layers": 2, "map_layers": recipe[1]})
-        make(model, layer_param_groups(model, gates, lr=1e-3, special=set(drop), special_lr=1e-3))
+        heal_on_workers(cfg, model=model, gates=gates, drop=drop, comp=comp, batches=_batches(),
+                        make_stepper=functools.partial(_keep_groups, got), report=lambda metrics, step: None)
         want = []
         for e in expect:
             if e == "lm_head":
@@ -202,11 +202,13 @@ def test_the_workers_heal_stepper_hands_the_engine_only_the_recipe():
                 want += list(families.mlp_output(gates[int(e.split()[1])].layer, model).parameters())
         handed = [p for g in got["groups"] for p in g["params"]]
         assert {id(p) for p in handed} == {id(p) for p in want} and len(handed) == len(want)
-        assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in want}
+        assert got["trainable"] == {id(p) for p in want}
 
 
-def _keep_groups(store: dict, _model, groups):
+def _keep_groups(store: dict, model, groups):
     store["groups"] = groups
+    store["trainable"] = {id(p) for p in model.parameters() if p.requires_grad}
+    return TorchStepper(model, groups)
 
 
 def _one_line(err) -> str:

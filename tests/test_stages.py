@@ -308,8 +308,8 @@ def test_distillation_is_refused_on_ray_train_workers():
 
 
 def test_stage2_skip_schedule_is_a_heal_of_the_pruned_model(trained):
-    """stage2.schedule=skip (how Ray Train workers heal) trains the kept layers exactly as a heal of
-    the pruned model does: same batches and lr give the same weights, and they moved."""
+    """stage2.schedule=skip (P bypassed from step 1, no penalty) trains the kept layers exactly as a
+    heal of the pruned model does: same batches and lr give the same weights, and they moved."""
     import copy
 
     from trsp_ray.heal import run_heal

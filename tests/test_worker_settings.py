@@ -1,6 +1,6 @@
 """Settings on Ray Train workers are honoured or refused in one line before any worker starts
 (issue 19): dtype, heal.steps; a heal method heals there whatever stage2.enabled says, in joint
-mode, and with the dropped layers frozen and out of the optimizer."""
+mode, and with the dropped layers frozen and out of the optimizer, through the single process's heal loop."""
 
 from pathlib import Path
 
@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from trsp_ray.config import load_config
-from trsp_ray.distributed.recovery import heal_stepper, recovery_settings
+from trsp_ray.distributed.recovery import heal_on_workers, recovery_settings
 from trsp_ray.errors import TrspError
 from trsp_ray.gates import attach_gates
-from trsp_ray.stage2 import run_stage2
 from trsp_ray.tiny import tiny_model
 from trsp_ray.training import Batches, TorchStepper
 
@@ -49,10 +48,11 @@ def test_the_dtypes_the_workers_run_are_accepted(overrides, dtype):
     assert worker_dtype(cfg) == dtype
 
 
-def test_a_heal_method_heals_on_workers_with_stage2_disabled_in_joint_mode():
+def test_a_heal_method_heals_on_workers_with_stage2_disabled_with_the_single_process_heal():
     heal = recovery_settings(_cfg("method=trsp+heal", "stage2.enabled=false", "stage2.mode=sequential",
                                   "stage2.steps=7", "stage2.lr=3e-4"))
-    assert (heal["steps"], heal["lr"], heal["schedule"], heal["mode"]) == (7, 3e-4, "skip", "joint")
+    # run_heal's arguments, methods.method_heal's budget: no stage-2 schedule or mode reaches a heal
+    assert heal == {"steps": 7, "lr": 3e-4, "trainable": "all", "lora_rank": 8, "tail_layers": 3}
     assert recovery_settings(_cfg("method=trsp", "stage2.enabled=false")) is None
     assert recovery_settings(_cfg("method=trsp-no-stage2")) is None
     paper = recovery_settings(_cfg("method=trsp", "stage2.mode=sequential"))
@@ -68,9 +68,13 @@ def test_the_plan_counts_the_heal_of_a_heal_method_with_stage2_disabled():
     assert len(planner.zero3_plan(_cfg("method=trsp", "stage2.enabled=false"), shape).stages) == 1
 
 
+def _ids():
+    return torch.randint(3, 200, (4000,), generator=torch.Generator().manual_seed(0))
+
+
 def test_a_worker_heal_freezes_the_dropped_layers():
-    """The optimizer holds no parameter of a dropped layer; those weights stay exactly as they were
-    while the kept layers train."""
+    """The optimizer holds no parameter of a dropped layer or gate; those weights stay exactly as they
+    were while the kept layers train."""
     torch.manual_seed(0)
     model = tiny_model("llama", layers=6)
     gates = attach_gates(model)
@@ -82,18 +86,67 @@ def test_a_worker_heal_freezes_the_dropped_layers():
         return built[-1]
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ids = torch.randint(3, 200, (4000,), generator=torch.Generator().manual_seed(0))
-    settings = recovery_settings(_cfg("method=trsp+heal", "stage2.steps=3", "stage2.lr=1e-3"))
-    run_stage2(model=model, gates=gates, batches=Batches(ids, seqlen=32, batch_size=4, seed=0), drop=drop,
-               make_stepper=heal_stepper(make, gates=gates, drop=drop), **settings)
+    heal_on_workers(_cfg("method=trsp+heal", "stage2.steps=3", "stage2.lr=1e-3"), model=model, gates=gates,
+                    drop=drop, comp=None, batches=Batches(_ids(), seqlen=32, batch_size=4, seed=0), make_stepper=make,
+                    report=lambda metrics, step: None)
     (stepper,) = built
     in_optimizer = {id(p) for g in stepper.optimizer.param_groups for p in g["params"]}
-    dropped = {id(p) for i in drop for p in gates[i].layer.parameters()}
-    assert in_optimizer and not in_optimizer & dropped
+    frozen = {id(p) for i in drop for p in gates[i].layer.parameters()} | {id(p) for p in gates.gate_params()}
+    assert in_optimizer and not in_optimizer & frozen
     assert not any(stepper.optimizer.state.get(p) for i in drop for p in gates[i].layer.parameters())
     moved = {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}
     assert moved and not [n for n in moved if any(f"layers.{i}." in n for i in drop)]
-    assert any("layers.0." in n for n in moved)
+    assert any("layers.0." in n for n in moved) and not any(n.endswith(".gate") for n in moved)
+    assert gates.bypassed() == [] and not any(p.requires_grad for p in model.parameters())
+
+
+class _Factory:
+    """The workers' StepperFactory on one process: TorchSteppers, with the build hook and list."""
+
+    def __init__(self):
+        self.built, self.on_build = [], None
+
+    def __call__(self, model, groups):
+        self.built.append(TorchStepper(model, groups))
+        return self.built[-1]
+
+
+@pytest.mark.parametrize("recipe", ["all", "tail", "lora"])
+def test_the_workers_heal_is_the_single_process_heal_loop(monkeypatch, recipe):
+    """worker._stage2 of a heal method goes through heal.run_heal (the one heal loop) and, on one
+    process's stepper, gives the single process's healed model (run_heal on the pruned copy, the
+    same seed + 2 batch stream): a second heal loop on the workers would fail the first assertion."""
+    import copy
+    from types import SimpleNamespace
+
+    from trsp_ray.distributed import worker
+    from trsp_ray.distributed.events import EventLog, FaultInjector
+    from trsp_ray.heal import run_heal as original
+    from trsp_ray.surgery import remove_layers
+
+    calls = []
+    monkeypatch.setattr("trsp_ray.heal.run_heal", lambda **kwargs: calls.append(kwargs) or original(**kwargs))
+    cfg = _cfg("method=shortgpt+heal", "stage2.steps=3", "stage2.lr=1e-2", "data.seqlen=16", "data.batch_size=4",
+               "distributed.checkpoint_every=100", f"heal.trainable={recipe}", "heal.tail_layers=2",
+               "heal.lora_rank=4")
+    torch.manual_seed(0)
+    dense = tiny_model("llama", layers=6)
+    model, pruned, drop = copy.deepcopy(dense), copy.deepcopy(dense), [2, 3]
+    bench = SimpleNamespace(model=model, gates=attach_gates(model), factory=_Factory(), calib_ids=_ids(),
+                            calib_strata=None, tokenizer=SimpleNamespace(), world=1)
+    torch.manual_seed(1)  # LoRA's initialisation: the same draws on both paths (one adapter per kept Linear)
+    healed = worker._stage2({}, cfg, bench, drop=drop, s1_state={}, events=EventLog(None, 0), meta=None,
+                            engine_dir=None, rank=0, fault=FaultInjector(None, 0, None))
+    assert len(calls) == 1 and calls[0]["steps"] == 3
+    remove_layers(pruned, drop)
+    torch.manual_seed(1)
+    one = original(model=pruned, batches=Batches(_ids(), seqlen=16, batch_size=4, seed=cfg.seed + 2), steps=3,
+                   lr=1e-2, trainable=recipe, tail_layers=2, lora_rank=4).model
+    remove_layers(healed, drop)
+    held = _ids()[:64].view(2, 32)
+    with torch.no_grad():
+        a, b, c = healed(input_ids=held).logits, one(input_ids=held).logits, dense(input_ids=held).logits
+    assert (a - b).abs().max() < 1e-5 and (a - c).abs().max() > 1e-3  # the same heal, and it moved
 
 
 def test_the_plan_of_a_worker_heal_leaves_the_drop_set_out_of_the_optimizer():

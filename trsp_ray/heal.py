@@ -72,26 +72,36 @@ def output_side_only(model):
 
 
 def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str = "all", lora_rank: int = 8,
-             tail_layers: int = 3, map_layers=(), make_stepper: MakeStepper = TorchStepper,
-             report: Report = null_report) -> HealResult:
-    """Fine-tune `model` (pruned, no gates) for `steps` batches with the stepper's objective (next-token
-    CE by default). `tail_layers`: the tail recipe's k; `map_layers`: the map recipe's layers (indices
-    of the pruned model's decoder layers whose down_proj took a map)."""
+             tail_layers: int = 3, map_layers=(), layers=None, mlp_output=families.map_module,
+             make_stepper: MakeStepper = TorchStepper, report: Report = null_report) -> HealResult:
+    """Fine-tune the pruned `model` for `steps` batches with the stepper's objective (next-token CE by
+    default). `tail_layers`: the tail recipe's k; `map_layers`: the map recipe's layers (indices into
+    the kept layers of those whose down_proj took a map).
+
+    The one heal loop, in one process and on Ray Train workers (distributed/recovery.heal_on_workers).
+    `layers`: the kept decoder layers, by default every decoder layer of `model`. A ZeRO-3 worker
+    cannot cut its partitioned model: it heals the gated model with the drop set bypassed and passes
+    the kept wrappers' inner layers, so the rest of the decoder layers' parameters (the dropped
+    layers, the gates) stay frozen, out of the optimizer and without LoRA adapters. `mlp_output`:
+    recipe_params'. A resuming stepper (the workers' `skip`) replays the first steps without compute
+    (their "heal/ce" is then a placeholder); `report` sees every step."""
+    kept = families.decoder_layers(model) if layers is None else list(layers)
     hook = None
     if trainable == "lora":
         freeze(model)
-        train_model = add_lora(model, rank=lora_rank)
+        train_model = add_lora(model, rank=lora_rank, layers=kept)  # a dropped layer gets no adapter
         params = [p for p in train_model.parameters() if p.requires_grad]
     elif trainable in PARTIAL_RECIPES:
         train_model = model
-        params = recipe_params(model, trainable=trainable, layers=families.decoder_layers(model),
-                               tail_layers=tail_layers, map_layers=map_layers)
-        freeze(model, except_params=params)
+        params = recipe_params(model, trainable=trainable, layers=kept, tail_layers=tail_layers,
+                               map_layers=map_layers, mlp_output=mlp_output)
         hook = output_side_only(model) if trainable == TAIL_RECIPE else None
     else:
         train_model = model
-        freeze(model, except_params=list(model.parameters()))
         params = list(model.parameters())
+    outside = _outside(model, kept)
+    params = [p for p in params if id(p) not in outside]
+    freeze(model, except_params=params)
     stepper = make_stepper(train_model, [{"params": params, "lr": lr}])
     first = last = None
     for step in range(1, steps + 1):
@@ -106,3 +116,10 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
     final = merge_lora(train_model) if trainable == "lora" else model
     freeze(final)
     return HealResult(model=final, steps=steps, tokens=steps * batches.tokens_per_batch, first_ce=first, last_ce=last)
+
+
+def _outside(model, kept) -> set[int]:
+    """ids of the decoder layers' parameters that are not in the `kept` layers: none for a pruned
+    model; a gated model's gates and dropped layers."""
+    inside = {id(p) for layer in kept for p in layer.parameters()}
+    return {id(p) for layer in families.decoder_layers(model) for p in layer.parameters() if id(p) not in inside}

@@ -49,12 +49,18 @@ def probes_removal(s1) -> bool:
     return s1.probe > 1 and s1.selection == "iterative"
 
 
-def stage2_settings(s2, *, schedule: str | None = None) -> dict:
-    """`run_stage2`'s keyword arguments from the `stage2` config section (`schedule` overrides it:
-    a heal runs as stage 2 with schedule skip on the workers)."""
+def stage2_settings(s2) -> dict:
+    """`run_stage2`'s keyword arguments from the `stage2` config section."""
     return {"lambda2": s2.lambda2, "steps": s2.steps, "lr": s2.lr, "p_lr_scale": s2.p_lr_scale, "mode": s2.mode,
-            "norm": s2.norm, "trainable": s2.trainable, "lora_rank": s2.lora_rank,
-            "schedule": schedule or s2.schedule, "anneal_fraction": s2.anneal_fraction}
+            "norm": s2.norm, "trainable": s2.trainable, "lora_rank": s2.lora_rank, "schedule": s2.schedule,
+            "anneal_fraction": s2.anneal_fraction}
+
+
+def heal_settings(heal) -> dict:
+    """`run_heal`'s budget and recipe from a `heal` config section (cfg.heal, or method_heal's for a
+    heal method): one process and the Ray Train workers heal with these."""
+    return {"steps": heal.steps, "lr": heal.lr, "trainable": heal.trainable, "lora_rank": heal.lora_rank,
+            "tail_layers": heal.tail_layers}
 
 
 def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Report = null_report,
@@ -240,9 +246,8 @@ def _heal(bench, *, model, heal, report: Report, map_layers=()):
         if step % 5 == 0 or step == heal.steps:
             _log(f"  heal step {step}/{heal.steps}: {bench.cfg.recovery.objective} {metrics['heal/ce']:.4f}")
 
-    return run_heal(model=model, batches=bench.batches(seed_offset=2), steps=heal.steps, lr=heal.lr,
-                    trainable=heal.trainable, lora_rank=heal.lora_rank, tail_layers=heal.tail_layers,
-                    map_layers=map_layers, make_stepper=recovery_stepper(bench), report=progress)
+    return run_heal(model=model, batches=bench.batches(seed_offset=2), map_layers=map_layers,
+                    make_stepper=recovery_stepper(bench), report=progress, **heal_settings(heal))
 
 
 def method_heal(cfg):

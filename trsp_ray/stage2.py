@@ -14,8 +14,8 @@ small budgets):
             of the segment trains the network exactly as it will be after removal.
 - skip:     the P layers are skipped from the first step (residual scale 0, no penalty): the rest of
             the network trains exactly as it will be after removal, i.e. a heal of the pruned model
-            (the P layers get zero gradients). The Ray Train path heals this way, without
-            restructuring a partitioned model; in one process `heal.run_heal` does the same cheaper.
+            (the P layers get zero gradients). A heal method heals with `heal.run_heal` instead, in
+            one process and on the Ray Train workers (P bypassed, frozen and out of the optimizer).
 Modes: joint (one segment with all of P) or sequential (one segment per layer of P, in drop order).
 """
 

@@ -267,18 +267,20 @@ def layer_param_groups(model, gates, *, lr: float, special: set[int], special_lr
     return groups
 
 
-def lora_targets(model) -> list[str]:
-    """Full names of the nn.Linear modules inside the decoder layers (the LoRA targets)."""
-    layers = families.decoder_layers(model)
+def lora_targets(model, layers=None) -> list[str]:
+    """Full names of the nn.Linear modules inside the decoder layers (the LoRA targets); `layers`:
+    those layers only (default: every decoder layer)."""
+    layers = families.decoder_layers(model) if layers is None else layers
     layer_ids = {id(m) for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)}
     return [name for name, m in model.named_modules() if id(m) in layer_ids]
 
 
-def add_lora(model, *, rank: int):
-    """Wrap the decoder-layer Linears with LoRA adapters (peft); only adapters train."""
+def add_lora(model, *, rank: int, layers=None):
+    """Wrap the decoder-layer Linears (of `layers` only, when given) with LoRA adapters (peft); only
+    adapters train."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=lora_targets(model))
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=lora_targets(model, layers))
     return get_peft_model(model, config)
 
 

@@ -1,7 +1,7 @@
 """The per-worker train loop of a distributed run: stage 1 -> stage 2 -> export, resumable.
 
 Each Ray Train worker runs `train_loop(config)`. The stage loops are the single-process ones
-(`run_stage1`, `run_stage2`); only the stepper (a DeepSpeed engine), gate gathering and
+(`run_stage1`, `run_stage2`, `run_heal`); only the stepper (a DeepSpeed engine), gate gathering and
 checkpointing differ. Checkpoints: after every stage-1 round and every `checkpoint_every` stage-2
 steps, each rank writes its own files into one Ray checkpoint, once: straight into the run's
 checkpoint folder on a local/shared path, or into a local staging folder that Ray uploads to a
@@ -229,19 +229,19 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
 
 def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
             engine_dir: str | None, rank: int, fault: FaultInjector, comp: dict | None = None):
-    """Stage 2 with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards. A heal
-    trains its recipe's set (`comp`: the fit's info, whose blocks name the map recipe's layers)."""
+    """Stage 2, or a heal method's heal (recovery.heal_on_workers: heal.run_heal, the single
+    process's loop), with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards.
+    A heal trains its recipe's set (`comp`: the fit's info, whose blocks name the map recipe's layers)."""
     from trsp_ray import registry
-    from trsp_ray.distributed.recovery import heal_recipe_of, heal_stepper, recovery_settings
+    from trsp_ray.distributed.recovery import heal_on_workers, recovery_settings
     from trsp_ray.stage2 import run_stage2
 
-    s2 = cfg.stage2
     settings = recovery_settings(cfg)
     if settings is None:
         return bench.model
     heal = registry.method(cfg.method).heal
     done = meta.get("stage2_step", 0) if meta and meta["stage"] == 2 else 0
-    every = cfg.distributed.checkpoint_every
+    every, steps = cfg.distributed.checkpoint_every, settings["steps"]
 
     first = len(bench.factory.built)  # engines before this one: stage 1's (none after ShortGPT)
 
@@ -253,7 +253,7 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
             stepper.skip = done  # the loop replays the batch stream and schedule without compute
 
     def report(metrics: dict, step: int) -> None:
-        if step > done and step % every == 0 and step < s2.steps:
+        if step > done and step % every == 0 and step < steps:
             save({"label": f"stage2-step{step}", "stage": 2, "stage2_step": step, "drop_order": drop},
                   s1_state, rank=rank, engine=bench.factory.built[-1].engine, upload=cfg.distributed.checkpoint_upload)
             events.write("checkpoint", stage=2, step=step)
@@ -262,14 +262,14 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
 
     bench.factory.on_build = on_build
     reset_peak_memory()
-    # a heal reads the batch stream the single-process heal reads (seed + 2), stage 2 its own (seed + 1)
-    make = (heal_stepper(bench.factory, gates=bench.gates, drop=drop, recipe=heal_recipe_of(cfg, comp=comp))
-            if heal else bench.factory)
-    result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 2 if heal else 1),
-                        drop=drop, make_stepper=make, report=report, **settings)
-    for hook in getattr(make, "hooks", []):
-        hook.remove()
-    updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
+    if heal:  # the batch stream the single-process heal reads (seed + 2)
+        result = heal_on_workers(cfg, model=bench.model, gates=bench.gates, drop=drop, comp=comp,
+                                 batches=_batches(cfg, bench, 2), make_stepper=bench.factory, report=report)
+        updates = {}  # the drop set is bypassed from the first step: no update of it to measure
+    else:
+        result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 1), drop=drop,
+                            make_stepper=bench.factory, report=report, **settings)
+        updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
     events.write("stage2_done", steps_computed=result.steps - done, peak_gb=peak_memory_gb(), relative_update=updates)
     return result.model
 

@@ -140,8 +140,8 @@ def method_on_workers(method: str, *, drop_given: bool = False) -> bool:
 
 
 def trains_on_workers(cfg) -> bool:
-    """Whether the Ray Train path trains weights after stage 1: TRSP's stage 2, or a heal (run there
-    as stage 2 with schedule skip, so it needs stage 2's memory)."""
+    """Whether the Ray Train path trains weights after stage 1: TRSP's stage 2, or a heal (heal.run_heal
+    on the gated model with the drop set frozen: stage 2's memory less the frozen layers' state)."""
     from trsp_ray import registry
 
     spec = registry.method(cfg.method)
@@ -164,7 +164,7 @@ def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
 
 
 def with_heal_setup(cfg, st: Setup, s: Shape) -> Setup:
-    """`st` with a heal method's drop set frozen (recovery.heal_stepper keeps it out of the optimizer)
+    """`st` with a heal method's drop set frozen (heal.run_heal on the workers keeps it out of the optimizer)
     and its heal's recipe (config.heal_recipe): the tail's k, and for the map recipe one folded
     down_proj per block, at most one per dropped layer (a contiguous selector's drop set is one block)."""
     from trsp_ray import registry
