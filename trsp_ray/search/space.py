@@ -70,8 +70,8 @@ def searchable(key: str) -> bool:
 
 def _dimension(key: str, spec: Any) -> Dimension:
     if not searchable(key):
-        raise TrspError(f"search key {key!r} is not searchable; choose {', '.join(TOP_KEYS + PIPELINE_KEYS)} or a key of the "
-                        f"sections {', '.join(SECTIONS)} (e.g. heal.lr, compensation.method)")
+        raise TrspError(f"search key {key!r} is not searchable; choose {', '.join(TOP_KEYS + PIPELINE_KEYS)} or a "
+                        f"key of the sections {', '.join(SECTIONS)} (e.g. heal.lr, compensation.method)")
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise TrspError(f"search key {key!r} has no values; give at least one")
