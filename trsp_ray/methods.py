@@ -293,15 +293,41 @@ def _dense_beside(bench, model, *, activations: str):
         model.to(device)
 
 
+# fit_store(compute, apply) -> (the fit's info, its folded weights): see apply_method
+FitStore = Callable[[Callable[[], tuple[dict, dict]], Callable[[dict], None]], tuple[dict, dict]]
+
+
+def folded_weights(model, kept: list[int], done: dict) -> dict:
+    """{parameter name: a CPU copy} of what a least-squares fold wrote: the parameters of the module each
+    map folded into (families.map_module: the down_proj, or Gemma's MLP norm) of the pruned `model`,
+    whose decoder layers are the original layers `kept`. With these a stored fit is replayed exactly."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    layers = families.decoder_layers(model)
+    modules = [families.map_module(layers[kept.index(i)], model) for i in fold_layers(done["blocks"])]
+    return {names[id(p)]: p.detach().to("cpu", copy=True) for m in modules for p in m.parameters()}
+
+
+def load_folded(model, weights: dict) -> None:
+    """Write a stored fit's folded weights (folded_weights) into the pruned `model`, in place."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
 def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,
                  stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
-                 on_model: Callable[[object], None] | None = None) -> Outcome:
+                 on_model: Callable[[object], None] | None = None, fit_store: FitStore | None = None) -> Outcome:
     """Prune a fresh copy of the model with `method`; returns the pruned model and what it cost.
 
     `drop` skips the selection (a drop set computed before, e.g. shared by several benchmark rows);
     `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's;
     `on_model` is handed the working copy before anything trains it (a search measures its
-    validation loss mid-training through `report`)."""
+    validation loss mid-training through `report`); `fit_store(compute, apply)` shares a least-squares
+    fit among runs of the same drop set and fit (a search's trials): it returns compute()'s result,
+    computed now or stored, and hands a stored one's weights to `apply` (folded_weights)."""
     cfg = bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
@@ -333,11 +359,20 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     kept = remove_layers(model, drop)
     if comp.method != "none":
         t3 = time.time()
-        windows = fixed_windows(bench.batches(seed_offset=300), comp.windows)
-        with _dense_beside(bench, model, activations=comp.activations) as dense:
-            done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method=comp.method,
-                                           ridge=comp.ridge, activations=comp.activations, form=comp.form,
-                                           rank=comp.rank, weighting=comp.weighting, objective=comp.objective)
+
+        def fit() -> tuple[dict, dict]:
+            windows = fixed_windows(bench.batches(seed_offset=300), comp.windows)
+            with _dense_beside(bench, model, activations=comp.activations) as dense:
+                done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows,
+                                               method=comp.method, ridge=comp.ridge, activations=comp.activations,
+                                               form=comp.form, rank=comp.rank, weighting=comp.weighting,
+                                               objective=comp.objective)
+            return done, folded_weights(model, kept, done)
+
+        if fit_store is not None and comp.method == "lstsq":  # a scalar fold rescales many modules: not shared
+            done, _ = fit_store(fit, lambda weights: load_folded(model, weights))
+        else:
+            done, _ = fit()
         info.update(**compensation.describe(comp, form=done.get("form")), compensation_tokens=done["tokens"],
                     compensation_seconds=time.time() - t3,
                     compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],

@@ -6,7 +6,9 @@ computed once for the largest ratio any of them needs; a trial that finds anothe
 waits for that result instead of computing it again. A baseline selection (Block Influence, the
 angular block, SLEB, tail, random) is kept in the same store, under the same lock, as the drop set
 and what it cost, keyed by search/pipeline.selection_key: trials of shortgpt+heal and
-shortgpt+comp+heal with any heal settings compute Block Influence once.
+shortgpt+comp+heal with any heal settings compute Block Influence once. A least-squares fit is
+kept there too (fit_for_trial), as the weights its fold wrote, keyed by the selection and every
+fit setting: trials that differ only in their heal (recipe, steps, lr) fit once.
 
 Every stage-1 and selection computation, reuse and stage-2 / heal run is appended to `events.jsonl` as one JSON object
 per line, so tests and benchmarks count work from the log rather than from timing.
@@ -86,3 +88,32 @@ def selection_for_trial(*, need: int, compute: Callable[[], tuple[list[int], dic
         drop, info = timed()
         atomic.write_json(store.path(key, need), {"drop": drop, "info": info, "key": key, "content": content})
         return drop, info
+
+
+def fit_for_trial(*, store: Stage1Store | None, key: str, log: RunLog, trial: str):
+    """methods.apply_method's `fit_store` for a trial: the fit of content key `key` (search/pipeline.fit_key)
+    from the store, its folded weights written into the trial's model; or computed once under the
+    key's lock and stored (a torch file of the fit's info and its folded weights). None without a store."""
+    if store is None:
+        return None
+
+    def obtain(compute, apply):
+        import torch
+
+        from trsp_ray import atomic
+
+        path = store.root / f"{key}.fit.pt"
+        with store.locked(key):
+            if path.is_file():
+                stored = torch.load(path, weights_only=True)
+                apply(stored["weights"])
+                log.write("fit_reused", key=key, trial=trial)
+                return stored["info"], stored["weights"]
+            start = time.perf_counter()
+            info, weights = compute()
+            atomic.save_torch(path, {"info": info, "weights": weights})
+            log.write("fit_computed", key=key, trial=trial, tokens=info.get("tokens"),
+                      seconds=time.perf_counter() - start)
+            return info, weights
+
+    return obtain

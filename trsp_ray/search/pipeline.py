@@ -97,6 +97,17 @@ def effective(cfg_dict: dict, *, num_layers: int) -> dict:
 LSTSQ_ONLY = ("ridge", "form", "rank", "weighting")
 
 
+def fit_key(cfg_dict: dict, *, selection: str, drop: list[int]) -> str:
+    """Content key of a trial's fit: its selection's key, the drop set and every fit setting
+    (_fit_content) with the calibration windows' seqlen; trials that differ only in their heal share it."""
+    from trsp_ray.config import for_method, from_dict
+    from trsp_ray.stage1_store import content_key
+
+    cfg = for_method(from_dict(cfg_dict))  # the fit the name spells (a trial's config is resolved already)
+    return content_key({"fit_of": selection, "drop": sorted(drop), "fit": _fit_content(cfg.compensation),
+                        "seqlen": cfg.data.seqlen})
+
+
 def _fit_content(comp) -> dict | str:
     """The fit a trial runs: every compensation setting but those its method does not read."""
     from trsp_ray import compensation

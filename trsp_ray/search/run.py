@@ -345,6 +345,8 @@ def _finish(base, space, opts, search_dir, runlog, new, invocation, log) -> dict
                "stage1_reused": runlog.count("stage1_reused", invocation=invocation),
                "selection_computed": runlog.count("selection_computed", invocation=invocation),
                "selection_reused": runlog.count("selection_reused", invocation=invocation),
+               "fit_computed": runlog.count("fit_computed", invocation=invocation),
+               "fit_reused": runlog.count("fit_reused", invocation=invocation),
                "stage2_runs": runlog.count("stage2_run", invocation=invocation),
                "failed": sum(r["status"] == "failed" for r in new)}
     best = best_trial(records)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trsp_ray import registry
 from trsp_ray.pipeline import training_steps
-from trsp_ray.search.cache import RunLog, selection_for_trial, stage1_for_trial
+from trsp_ray.search.cache import RunLog, fit_for_trial, selection_for_trial, stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.search.pipeline import budgeted
 from trsp_ray.search.space import apply_point, trial_key
@@ -136,7 +136,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     from trsp_ray.config import from_dict, replace
     from trsp_ray.methods import apply_method
     from trsp_ray.pipeline import resolve
-    from trsp_ray.search.pipeline import selection_key, trial_stage1_key
+    from trsp_ray.search.pipeline import fit_key, selection_key, trial_stage1_key
     from trsp_ray.search.route import trial_device
     from trsp_ray.stage1 import n_drop_for
     from trsp_ray.workbench import check_inputs, kept_parameters, prepare
@@ -174,7 +174,9 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
                                   constant={"kept_parameters": expected, "kept_fraction": expected / dense})
     log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"], method=cfg.method,
               steps=steps)
-    outcome = apply_method(bench, cfg.method, drop=drop, report=on_metrics, on_model=made.append)
+    fits = fit_for_trial(store=trial_store(config), key=fit_key(bench.cfg.to_dict(), selection=skey, drop=drop),
+                         log=log, trial=tkey)
+    outcome = apply_method(bench, cfg.method, drop=drop, report=on_metrics, on_model=made.append, fit_store=fits)
     info = {**select_info, **outcome.info}
     val = validation_loss(bench, outcome.model, windows=windows)
     kept = kept_parameters(outcome.model)
