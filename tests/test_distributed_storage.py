@@ -164,7 +164,8 @@ def _upload_loop(config):
     for step in range((meta or {}).get("step", 0) + 1, config["steps"] + 1):
         state = {"work": [*state["work"], step], "payload": torch.full((config["payload"],), float(step))}
         events.write("step", step=step)
-        checkpoints.save({"label": f"step{step}", "stage": 2, "step": step}, state, rank=0, upload="async")
+        upload = checkpoints.save({"label": f"step{step}", "stage": 2, "step": step}, state, rank=0, upload="async")
+        events.write("saved", step=step, upload=upload)  # what the workers' checkpoint record says
         fault.check_stage2(step)
     checkpoints.flush_uploads()
     events.write("done", work=state["work"])
@@ -202,6 +203,9 @@ def test_a_worker_killed_while_its_checkpoint_uploads_resumes_from_the_last_comm
     assert starts[1]["work"] == [1] and starts[1]["payload"] == [payload, [1.0]]  # step 1's state, whole
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 2, 3]  # only step 2 done twice
     assert [e["work"] for e in events if e["event"] == "done"] == [[1, 2, 3]]
+    # a save reported for a background upload says so: its record is not a resume point yet
+    assert [(e["step"], e["upload"]) for e in events if e["event"] == "saved"] == [
+        (1, "uploading"), (2, "uploading"), (2, "uploading"), (3, "uploading")]
     keys = [o["Key"] for page in s3["client"].get_paginator("list_objects_v2").paginate(Bucket="trsp", Prefix="upload/")
             for o in page.get("Contents", [])]
     print("checkpoint objects left:", sorted(k for k in keys if "/checkpoint-" in k))

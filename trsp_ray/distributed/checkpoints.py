@@ -82,8 +82,10 @@ def _same_on_all_ranks(value):
     return box[0]
 
 
-def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str = "async") -> None:
+def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str = "async") -> str:
     """One Ray checkpoint from every rank: meta (rank 0), its own state file, its engine shards.
+    Returns "committed" (written in place, or uploaded while the ranks waited) or "uploading" (a
+    background upload: a failure before it commits resumes from the previous checkpoint).
 
     Written once: in place in the run's checkpoint folder when the storage is a local/shared path
     (reported with NO_UPLOAD), else into a local staging folder that Ray uploads and deletes: in
@@ -112,14 +114,16 @@ def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str 
     if local:
         ray.train.report(metrics, checkpoint=Checkpoint(target, filesystem=storage.storage_filesystem),
                          checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-    elif upload == "async":  # Ray deletes the staged folder once it is uploaded
+        return "committed"
+    if upload == "async":  # Ray deletes the staged folder once it is uploaded
         _STAGED.append(target)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(target), checkpoint_dir_name=name,
                          checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True)
-    else:
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(target), checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.SYNC, delete_local_checkpoint_after_upload=True)
-        shutil.rmtree(target, ignore_errors=True)
+        return "uploading"
+    ray.train.report(metrics, checkpoint=Checkpoint.from_directory(target), checkpoint_dir_name=name,
+                     checkpoint_upload_mode=CheckpointUploadMode.SYNC, delete_local_checkpoint_after_upload=True)
+    shutil.rmtree(target, ignore_errors=True)
+    return "committed"
 
 
 _STAGED: list[str] = []  # this rank's staged saves reported for a background upload

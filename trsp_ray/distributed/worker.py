@@ -254,9 +254,11 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
 
     def report(metrics: dict, step: int) -> None:
         if step > done and step % every == 0 and step < steps:
-            save({"label": f"stage2-step{step}", "stage": 2, "stage2_step": step, "drop_order": drop},
-                  s1_state, rank=rank, engine=bench.factory.built[-1].engine, upload=cfg.distributed.checkpoint_upload)
-            events.write("checkpoint", stage=2, step=step)
+            state = save({"label": f"stage2-step{step}", "stage": 2, "stage2_step": step, "drop_order": drop},
+                         s1_state, rank=rank, engine=bench.factory.built[-1].engine,
+                         upload=cfg.distributed.checkpoint_upload)
+            # "uploading": a failure before the upload commits resumes from the previous checkpoint
+            events.write("checkpoint", stage=2, step=step, upload=state)
         if step > done:
             fault.check_stage2(step)
 
