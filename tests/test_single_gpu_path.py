@@ -301,7 +301,9 @@ def test_prune_dry_run_prints_route_and_plan(capsys, monkeypatch):
     monkeypatch.setattr(workbench, "prepare", lambda *a, **k: pytest.fail("dry run did work"))
     assert main(["prune", "--method", "sleb", "--dry-run", "--set", "dtype=bf16"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("route: single process on one CPU") and "  sleb: " in out and "  evaluation: " in out
+    first, second = out.splitlines()[:2]
+    assert first == "pipeline sleb: selector sleb, no fit, no training"  # the resolved pipeline, then its route
+    assert second.startswith("route: single process on one CPU") and "  sleb: " in out and "  evaluation: " in out
 
 
 def test_benchmark_checks_every_row_plan_before_any_work(monkeypatch, capsys):
