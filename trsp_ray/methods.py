@@ -22,7 +22,15 @@ from trsp_ray.logs import log as _log
 from trsp_ray.stage1 import RemovalScorer, Stage1Result, common_tokens, run_stage1
 from trsp_ray.stage2 import run_stage2
 from trsp_ray.surgery import remove_layers
-from trsp_ray.training import Report, null_report
+from trsp_ray.training import (
+    FIT_STREAM,
+    HEAL_STREAM,
+    SELECTION_STREAM,
+    STAGE1_STREAM,
+    STAGE2_STREAM,
+    Report,
+    null_report,
+)
 
 
 @dataclass
@@ -99,7 +107,7 @@ def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Repo
             from trsp_ray.baselines import block_influence
 
             influence, spent = block_influence(model, gates, windows), scorer.tokens
-    result = run_stage1(model=model, gates=gates, batches=bench.batches(), n_drop=n_drop,
+    result = run_stage1(model=model, gates=gates, batches=bench.batches(STAGE1_STREAM), n_drop=n_drop,
                         candidates=bench.candidates(), scorer=scorer, report=progress, on_round=on_round,
                         resume=resume, influence=influence, **stage1_settings(s1))
     result.probe_cost += spent  # Block Influence's dense forward of the probe windows
@@ -110,11 +118,11 @@ def probe_windows(ids, *, s1, data, seed: int, bos: int | None, strata=None) -> 
     """The removal probes' fixed calibration windows (stage1.probe_windows of stage1.probe_seqlen
     tokens, default data.seqlen), as chunks of about data.batch_size x data.seqlen tokens: one
     definition for the single process and the Ray Train workers."""
-    from trsp_ray.training import Batches
+    from trsp_ray.training import PROBE_STREAM, Batches
 
     seqlen = s1.probe_seqlen or data.seqlen
     chunk = max(1, data.batch_size * data.seqlen // seqlen)
-    stream = Batches(ids, seqlen=seqlen, batch_size=chunk, seed=seed + 200, bos=bos, strata=strata)
+    stream = Batches(ids, seqlen=seqlen, batch_size=chunk, seed=seed + PROBE_STREAM, bos=bos, strata=strata)
     return fixed_windows(stream, s1.probe_windows)
 
 
@@ -134,7 +142,7 @@ def shortgpt_windows(cfg, n_drop: int) -> int:
     return cfg.baselines.calib_windows or -(-stage1_tokens_for(cfg, n_drop) // cfg.data.seqlen)
 
 
-def _windows(bench, count: int, seed_offset: int = 100) -> list:
+def _windows(bench, count: int, seed_offset: int = SELECTION_STREAM) -> list:
     """Exactly `count` fixed calibration windows, as batches of at most data.batch_size."""
     return fixed_windows(bench.batches(seed_offset), count)
 
@@ -236,7 +244,7 @@ def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
             _log(f"  stage 2 step {step}/{s2.steps}: {bench.cfg.recovery.objective} {metrics['stage2/ce']:.4f}, "
                  f"penalty {metrics['stage2/penalty']:.3f}, P-layer scale {metrics['stage2/residual_scale']:.2f}")
 
-    return run_stage2(model=model, gates=gates, batches=bench.batches(seed_offset=1), drop=drop,
+    return run_stage2(model=model, gates=gates, batches=bench.batches(STAGE2_STREAM), drop=drop,
                       make_stepper=recovery_stepper(bench), report=progress, **stage2_settings(s2))
 
 
@@ -246,7 +254,7 @@ def _heal(bench, *, model, heal, report: Report, map_layers=()):
         if step % 5 == 0 or step == heal.steps:
             _log(f"  heal step {step}/{heal.steps}: {bench.cfg.recovery.objective} {metrics['heal/ce']:.4f}")
 
-    return run_heal(model=model, batches=bench.batches(seed_offset=2), map_layers=map_layers,
+    return run_heal(model=model, batches=bench.batches(HEAL_STREAM), map_layers=map_layers,
                     make_stepper=recovery_stepper(bench), report=progress, **heal_settings(heal))
 
 
@@ -361,7 +369,7 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         t3 = time.time()
 
         def fit() -> tuple[dict, dict]:
-            windows = fixed_windows(bench.batches(seed_offset=300), comp.windows)
+            windows = fixed_windows(bench.batches(FIT_STREAM), comp.windows)
             with _dense_beside(bench, model, activations=comp.activations) as dense:
                 done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows,
                                                method=comp.method, ridge=comp.ridge, activations=comp.activations,

@@ -18,6 +18,9 @@ from trsp_ray import families
 from trsp_ray.calibration import interleave
 from trsp_ray.perplexity import windows
 
+# The stream of calibration batches each stage reads (an offset to the run's seed): one process and
+# the Ray Train workers read the same streams, so both select, fit and train on the same windows.
+STAGE1_STREAM, STAGE2_STREAM, HEAL_STREAM, SELECTION_STREAM, PROBE_STREAM, FIT_STREAM = 0, 1, 2, 100, 200, 300
 Report = Callable[[dict, int], None]
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # dtypes whose trained parameters get an fp32 master
 

@@ -94,10 +94,6 @@ class Workbench:
         return Batches(self.calib_ids, seqlen=d.seqlen, batch_size=d.batch_size, seed=self.cfg.seed + seed_offset,
                        bos=self.bos, strata=self.calib_strata)
 
-    def fixed_batches(self, count: int, seed_offset: int = 100) -> list[torch.Tensor]:
-        stream = self.batches(seed_offset)
-        return [stream.next() for _ in range(count)]
-
     def heldout_ppl(self, model=None) -> float:
         d = self.cfg.data
         progress = _progress_printer("held-out PPL")

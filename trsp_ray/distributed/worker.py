@@ -19,6 +19,7 @@ import torch
 from trsp_ray.distributed.checkpoints import discard_download, restore_point, save
 from trsp_ray.distributed.events import EventLog, FaultInjector
 from trsp_ray.distributed.ranks import block_influence_on_ranks, forward_engine, sum_over_ranks
+from trsp_ray.training import FIT_STREAM, HEAL_STREAM, SELECTION_STREAM, STAGE1_STREAM, STAGE2_STREAM
 
 
 def reset_peak_memory() -> None:
@@ -194,9 +195,10 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                                rank=rank, world=bench.world, all_reduce=sum_over_ranks, common=common)
         if s1.shortlist_bi:  # data-parallel, the same influences on every rank
             influence, spent = block_influence_on_ranks(cfg, bench, windows, rank=rank)
-    result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 0), n_drop=n_drop,
-                        candidates=candidates, make_stepper=bench.factory, report=report, resume=last["state"],
-                        on_round=on_round, scorer=scorer, influence=influence, **stage1_settings(s1))
+    result = run_stage1(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, STAGE1_STREAM),
+                        n_drop=n_drop, candidates=candidates, make_stepper=bench.factory, report=report,
+                        resume=last["state"], on_round=on_round, scorer=scorer, influence=influence,
+                        **stage1_settings(s1))
     result.probe_cost += spent
     drop = result.drop_for(cfg.method, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
@@ -218,7 +220,7 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
     n_drop = n_drop_for(cfg.ratio, bench.num_layers)
     check_drop_count(n_drop, candidates, cfg.ratio, bench.num_layers)
-    windows = fixed_windows(_batches(cfg, bench, 100), shortgpt_windows(cfg, n_drop))
+    windows = fixed_windows(_batches(cfg, bench, SELECTION_STREAM), shortgpt_windows(cfg, n_drop))
     reset_peak_memory()
     bi, tokens = block_influence_on_ranks(cfg, bench, windows, rank=rank)
     drop = lowest_influence(bi, n_drop=n_drop, candidates=candidates)
@@ -264,13 +266,13 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
 
     bench.factory.on_build = on_build
     reset_peak_memory()
-    if heal:  # the batch stream the single-process heal reads (seed + 2)
+    if heal:  # the batch stream the single-process heal reads
         result = heal_on_workers(cfg, model=bench.model, gates=bench.gates, drop=drop, comp=comp,
-                                 batches=_batches(cfg, bench, 2), make_stepper=bench.factory, report=report)
+                                 batches=_batches(cfg, bench, HEAL_STREAM), make_stepper=bench.factory, report=report)
         updates = {}  # the drop set is bypassed from the first step: no update of it to measure
     else:
-        result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, 1), drop=drop,
-                            make_stepper=bench.factory, report=report, **settings)
+        result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, STAGE2_STREAM),
+                            drop=drop, make_stepper=bench.factory, report=report, **settings)
         updates = {str(i): [v[done], v[-1]] for i, v in result.relative_update.items() if len(v) > done}
     events.write("stage2_done", steps_computed=result.steps - done, peak_gb=peak_memory_gb(), relative_update=updates)
     return result.model
@@ -278,7 +280,7 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
 
 def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: int) -> dict | None:
     """The compensation's maps (distributed/compensate.py) from the dense model, on the single
-    process's windows (seed offset 300, methods.apply_method); None for compensation.method none."""
+    process's windows (FIT_STREAM, methods.apply_method); None for compensation.method none."""
     from trsp_ray import families
     from trsp_ray.config import sized
     from trsp_ray.distributed import compensate
@@ -292,7 +294,7 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
 
         raise TrspError(f"compensation.windows={c.windows} is fewer than the {bench.world} workers; use "
                         f"compensation.windows >= {bench.world}")
-    windows = fixed_windows(_batches(cfg, bench, 300), c.windows)
+    windows = fixed_windows(_batches(cfg, bench, FIT_STREAM), c.windows)
     forward_engine(bench)  # a handed-over drop set: no selection built one
     if c.method == "scalar":
         info = compensate.fit_scalar(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
