@@ -46,6 +46,9 @@ def test_workers_handed_a_drop_set_fit_and_fold_like_one_process(tiny_dir, tmp_p
     assert record["tokens"] == out.info["compensation_tokens"] == 16 * 32 and record["blocks"] == [[2, 2], [4, 4]]
     diff = (_logits(tmp_path / "single") - _logits(tmp_path / "ray")).abs().max().item()
     assert diff < 1e-4
+    # the workers' manifest records the pipeline they ran, as one process's does
+    pipeline = json.loads((tmp_path / "ray" / "trsp_ray.json").read_text())["metrics"]["pipeline"]
+    assert (pipeline["name"], pipeline["selector"], pipeline["fit"]) == ("sleb+heal", "sleb", "lstsq (mse)")
 
 
 # folded before the heal; the scalar fold after the default's selection, before its heal

@@ -183,7 +183,8 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
 
     # the pipeline on this model (idempotent for a config driver.run resolved): a compensating method
     # (the default) fits its compensation on the workers
-    cfg = resolve(cfg, budget_layers=False).cfg
+    pipe = resolve(cfg, budget_layers=False)
+    cfg = pipe.cfg
     # Everything but the cluster's resources is checked before Ray is even started or joined.
     if drop is not None and stage1 is not None:
         raise TrspError("run_distributed takes a stage-1 result or a drop set, not both")
@@ -203,7 +204,8 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     loop_config = {"run": cfg.to_dict(), "ds_config": ds_config, "model_path": model_path,
                    "records": {"storage": storage, "run": name}, "fault": specs, "cpus_per_worker": cpus,
                    "stage1": stage1, "drop": None if drop is None else [int(i) for i in drop],
-                   "manifest": {"method": cfg.method, "config": cfg.to_dict(), "workers": cfg.distributed.workers}}
+                   "manifest": {"method": cfg.method, "config": cfg.to_dict(), "workers": cfg.distributed.workers,
+                                "metrics": {"pipeline": pipe.to_dict()}}}
     _fit(cfg, loop_config, storage=storage, name=name, cpus=cpus)
     events = records.read()
     done = [e for e in events if e["event"] == "done"]
