@@ -20,6 +20,7 @@ line as a YAML file (`--method pipeline.yaml`) or under `method:` in a config fi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from trsp_ray import registry
@@ -109,15 +110,28 @@ def training_steps(cfg) -> int:
 
 
 def _model_config(model: str):
-    """The model's config.json (transformers' AutoConfig), or None when unreadable (check_inputs then
-    says why in one line)."""
-    from transformers import AutoConfig
+    """The model's config.json (transformers' AutoConfig, read-only here), or None when unreadable
+    (check_inputs then says why in one line). A search resolves every grid point and probe value:
+    the file is read once per path and modification time."""
+    from pathlib import Path
 
     from trsp_ray import assets
 
     try:
-        return AutoConfig.from_pretrained(assets.resolve_model(model))
+        path = assets.resolve_model(model)
     except (OSError, ValueError, TrspError):
+        return None
+    config = Path(path) / "config.json"
+    return _read_config(str(path), config.stat().st_mtime_ns if config.is_file() else None)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_config(path: str, mtime: int | None):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
         return None
 
 
