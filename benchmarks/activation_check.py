@@ -39,8 +39,8 @@ def saved_bytes(path: str, *, dtype, layers: int, trained: bool, gated: bool, ze
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trsp_ray import families
-    from trsp_ray.gates import attach_gates
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.models import families
 
     with zero3_linear(zero3):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -76,10 +76,10 @@ def main() -> None:
 
     import torch
 
-    from trsp_ray import assets
-    from trsp_ray.distributed.activations import layer_activation_bytes
-    from trsp_ray.distributed.shape import read_shape
-    from trsp_ray.logs import quiet_libraries
+    from trsp_ray.common.logs import quiet_libraries
+    from trsp_ray.data import assets
+    from trsp_ray.plan.activations import layer_activation_bytes
+    from trsp_ray.plan.shape import read_shape
 
     quiet_libraries()
     torch.set_num_threads(1)

@@ -172,18 +172,18 @@ def main() -> None:
 
     import torch
 
-    from trsp_ray.config import load_config
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.heal import run_heal
-    from trsp_ray.perplexity import windows as make_windows
-    from trsp_ray.surgery import remove_layers
-    from trsp_ray.workbench import prepare
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.data.perplexity import windows as make_windows
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.method.heal import run_heal
+    from trsp_ray.method.surgery import remove_layers
+    from trsp_ray.run.workbench import prepare
 
     t0 = time.time()
     torch.set_num_threads(args.threads)
     cfg = load_config(overrides=["tracking.enabled=false", *args.overrides])
     bench = prepare(cfg)
-    from trsp_ray.comparison_jobs import domain_ppl
+    from trsp_ray.benchmark.jobs import domain_ppl
 
     passages = lambada_passages(args.lambada)
     probe = make_windows(bench.calib_ids, args.probe_seqlen, bos=bench.bos)
@@ -210,7 +210,7 @@ def main() -> None:
         drop = []
         pool = bench.candidates()
         if args.shortlist_bi:
-            from trsp_ray.baselines import block_influence
+            from trsp_ray.method.selectors import block_influence
 
             bi = block_influence(work, gates, [w[None] for w in flat])
             pool = sorted(pool, key=lambda i: bi[i])
@@ -247,8 +247,8 @@ def main() -> None:
         rows.append(("dense", "-", 0.0, 0.0, bench.validation_ppl(bench.model),
                      recall_accuracy(bench.model, tail, tail_masks)[0], bench.heldout_ppl(bench.model),
                      domain_ppl(bench, bench.model, "news"), dense_acc))
-    from trsp_ray.compensation import compensate
-    from trsp_ray.methods import fixed_windows
+    from trsp_ray.method.compensation import compensate
+    from trsp_ray.run.methods import fixed_windows
 
     fit = fixed_windows(bench.batches(seed_offset=300), args.comp_windows)
     variants = ([] if args.no_plain else [None]) + [tuple(c.split(":")) for c in args.comp]

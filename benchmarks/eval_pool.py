@@ -35,8 +35,8 @@ def make_candidates(root: Path, k: int, n_drop: int = 8) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trsp_ray.assets import smollm2_dir
-    from trsp_ray.surgery import remove_layers
+    from trsp_ray.data.assets import smollm2_dir
+    from trsp_ray.method.surgery import remove_layers
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     paths = []

@@ -46,8 +46,8 @@ def _old_export(model, *, model_path: str, tokenizer, drop: list[int], output: s
 
     from trsp_ray.distributed.engine import gather_state_dict
     from trsp_ray.distributed.export import plain_state_dict
-    from trsp_ray.export import export_model
-    from trsp_ray.surgery import remove_layers
+    from trsp_ray.method.surgery import remove_layers
+    from trsp_ray.run.export import export_model
 
     state = gather_state_dict(model, rank=rank)
     if rank == 0:
@@ -63,11 +63,11 @@ def worker(args) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from trsp_ray.config import DistributedConfig
+    from trsp_ray.config.sections import DistributedConfig
     from trsp_ray.distributed import engine as eng
     from trsp_ray.distributed.deepspeed_config import build_ds_config
     from trsp_ray.distributed.export import export_streaming, export_units, gathered, plan_shards
-    from trsp_ray.gates import attach_gates
+    from trsp_ray.method.gates import attach_gates
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.path:
         return worker(args)
-    from trsp_ray.assets import resolve_model
+    from trsp_ray.data.assets import resolve_model
 
     args.model = args.model or resolve_model("smollm2-135m")
     root = Path(tempfile.mkdtemp(prefix="trsp-export-memory-"))

@@ -48,11 +48,11 @@ def rank_main(args) -> None:
     """One rank (RANK / WORLD_SIZE from the environment): the fit and its peak resident set."""
     import torch
 
-    from trsp_ray.config import DistributedConfig
+    from trsp_ray.config.sections import DistributedConfig
     from trsp_ray.distributed import compensate
     from trsp_ray.distributed import engine as eng
     from trsp_ray.distributed.deepspeed_config import build_ds_config
-    from trsp_ray.gates import attach_gates
+    from trsp_ray.method.gates import attach_gates
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -78,9 +78,10 @@ def rank_main(args) -> None:
 
 def planned(args) -> dict:
     """The plan's figures for this fit (compensation_plan, as `trsp-ray plan` calls it)."""
-    from trsp_ray.boundaries import blocks
-    from trsp_ray.distributed.compensation_plan import WORKING_SET, compensation_plan
-    from trsp_ray.distributed.planner import Setup, shape_from_config
+    from trsp_ray.method.boundaries import blocks
+    from trsp_ray.plan.compensation_plan import WORKING_SET, compensation_plan
+    from trsp_ray.plan.shape import shape_from_config
+    from trsp_ray.plan.zero3_setup import Setup
 
     s = shape_from_config(_config(args).to_dict())
     st = Setup(workers=2, dtype_bytes=4, micro_batch=args.batch // 2, seqlen=args.seqlen, device="cpu")
@@ -99,7 +100,7 @@ def run_ranks(args) -> list[dict]:
     import torch
 
     from trsp_ray.distributed.ranks import free_port
-    from trsp_ray.tiny import VOCAB
+    from trsp_ray.models.tiny import VOCAB
 
     work = Path(tempfile.mkdtemp(prefix="trsp-fit-memory-"))
     torch.manual_seed(0)

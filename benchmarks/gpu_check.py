@@ -65,7 +65,7 @@ def part_pytest(args) -> str:
 
 
 def _cfg(args, *extra: str):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     cpu = args.device == "cpu"
     return load_config(overrides=[
@@ -99,8 +99,8 @@ def part_memory(args) -> str:
     import torch
     from planner_single import run_stage
 
-    from trsp_ray.distributed.single_plan import single_plan_for_run
-    from trsp_ray.workbench import device_kind, prepare
+    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.run.workbench import device_kind, prepare
 
     rows = []
     for stage in ("stage 1", "stage 1 +ckpt", "stage 2", "stage 2 +ckpt", "sleb", "evaluation"):
@@ -141,12 +141,12 @@ def part_memory(args) -> str:
 def part_zero3(args) -> str:
     import ray
 
-    from trsp_ray import assets
-    from trsp_ray.config import replace
+    from trsp_ray.config.run_config import replace
+    from trsp_ray.data import assets
     from trsp_ray.distributed.deepspeed_config import build_ds_config
-    from trsp_ray.distributed.memory import OVERHEAD_GB
     from trsp_ray.distributed.train import run_distributed
-    from trsp_ray.distributed.zero3_plan import plan_for_run
+    from trsp_ray.plan.memory import OVERHEAD_GB
+    from trsp_ray.plan.zero3_plan import plan_for_run
 
     gpu = args.device == "cuda"
     cfg = _cfg(args, "method=trsp", "ratio=0.07", "stage1.first_round_steps=4", "stage1.steps_per_round=2",

@@ -28,12 +28,12 @@ def main() -> None:
 
     import ray
 
-    from trsp_ray import assets
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.data import assets
     from trsp_ray.distributed.deepspeed_config import parse_options
-    from trsp_ray.distributed.plan_format import format_plan
     from trsp_ray.distributed.train import run_distributed
-    from trsp_ray.distributed.zero3_plan import plan_for_run
+    from trsp_ray.plan.plan_format import format_plan
+    from trsp_ray.plan.zero3_plan import plan_for_run
 
     storage = tempfile.mkdtemp(prefix="trsp-planner-check-")
     cfg = load_config(overrides=[

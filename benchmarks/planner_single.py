@@ -10,7 +10,7 @@ allocation may or may not reuse. The process loads the model (the original, bf16
 runs one small forward to warm torch up, then resets its peak resident set (Linux VmHWM) and runs
 the stage: measured = peak - resident size just before the stage. The planner's figure for the same span is
 the stage's total minus the runtime overhead and the original model, which were resident before
-(distributed/single_plan.py). Goal: within 15%.
+(plan/single_plan.py). Goal: within 15%.
 
 SLEB scores every candidate removal on `--sleb-windows` windows of `--sleb-seqlen` tokens in
 batches of `--batch`; its memory does not depend on the number of rounds or candidates, so one round
@@ -52,9 +52,9 @@ def measure(args, stage: str) -> dict:
 
     import torch
 
-    from trsp_ray.config import load_config
-    from trsp_ray.distributed.single_plan import single_plan_for_run
-    from trsp_ray.workbench import prepare
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.run.workbench import prepare
 
     cfg = load_config(overrides=_overrides(args, stage))
     bench = prepare(cfg)
@@ -76,10 +76,10 @@ def measure(args, stage: str) -> dict:
 def run_stage(bench, name: str, *, sleb_windows: int) -> None:
     """One stage as the planner names it, small: stage 1 (2 rounds), stage 2 (its configured steps),
     SLEB (one round over three candidates, every window), evaluation (held-out PPL)."""
-    from trsp_ray.baselines import sleb_drop
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.methods import _windows, apply_method, run_stage1_for
-    from trsp_ray.stage1 import Stage1Result
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.method.selectors import sleb_drop
+    from trsp_ray.method.stage1 import Stage1Result
+    from trsp_ray.run.methods import _windows, apply_method, run_stage1_for
 
     if name == "stage 1":
         run_stage1_for(bench)

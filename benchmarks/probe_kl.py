@@ -1,4 +1,4 @@
-"""The removal probe's KL per chunk: stage1._kl_sum against the F.kl_div it replaced, side by side.
+"""The removal probe's KL per chunk: probes._kl_sum against the F.kl_div it replaced, side by side.
 
     python benchmarks/probe_kl.py [--batch 4] [--seqlen 128] [--vocab 49152] [--reps 6] [--dtype float32]
 
@@ -28,7 +28,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from trsp_ray.stage1 import _kl_sum
+    from trsp_ray.method.probes import _kl_sum
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -54,7 +54,7 @@ def main() -> None:
     a, b = (statistics.median(times[k]) for k in ("kl_div", "_kl_sum"))
     print(f"chunk {args.batch} x {args.seqlen} x {args.vocab}, teacher {args.dtype}, log_softmax included, "
           f"median of {args.reps}")
-    print(f"  F.kl_div: {a:.3f} s   stage1._kl_sum: {b:.3f} s   ratio {a / b:.2f}x")
+    print(f"  F.kl_div: {a:.3f} s   probes._kl_sum: {b:.3f} s   ratio {a / b:.2f}x")
     print(f"  equal to the bit: {values['kl_div'] == values['_kl_sum']} ({values['kl_div']:.6f})")
     print(f"  load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -1,4 +1,4 @@
-"""Throughput of stage 1's removal probes (stage1.RemovalScorer) on 2 data-parallel ranks vs 1.
+"""Throughput of stage 1's removal probes (probes.RemovalScorer) on 2 data-parallel ranks vs 1.
 
     python benchmarks/probe_throughput.py [--model smollm2-135m] [--windows 8] [--seqlen 128] [--calls 6]
 
@@ -28,9 +28,9 @@ def _score(rank: int, world: int, args, all_reduce=None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trsp_ray.assets import resolve_model
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.stage1 import RemovalScorer
+    from trsp_ray.data.assets import resolve_model
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.method.probes import RemovalScorer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

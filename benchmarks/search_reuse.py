@@ -58,8 +58,8 @@ def main() -> int:
     import ray
     import torch
 
-    from trsp_ray.config import load_config
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.models.tiny import tiny_workspace
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--first-round-steps", type=int, default=24)

@@ -41,10 +41,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trsp_ray.assets import smollm2_dir
+    from trsp_ray.data.assets import smollm2_dir
     from trsp_ray.evaluation.speed import SpeedSettings, compare_speed
-    from trsp_ray.stage1 import n_drop_for
-    from trsp_ray.surgery import remove_layers
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.method.surgery import remove_layers
 
     torch.set_num_threads(args.threads)
     start_load = _load()

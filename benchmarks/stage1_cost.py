@@ -37,9 +37,9 @@ def main() -> None:
 
     import torch
 
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.training import TorchStepper, freeze
-    from trsp_ray.workbench import load_model
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.method.training import TorchStepper, freeze
+    from trsp_ray.run.workbench import load_model
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)

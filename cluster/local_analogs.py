@@ -31,8 +31,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 def cache_tiny_model(hf_home: Path, repo_id: str = HUB_ID) -> Path:
     from transformers import AutoTokenizer
 
-    from trsp_ray.assets import smollm2_dir
-    from trsp_ray.tiny import tiny_model
+    from trsp_ray.data.assets import smollm2_dir
+    from trsp_ray.models.tiny import tiny_model
 
     repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / COMMIT

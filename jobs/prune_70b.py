@@ -47,13 +47,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the --working-dir copy of trsp_ray
 PROG = Path(__file__).name  # what argparse calls the job; its own errors start with it too
 
-from trsp_ray import registry  # noqa: E402 (after the path insert)
-from trsp_ray.run_args import method_type  # noqa: E402
+from trsp_ray.config import registry  # noqa: E402 (after the path insert)
+from trsp_ray.run.run_args import method_type  # noqa: E402
 
 
 def job_config(args: argparse.Namespace):
     """The run config: 70B cluster defaults, then --config, then the flags, then --set overrides."""
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     gpu = args.device == "cuda"
     base = {
@@ -108,21 +108,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from trsp_ray.common.errors import run_main
+    from trsp_ray.common.logs import quiet_libraries
     from trsp_ray.distributed.deepspeed_config import parse_options
-    from trsp_ray.distributed.plan_format import format_plan
     from trsp_ray.distributed.train import run_distributed
-    from trsp_ray.distributed.zero3_plan import plan_for_run
-    from trsp_ray.errors import run_main
-    from trsp_ray.logs import quiet_libraries
+    from trsp_ray.plan.plan_format import format_plan
+    from trsp_ray.plan.zero3_plan import plan_for_run
 
     args = parse_args(argv)
     quiet_libraries(verbose=args.verbose)
 
     def body() -> int:
-        from trsp_ray import assets
+        from trsp_ray.data import assets
         from trsp_ray.distributed.deepspeed_config import build_ds_config
-        from trsp_ray.export import check_export_target
-        from trsp_ray.pipeline import resolve
+        from trsp_ray.run.export import check_export_target
+        from trsp_ray.run.pipeline import resolve
 
         # the compensation the method runs (the default's least squares), then the heal steps that
         # --set heal.compute_budget=N buys after it
@@ -145,6 +145,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from trsp_ray.process_exit import exit_after
+    from trsp_ray.common.process_exit import exit_after
 
     exit_after(main)  # the commands' one exit: a finished run cannot fail in the teardown

@@ -40,8 +40,8 @@ def job_config(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from trsp_ray.errors import run_main
-    from trsp_ray.logs import quiet_libraries
+    from trsp_ray.common.errors import run_main
+    from trsp_ray.common.logs import quiet_libraries
     from trsp_ray.reproduce.cli import run_from_args
 
     args = job_config(argv)
@@ -50,6 +50,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from trsp_ray.process_exit import exit_after
+    from trsp_ray.common.process_exit import exit_after
 
     exit_after(main)  # the commands' one exit: a finished run cannot fail in the teardown

@@ -42,7 +42,7 @@ def job_config(args: argparse.Namespace):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from trsp_ray.cli import add_entry_flags
-    from trsp_ray.run_args import add_run_arguments
+    from trsp_ray.run.run_args import add_run_arguments
     from trsp_ray.search.cli import add_arguments, add_method_argument
 
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trsp_ray.errors import run_main
-    from trsp_ray.logs import quiet_libraries
+    from trsp_ray.common.errors import run_main
+    from trsp_ray.common.logs import quiet_libraries
 
     args = parse_args(argv)
     quiet_libraries(verbose=args.verbose)
@@ -70,6 +70,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trsp_ray.process_exit import exit_after
+    from trsp_ray.common.process_exit import exit_after
 
     exit_after(main)  # the commands' one exit: a finished run cannot fail in the teardown

@@ -1,4 +1,4 @@
-"""The planner's activation model (distributed/activations.py) equals what autograd keeps for
+"""The planner's activation model (plan/activations.py) equals what autograd keeps for
 backward, counted by saved-tensor hooks (benchmarks/activation_check.py's counter), per token and
 decoder layer: stage 1 and stage 2, in one process and with DeepSpeed ZeRO-3's Linear, on a tiny
 Llama whose attention width differs from its hidden size (q = 4 x 24 = 96, h = 64, kv = 48)."""
@@ -38,8 +38,8 @@ def llama_dir(tmp_path_factory):
 def test_the_activation_model_is_what_autograd_keeps(llama_dir, dtype, e, trained, gated, zero3):
     if zero3:
         pytest.importorskip("deepspeed")
-    from trsp_ray.distributed.activations import layer_activation_bytes
-    from trsp_ray.distributed.shape import read_shape
+    from trsp_ray.plan.activations import layer_activation_bytes
+    from trsp_ray.plan.shape import read_shape
 
     saved_bytes = _counter()
     tokens = (2, 32)

@@ -1,4 +1,4 @@
-"""trsp_ray.atomic: a failed write leaves the old file or directory as it was and no temp behind;
+"""trsp_ray.common.atomic: a failed write leaves the old file or directory as it was and no temp behind;
 a finished one replaces it."""
 
 import json
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from trsp_ray import atomic
+from trsp_ray.common import atomic
 
 
 def _names(directory):

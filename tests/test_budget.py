@@ -67,9 +67,9 @@ def test_a_budget_that_is_not_a_token_count_is_an_argparse_error(capsys):
 
 
 def test_the_benchmark_refuses_a_prune_budget():
-    from trsp_ray.comparison import check_request
-    from trsp_ray.config import load_config
-    from trsp_ray.errors import TrspError
+    from trsp_ray.benchmark.comparison import check_request
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config.run_config import load_config
 
     with pytest.raises(TrspError, match="--budgets"):
         check_request(load_config(None, ["heal.compute_budget=1e6"]), ["dense"], 1, 0)
@@ -78,9 +78,9 @@ def test_the_benchmark_refuses_a_prune_budget():
 def test_the_planned_compensation_cost_bounds_what_the_compensation_spends():
     """Sequential least squares runs two passes per block: the bound counts every block a drop set
     of n_drop layers can have, so the budget is never overrun by the fit."""
-    from trsp_ray import compensation
-    from trsp_ray.budget import planned_compensation_cost
-    from trsp_ray.config import for_method, load_config
+    from trsp_ray.config.run_config import for_method, load_config
+    from trsp_ray.method import compensation
+    from trsp_ray.run.budget import planned_compensation_cost
 
     for activations in ("dense", "sequential"):
         cfg = load_config(None, ["ratio=0.25", "data.seqlen=32", "compensation.method=lstsq", "compensation.windows=4",

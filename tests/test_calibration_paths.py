@@ -5,7 +5,7 @@ the same paths read the domain mixture."""
 import pytest
 import torch
 
-from trsp_ray.config import load_config
+from trsp_ray.config.run_config import load_config
 
 SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=2",
          "stage2.steps=2", "threads=1", "tracking.enabled=false", "compensation.windows=16"]
@@ -13,7 +13,7 @@ SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eva
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path_factory.mktemp("tiny"), layers=6, calib_chars=2000, eval_chars=8000)
     # a text of few distinct words: every token id it has is known, and Wikipedia has many more
@@ -34,10 +34,10 @@ def _embedding_inputs(monkeypatch) -> set:
 
 
 def test_a_calibration_file_is_all_that_selection_fold_and_heal_see(tiny_dir, monkeypatch):
-    from trsp_ray.methods import apply_method
-    from trsp_ray.perplexity import encode
-    from trsp_ray.pipeline import resolve
-    from trsp_ray.workbench import prepare
+    from trsp_ray.data.perplexity import encode
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.pipeline import resolve
+    from trsp_ray.run.workbench import prepare
 
     cfg = resolve(load_config(None, SMALL, base={
         "model": str(tiny_dir / "model"), "ratio": 0.34, "method": "shortgpt+comp+heal",

@@ -5,9 +5,9 @@ local disk holds at most two saves, and the plan counts both. The S3 job test
 
 import pytest
 
-from trsp_ray.config import load_config
-from trsp_ray.distributed.zero3_setup import setup_for_run
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config
+from trsp_ray.plan.zero3_setup import setup_for_run
 
 
 def test_upload_mode_reaches_the_plan_and_a_bad_one_is_refused():

@@ -81,7 +81,7 @@ def _prune_70b_gpus() -> int:
     """What jobs/prune_70b.py needs for Llama-2-70B with its cluster defaults, per the planner."""
     import sys
 
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import zero3_plan, zero3_setup
     from trsp_ray.reproduce.presets import ModelSpec
     from trsp_ray.reproduce.work import planner_shape
 
@@ -90,7 +90,8 @@ def _prune_70b_gpus() -> int:
 
     args = prune_70b.parse_args(["--model", "meta-llama/Llama-2-70b-hf"])
     cfg = prune_70b.job_config(args)
-    need = planner.min_workers(planner_shape(ModelSpec("llama2-70b", "x", LLAMA2_70B)), planner.setup_for_run(cfg))
+    shape = planner_shape(ModelSpec("llama2-70b", "x", LLAMA2_70B))
+    need = zero3_plan.min_workers(shape, zero3_setup.setup_for_run(cfg))
     assert need is not None
     return need
 

@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from trsp_ray import registry
-from trsp_ray.comparison import check_request, plan_jobs
-from trsp_ray.comparison_stats import GEO, paired_se, summarize, verdict
-from trsp_ray.config import load_config
-from trsp_ray.errors import TrspError
+from trsp_ray.benchmark.comparison import check_request, plan_jobs
+from trsp_ray.benchmark.stats import GEO, paired_se, summarize, verdict
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import load_config
 
 SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=3",
          "stage1.first_round_steps=3", "stage1.steps_per_round=2", "stage2.steps=3",
@@ -18,7 +18,7 @@ SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eva
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path_factory.mktemp("tiny"), layers=8, calib_chars=40000, eval_chars=12000)
     return root
@@ -64,7 +64,7 @@ def test_the_ray_driver_starts_the_critical_path_first_whenever_a_worker_frees()
     ready only after the 462 s stage 1, queued behind every ShortGPT row and the dense row (15:47
     wall). The driver now keeps `workers` tasks in flight and picks the next by priority among the
     jobs whose selections are done."""
-    from trsp_ray.distributed.comparison import next_job, submission_order
+    from trsp_ray.benchmark.cluster import next_job, submission_order
 
     rows = registry.rows(list(registry.QUICK_ROWS))
     waiting = sorted(plan_jobs(rows, [0]), key=submission_order)
@@ -209,7 +209,7 @@ def test_summary_compares_each_row_with_its_own_groups_best_baseline():
 
 
 def test_one_seed_verdicts_say_no_spread_and_win_nothing(capsys):
-    from trsp_ray.comparison_report import render_report
+    from trsp_ray.benchmark.report import render_report
 
     rows = registry.rows(["shortgpt+heal", "shortgpt+comp+heal"])
     results = [_result("shortgpt+heal", 0, 30.0, weight=64), _result("shortgpt+comp+heal", 0, 25.0, weight=64)]
@@ -223,8 +223,8 @@ def test_one_seed_verdicts_say_no_spread_and_win_nothing(capsys):
 
 
 def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
-    from trsp_ray.comparison_jobs import budget_configs, equal_compute_steps
-    from trsp_ray.compute import extra_heal_steps, recovery_cost, total_cost
+    from trsp_ray.benchmark.jobs import budget_configs, equal_compute_steps
+    from trsp_ray.plan.compute import extra_heal_steps, recovery_cost, total_cost
 
     cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "stage2.steps=20"])
     # TRSP's selection spent 126k dense-forward tokens, ShortGPT's 20k: 106k / (3 x 512) = 69 steps
@@ -241,7 +241,7 @@ def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
 
 def test_comp_compute_rows_get_the_compensations_cost_as_heal_steps():
     """'@comp': ShortGPT's set of SmolLM2 (8 of 30), 32 x 128 calibration tokens, 512 tokens a step."""
-    from trsp_ray.comparison_jobs import compensation_steps
+    from trsp_ray.benchmark.jobs import compensation_steps
 
     drop = [12, 13, 14, 15, 16, 17, 25, 26]
     cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "compensation.windows=32"])
@@ -269,7 +269,7 @@ def test_plan_runs_trained_rows_per_budget_and_needs_trsp_for_equal_compute():
 
 
 def test_benchmark_rows_share_selections_and_budget(tiny_dir, capsys):
-    from trsp_ray.comparison import run_benchmark
+    from trsp_ray.benchmark.comparison import run_benchmark
 
     names = ["dense", "trsp", "trsp-no-stage2", "trsp-oneshot", "trsp-selection+heal", "shortgpt",
              "shortgpt+heal", "shortgpt+comp+heal", "sleb", "sleb+heal", "random", "random+heal"]
@@ -314,8 +314,8 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
     """The '+comp' row compensates the same drop set (a different model, its fit counted as recovery
     compute), the '@compute' row heals with TRSP's extra selection compute, and every row carries
     LAMBADA's accuracy with its standard error."""
-    from trsp_ray.comparison import run_benchmark
-    from trsp_ray.comparison_jobs import equal_compute_steps
+    from trsp_ray.benchmark.comparison import run_benchmark
+    from trsp_ray.benchmark.jobs import equal_compute_steps
 
     names = ["trsp-no-stage2", "shortgpt", "shortgpt+comp", "shortgpt+heal@compute", "shortgpt+comp+heal",
              "shortgpt+heal@comp"]
@@ -345,8 +345,8 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
 def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from trsp_ray.comparison import run_benchmark
-    from trsp_ray.distributed.comparison import run_benchmark_ray
+    from trsp_ray.benchmark.cluster import run_benchmark_ray
+    from trsp_ray.benchmark.comparison import run_benchmark
 
     names = ("dense", "trsp", "shortgpt", "shortgpt+heal")
     local = {s["row"]: s for s in run_benchmark(_cfg(tiny_dir), names)}
@@ -369,13 +369,14 @@ def test_benchmark_on_local_ray_matches_in_process(tiny_dir, tmp_path):
 
 def test_report_says_when_sleb_was_cut_and_full_baselines_lifts_it(monkeypatch):
     from trsp_ray import cli
-    from trsp_ray.comparison_report import sleb_note as _sleb_note
-    from trsp_ray.config import FULL_SLEB_WINDOWS
+    from trsp_ray.benchmark.report import sleb_note as _sleb_note
+    from trsp_ray.config.sections import FULL_SLEB_WINDOWS
 
     assert "CUT" in _sleb_note(load_config(None, [])) and "--full-baselines" in _sleb_note(load_config(None, []))
     seen = {}
-    monkeypatch.setattr("trsp_ray.comparison.run_benchmark", lambda cfg, rows, **kw: seen.setdefault("cfg", cfg))
-    monkeypatch.setattr("trsp_ray.workbench.check_single_plan", lambda cfg, methods: None)
+    monkeypatch.setattr("trsp_ray.benchmark.comparison.run_benchmark",
+                        lambda cfg, rows, **kw: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr("trsp_ray.run.workbench.check_single_plan", lambda cfg, methods: None)
     assert cli.main(["benchmark", "--full-baselines", "--workers", "0", "--rows", "sleb", "--no-mlflow"]) == 0
     assert seen["cfg"].baselines.sleb_windows == FULL_SLEB_WINDOWS
     assert "CUT" not in _sleb_note(seen["cfg"])
@@ -387,11 +388,11 @@ def test_the_readme_run_cuts_trsps_refinement_and_says_so(monkeypatch):
     from trsp_ray import cli
 
     seen = []
-    monkeypatch.setattr("trsp_ray.distributed.comparison.run_benchmark_ray",
+    monkeypatch.setattr("trsp_ray.benchmark.cluster.run_benchmark_ray",
                         lambda cfg, rows, **kw: seen.append((cfg.stage1.refine, kw["cut"])))
-    monkeypatch.setattr("trsp_ray.comparison.run_benchmark",
+    monkeypatch.setattr("trsp_ray.benchmark.comparison.run_benchmark",
                         lambda cfg, rows, **kw: seen.append((cfg.stage1.refine, kw["cut"])))
-    monkeypatch.setattr("trsp_ray.workbench.check_single_plan", lambda cfg, methods: None)
+    monkeypatch.setattr("trsp_ray.run.workbench.check_single_plan", lambda cfg, methods: None)
     default = load_config(None, []).stage1.refine
     assert default > 0
     for argv, refine, cut in ((["benchmark"], 0, "TRSP's swap refinement (stage1.refine=0"),
@@ -408,7 +409,7 @@ def test_the_readme_run_cuts_trsps_refinement_and_says_so(monkeypatch):
 
 def test_bar_plot_takes_a_mean_an_ulp_outside_its_range():
     """Three equal PPLs can average to a float just above their max; the plot must still draw."""
-    from trsp_ray.plots import benchmark_bars
+    from trsp_ray.common.plots import benchmark_bars
 
     v = 29.267000000000003
     cell = {"mean": v + 3.6e-15, "min": v, "max": v}
@@ -420,7 +421,7 @@ def test_bar_plot_takes_a_mean_an_ulp_outside_its_range():
 
 
 def test_quality_vs_compute_plot_draws_each_row_across_budgets():
-    from trsp_ray.plots import close, quality_vs_compute
+    from trsp_ray.common.plots import close, quality_vs_compute
 
     def cell(v):
         return {"mean": v, "min": v, "max": v, "spread": 0.0, "n": 1}
@@ -442,7 +443,7 @@ def test_quality_vs_compute_plot_draws_each_row_across_budgets():
 
 
 def test_benchmark_tasks_request_a_gpu_when_the_device_is_one():
-    from trsp_ray.distributed.comparison import task_gpus
+    from trsp_ray.benchmark.cluster import task_gpus
 
     assert task_gpus("cuda", 0) == 1 and task_gpus("auto", 2) == 1
     assert task_gpus("auto", 0) == 0 and task_gpus("cpu", 8) == 0
@@ -454,7 +455,7 @@ def test_benchmark_task_sees_the_gpu_it_requested_on_a_cluster_with_gpus(private
     task a GPU id (with CPUs alone the task would see none)."""
     import ray
 
-    from trsp_ray.distributed import comparison as dc
+    from trsp_ray.benchmark import cluster as dc
 
     private_ray(num_cpus=2, num_gpus=1)
     seen = []
@@ -473,12 +474,12 @@ def test_a_warmed_runner_s_workers_have_imported_torch_and_transformers_before_a
     while the driver still sets up MLflow; a worker of a plain Ray start has imported none of it."""
     import ray
 
-    from trsp_ray.distributed import comparison as dc
+    from trsp_ray.benchmark import cluster as dc
 
     def imported():
         import sys
 
-        return ["transformers.generation.utils" in sys.modules, "trsp_ray.workbench" in sys.modules]
+        return ["transformers.generation.utils" in sys.modules, "trsp_ray.run.workbench" in sys.modules]
 
     runner = dc.RayRunner(1)
     runner.warm()
@@ -500,7 +501,8 @@ def test_mlflow_sets_up_in_a_thread_while_the_runner_warms_on_the_main_thread(mo
     import threading
     import time
 
-    from trsp_ray import comparison, tracking
+    from trsp_ray.benchmark import comparison
+    from trsp_ray.run import tracking
 
     seen = {}
 
@@ -543,8 +545,8 @@ def test_the_command_exits_with_main_s_status_after_the_atexit_handlers(tmp_path
 def test_the_dense_rows_scores_are_computed_once_and_cached(tiny_dir, tmp_path, monkeypatch):
     """Every seed's dense row and every row's ratio to dense read one computation per model: the
     per-window losses and LAMBADA's per-passage results are cached under the model and settings."""
-    from trsp_ray import comparison_jobs
-    from trsp_ray.workbench import prepare
+    from trsp_ray.benchmark import jobs as comparison_jobs
+    from trsp_ray.run.workbench import prepare
 
     monkeypatch.setenv("TRSP_RAY_CACHE", str(tmp_path / "cache"))
     calls = []
@@ -565,7 +567,7 @@ def test_the_anchor_rows_run_the_fit_and_recipe_their_names_spell(tiny_dir):
     """shortgpt+cos+heal fits the cosine map on the default's drop set; shortgpt+comp+heal.map trains
     only the folded maps and tail+heal.tail only lm_head + the last layers, so each scores another
     model than the full heal of the same drop set, with the same heal budget."""
-    from trsp_ray.comparison_jobs import row_job, selection_job
+    from trsp_ray.benchmark.jobs import row_job, selection_job
 
     cfg = _cfg(tiny_dir, "compensation.windows=16").to_dict()
     sel = {s: selection_job(cfg, s, 0) for s in ("shortgpt", "tail")}

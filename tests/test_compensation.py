@@ -1,4 +1,4 @@
-"""Issue 21: the closed-form compensation of a removed block (trsp_ray/compensation.py) reaches the
+"""Issue 21: the closed-form compensation of a removed block (trsp_ray/method/compensation.py) reaches the
 least-squares optimum, folds into a stock checkpoint of every family that can take it, handles
 non-contiguous drop sets block by block, refuses what it cannot serve in one line, and gives the
 same map from data-parallel shards as from one process."""
@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trsp_ray import compensation, compensation_scalar, families
-from trsp_ray.errors import TrspError
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import VOCAB, tiny_model, with_random_biases
-from trsp_ray.workbench import copy_model
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method import compensation, compensation_scalar
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models import families
+from trsp_ray.models.tiny import VOCAB, tiny_model, with_random_biases
+from trsp_ray.run.workbench import copy_model
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDABLE = [f for f, fam in families.FAMILIES.items() if not fam.mlp_fold_refusal]  # every family a fold reaches
@@ -66,7 +67,7 @@ def _error(out, target, weighting):
 
 
 def test_compensation_imports_no_distributed_or_tracking_library():
-    tree = ast.parse((ROOT / "trsp_ray" / "compensation.py").read_text())
+    tree = ast.parse((ROOT / "trsp_ray" / "method" / "compensation.py").read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not names & {"ray", "deepspeed", "mlflow", "lm_eval"}
@@ -163,8 +164,8 @@ def test_a_non_contiguous_drop_set_is_repaired_block_by_block(activations, weigh
 def test_compensated_model_exports_and_reloads_with_plain_transformers(family, method, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trsp_ray.config import load_config
-    from trsp_ray.export import export_model, pruned_manifest
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.export import export_model, pruned_manifest
 
     dense, windows, drop = tiny_model(family, layers=6), _windows(), [2, 3]
     model = _pruned(dense, drop)
@@ -203,7 +204,7 @@ def test_post_ln_opt_is_refused_in_one_line():
 
 
 def test_bad_requests_fail_in_one_line_before_any_forward():
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     dense = tiny_model("llama", layers=6)
     calls = []
@@ -311,8 +312,8 @@ def test_a_run_with_compensation_records_it_in_the_manifest(tmp_path, capsys):
     import json
 
     from trsp_ray import driver
-    from trsp_ray.config import load_config
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path / "ws", layers=6, calib_chars=20000, eval_chars=8000)
     overrides = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
@@ -373,7 +374,7 @@ def test_a_bf16_fit_beside_a_host_original_folds_within_bf16_rounding_and_return
     import weakref
     from types import SimpleNamespace
 
-    from trsp_ray.methods import _dense_beside
+    from trsp_ray.run.methods import _dense_beside
 
     run = _cuda() if run == "cuda" else torch.device(run)
     dense, drop = tiny_model("llama", layers=6).to(torch.bfloat16), [2, 3]
@@ -438,9 +439,10 @@ def test_the_default_folds_a_diagonal_map_into_the_mlp_norm_on_gemma(tmp_path):
     norm's weight (issue 32 item 2, compensation.map_form): the default method compensates there with
     the diagonal form and records it; the scalar fold (whose scaled projections the norms would undo)
     asked for by name is refused in one line."""
-    from trsp_ray import driver, registry
-    from trsp_ray.config import load_config
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray import driver
+    from trsp_ray.config import registry
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path / "ws", layers=6, calib_chars=20000, eval_chars=8000, family="gemma2")
     overrides = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
@@ -537,7 +539,7 @@ def test_two_shards_summed_give_the_one_process_scales():
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """config.json and two texts: what a dry run and the checks before any work read (no weights)."""
-    from trsp_ray.tiny import tiny_config
+    from trsp_ray.models.tiny import tiny_config
 
     root = tmp_path_factory.mktemp("ws")
     tiny_config("llama", layers=6).save_pretrained(root / "model")
@@ -565,7 +567,7 @@ def test_compensation_none_with_the_default_is_refused_wherever_a_run_starts(wor
     """Issue 33 item 7: `--set compensation.method=none` under shortgpt+comp+heal used to fit least
     squares anyway. Left at auto the default fits least squares and says so in the dry run; none is
     one line naming the method without the fold, before any work, on every path."""
-    from trsp_ray.config import for_method, load_config
+    from trsp_ray.config.run_config import for_method, load_config
     from trsp_ray.distributed.train import run_distributed
 
     assert for_method(load_config()).compensation.method == "lstsq"
@@ -595,9 +597,9 @@ def test_a_compensation_after_stage2_is_refused_before_any_work(workspace):
     the one-process path (apply_method, before the model is copied), the dry run and the workers."""
     from types import SimpleNamespace
 
-    from trsp_ray.config import for_method, load_config
+    from trsp_ray.config.run_config import for_method, load_config
     from trsp_ray.distributed.train import run_distributed
-    from trsp_ray.methods import apply_method
+    from trsp_ray.run.methods import apply_method
 
     trained = load_config(overrides=[f"model={workspace / 'model'}", "method=trsp", "compensation.method=lstsq",
                                      "distributed.workers=2"])

@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from trsp_ray import compensation
+from trsp_ray.common.errors import TrspError
 from trsp_ray.distributed import compensate
 from trsp_ray.distributed.ranks import free_port
-from trsp_ray.errors import TrspError
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import VOCAB, tiny_model
-from trsp_ray.training import split_over_ranks
-from trsp_ray.workbench import copy_model
+from trsp_ray.method import compensation
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.method.training import split_over_ranks
+from trsp_ray.models.tiny import VOCAB, tiny_model
+from trsp_ray.run.workbench import copy_model
 
 DROP = [2, 4]  # two blocks: maps folded into layers 1 and 3
 
@@ -41,7 +41,7 @@ def test_the_fit_splits_windows_like_the_probes_and_pads_the_short_rank():
 
 
 def test_what_the_workers_cannot_serve_is_refused_before_they_start():
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     compensate.check_for_workers(load_config(overrides=["compensation.method=lstsq"]))
     with pytest.raises(TrspError, match="not run on Ray Train workers"):
@@ -64,11 +64,12 @@ def test_fewer_windows_than_workers_is_refused_before_any_work(tmp_path, monkeyp
     a run is checked (prepare_run), routed (`prune` and its dry run) and planned (`trsp-ray plan`)."""
     from types import SimpleNamespace
 
-    from trsp_ray import cli, driver, workbench
-    from trsp_ray.config import load_config
-    from trsp_ray.distributed import route
+    from trsp_ray import cli, driver
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.train import check_worker_settings
-    from trsp_ray.tiny import tiny_config
+    from trsp_ray.models.tiny import tiny_config
+    from trsp_ray.plan import route
+    from trsp_ray.run import workbench
 
     few = load_config(overrides=["compensation.windows=3", "distributed.workers=4"])  # the default compensates
     for check in (compensate.check_for_workers, check_worker_settings):
@@ -100,11 +101,11 @@ def test_whole_passes_cost_one_dense_forward_per_token():
 
 ZERO3_WORKER = r"""
 import json, os, sys, torch
-from trsp_ray.config import DistributedConfig
+from trsp_ray.config.run_config import DistributedConfig
 from trsp_ray.distributed import compensate, engine as eng
 from trsp_ray.distributed.deepspeed_config import build_ds_config
 from trsp_ray.distributed.export import export_streaming
-from trsp_ray.gates import attach_gates
+from trsp_ray.method.gates import attach_gates
 torch.set_num_threads(1)
 model_dir, windows_file, out, reduce = sys.argv[1:5]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

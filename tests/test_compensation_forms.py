@@ -1,4 +1,4 @@
-"""Issue 21: the least-squares map's restricted forms (trsp_ray/compensation_forms.py). Each form
+"""Issue 21: the least-squares map's restricted forms (trsp_ray/method/compensation_forms.py). Each form
 minimises the same ridge objective over its own class of maps: the diagonal one is the per-channel
 regression of the gathered activations, the low-rank one beats every other rank-k correction tried
 and reaches the full map at k = d, and the folded model reproduces each form's residual."""
@@ -6,12 +6,13 @@ and reaches the full map at k = d, and the folded model reproduces each form's r
 import pytest
 import torch
 
-from trsp_ray import compensation, families
-from trsp_ray.compensation_forms import objective, solve
-from trsp_ray.errors import TrspError
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import VOCAB, tiny_model, with_random_biases
-from trsp_ray.workbench import copy_model
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method import compensation
+from trsp_ray.method.compensation_forms import objective, solve
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models import families
+from trsp_ray.models.tiny import VOCAB, tiny_model, with_random_biases
+from trsp_ray.run.workbench import copy_model
 
 
 def _windows(count=4, batch=4, seqlen=32, seed=1):
@@ -115,7 +116,7 @@ def test_the_folded_model_reproduces_each_forms_residual(form, rank, family):
 
 
 def test_bad_forms_fail_in_one_line_before_any_forward():
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     dense = tiny_model("llama", layers=6)
     calls = []
@@ -155,7 +156,7 @@ def test_the_workers_fit_uses_the_configured_form(form, rank, weighting, family)
     like one process: one rank, no all-reduce, on an unpartitioned model (the ZeRO-3 sums are checked
     in the slow tier). The two weightings fold different weights, so a dropped setting fails."""
     from trsp_ray.distributed import compensate
-    from trsp_ray.gates import attach_gates
+    from trsp_ray.method.gates import attach_gates
 
     dense, windows, drop = with_random_biases(tiny_model(family, layers=6)), _windows(), [2, 3]
     one = copy_model(dense, torch.device("cpu"))

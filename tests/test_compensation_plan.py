@@ -1,5 +1,5 @@
 """Issue 21 item 3: the compensation's float64 sums, solve and fold in the ZeRO-3 plan
-(distributed/compensation_plan.py), at d = 8192 (Llama-2-70B: 512 MiB per d x d float64 matrix),
+(plan/compensation_plan.py), at d = 8192 (Llama-2-70B: 512 MiB per d x d float64 matrix),
 and printed by `trsp-ray plan --compensation lstsq`."""
 
 import subprocess
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray.distributed import planner
-from trsp_ray.distributed.compensation_plan import WORKING_SET, compensation_plan, fit_phases, max_blocks
-from trsp_ray.distributed.memory import GB
+from trsp_ray.plan import shape, zero3_plan, zero3_setup
+from trsp_ray.plan.compensation_plan import WORKING_SET, compensation_plan, fit_phases, max_blocks
+from trsp_ray.plan.memory import GB
 
 MODELS = Path(__file__).resolve().parents[1] / "cluster" / "models"
 LLAMA2_70B = str(MODELS / "llama-2-70b.json")
@@ -80,12 +80,13 @@ def test_llama2_70b_compensation_memory_at_d_8192():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trsp_ray import compensation, families
-    from trsp_ray.compensation_forms import solve
+    from trsp_ray.method import compensation
+    from trsp_ray.method.compensation_forms import solve
+    from trsp_ray.models import families
 
-    s = planner.read_shape(LLAMA2_70B)
+    s = shape.read_shape(LLAMA2_70B)
     assert (s.hidden, s.intermediate) == (8192, 28672)
-    st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True)
+    st = zero3_setup.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True)
     cp = compensation_plan(s, st, ratio=0.25, windows=112, protect_head=1, protect_tail=1)
     assert (cp.n_drop, cp.blocks, cp.rows) == (20, 20, 7)
 
@@ -147,14 +148,14 @@ def test_plan_command_prints_the_compensation_the_method_runs():
 def test_a_run_whose_compensation_does_not_fit_is_refused_before_any_worker():
     """Llama-2-70B on 16 x 34 GB: stage 1 (17 GB) and its probes fit, the least-squares sums of its
     20 possible blocks (35.2 GB with the solve) do not; the scalar fold has no d x d sums."""
-    from trsp_ray.config import load_config
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.train import check_plan
-    from trsp_ray.errors import TrspError
 
     common = ["distributed.workers=16", "distributed.use_gpu=true", "distributed.activation_checkpointing=true",
               "data.batch_size=16", "data.seqlen=2048", "method=trsp-no-stage2", "compensation.windows=16"]
     at = lambda gb, comp: load_config(None, [*common, f"distributed.gpu_memory_gb={gb}", f"compensation.method={comp}"])
-    assert planner.plan_for_run(at(34, "lstsq"), LLAMA2_70B).fits
+    assert zero3_plan.plan_for_run(at(34, "lstsq"), LLAMA2_70B).fits
     with pytest.raises(TrspError, match=r"compensation needs 35\.[0-9] GB per worker") as err:
         check_plan(at(34, "lstsq"), LLAMA2_70B)
     assert "\n" not in str(err.value) and "compensation.method=scalar" in str(err.value)

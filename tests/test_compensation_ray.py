@@ -14,7 +14,7 @@ COMP = ["compensation.windows=16"]  # 16 x 32 tokens: 8 per column of the hidden
 
 def _on_workers(base: list[str], tmp_path, **kwargs):
     """run_distributed of `base` on this test's own Ray head, exported to tmp_path / 'ray'."""
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.train import run_distributed
 
     start_own_ray()
@@ -29,11 +29,11 @@ def test_workers_handed_a_drop_set_fit_and_fold_like_one_process(tiny_dir, tmp_p
     """A drop set chosen in one process (SLEB's route) and least squares on 2 ZeRO-3 gloo workers:
     no selection ran on the workers, so nothing had built the engine whose hooks a ZeRO-3 forward
     needs, and the fit crashed (issue 33 item 1). The export equals one process's within 1e-4."""
-    from trsp_ray.config import load_config
-    from trsp_ray.export import export_model
-    from trsp_ray.methods import apply_method
-    from trsp_ray.pipeline import resolve
-    from trsp_ray.workbench import prepare
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.export import export_model
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.pipeline import resolve
+    from trsp_ray.run.workbench import prepare
 
     base = [f"model={tiny_dir}"] + OVERRIDES + ["method=sleb+heal", "compensation.method=lstsq"] + COMP
     drop = [2, 4]
@@ -55,9 +55,9 @@ def test_workers_handed_a_drop_set_fit_and_fold_like_one_process(tiny_dir, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("method,comp", [("trsp+heal", "lstsq"), ("shortgpt+heal", "scalar")])
 def test_zero3_workers_compensate_like_one_process(tiny_dir, tmp_path, method, comp):  # noqa: F811
-    from trsp_ray import compensation
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
+    from trsp_ray.method import compensation
 
     base = [f"model={tiny_dir}"] + OVERRIDES + [f"method={method}", f"compensation.method={comp}"] + COMP
     result = _on_workers(base, tmp_path)
@@ -80,7 +80,7 @@ def test_zero3_workers_compensate_like_one_process(tiny_dir, tmp_path, method, c
 def test_workers_cut_the_tail_fit_and_heal_like_one_process(tiny_dir, tmp_path):  # noqa: F811
     """tail+comp+heal on 2 ZeRO-3 workers: every rank computes the tail cut alike (no forward), fits
     and folds the maps and heals; the export equals one process's."""
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
 
     base = [f"model={tiny_dir}"] + OVERRIDES + ["method=tail+comp+heal"] + COMP

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trsp_ray.cli import main
-from trsp_ray.config import RunConfig, load_config
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import RunConfig, load_config
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -81,7 +81,7 @@ def test_every_entry_point_reports_bad_input_on_one_line_named_after_itself(tmp_
 
 
 def test_interrupt_exits_130_and_says_finished_work_is_intact(capsys):
-    from trsp_ray.errors import run_main
+    from trsp_ray.common.errors import run_main
 
     def interrupted():
         raise KeyboardInterrupt

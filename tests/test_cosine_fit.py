@@ -1,5 +1,5 @@
 """Issue 32 item 2: ReplaceMe's cosine objective for the compensation map (compensation.objective=
-cosine, trsp_ray/compensation_cosine.py). The cosine map folds exactly like the least-squares one,
+cosine, trsp_ray/method/compensation_cosine.py). The cosine map folds exactly like the least-squares one,
 lowers the mean 1 - cos of the repaired stream below the least-squares map's on the same calibration
 rows (and pays for it in squared error: the two objectives differ), keeps its form, is what the ZeRO-3
 workers' sharded fit computes, is counted in the plan, and bad settings are one-line errors."""
@@ -12,11 +12,12 @@ import sys
 import pytest
 import torch
 
-from trsp_ray import compensation, compensation_cosine, families
-from trsp_ray.errors import TrspError
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import VOCAB, tiny_model, with_random_biases
-from trsp_ray.workbench import copy_model
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method import compensation, compensation_cosine
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models import families
+from trsp_ray.models.tiny import VOCAB, tiny_model, with_random_biases
+from trsp_ray.run.workbench import copy_model
 
 DROP = [2, 3]  # one block: the map folds into layer 1
 
@@ -80,7 +81,7 @@ def test_the_cosine_fit_imports_no_distributed_or_tracking_library():
     import importlib.util
     from pathlib import Path
 
-    tree = ast.parse(Path(importlib.util.find_spec("trsp_ray.compensation_cosine").origin).read_text())
+    tree = ast.parse(Path(importlib.util.find_spec("trsp_ray.method.compensation_cosine").origin).read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert names <= {"__future__", "collections", "dataclasses", "torch", "trsp_ray"}
@@ -155,7 +156,8 @@ def test_sequential_activations_refine_each_block_on_the_stream_that_reaches_it(
 
 
 def test_bad_objectives_are_one_line_errors_before_any_work():
-    from trsp_ray.config import CompensationConfig, for_method, load_config
+    from trsp_ray.config.run_config import for_method, load_config
+    from trsp_ray.config.sections import CompensationConfig
 
     cases = [(lambda: CompensationConfig(objective="cos"), "compensation.objective='cos' is not valid; choose one of "
               "mse, cosine"),
@@ -185,11 +187,11 @@ def test_the_plan_counts_the_cached_rows_and_the_steps():
     d x d float64 matrices (3 GB) and a 4,096-token float64 chunk (1.75 GB) on the GPU."""
     from pathlib import Path
 
-    from trsp_ray.distributed import planner
-    from trsp_ray.distributed.compensation_plan import compensation_plan
+    from trsp_ray.plan import shape, zero3_setup
+    from trsp_ray.plan.compensation_plan import compensation_plan
 
-    s = planner.read_shape(str(Path(__file__).resolve().parents[1] / "cluster" / "models" / "llama-2-70b.json"))
-    st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True)
+    s = shape.read_shape(str(Path(__file__).resolve().parents[1] / "cluster" / "models" / "llama-2-70b.json"))
+    st = zero3_setup.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True)
     mse = compensation_plan(s, st, ratio=0.25, windows=112, protect_head=1, protect_tail=1)
     cos = compensation_plan(s, st, ratio=0.25, windows=112, protect_head=1, protect_tail=1, objective="cosine")
     assert cos.host_gb - mse.host_gb == pytest.approx(20 * 3 * 14336 * 8192 * 2 / 2**30) == 13.125
@@ -240,9 +242,9 @@ def test_gemma_folds_a_diagonal_map_exactly_into_its_mlp_norm(family, objective)
 def test_the_workers_fit_and_fold_give_the_one_process_model(family):
     """distributed/compensate.fit + fold on one rank (the model keeps its layers, the drop set bypassed)
     fold the one-process cosine map: into down_proj, or on Gemma the diagonal into its MLP norm."""
-    from trsp_ray.config import CompensationConfig
+    from trsp_ray.config.sections import CompensationConfig
     from trsp_ray.distributed import compensate
-    from trsp_ray.gates import attach_gates
+    from trsp_ray.method.gates import attach_gates
 
     dense, windows = tiny_model(family, layers=6), _windows()
     one = _pruned(dense)
@@ -266,8 +268,8 @@ GLOO_WORKER = r"""
 import json, os, sys, torch
 import torch.distributed as dist
 from trsp_ray.distributed import compensate
-from trsp_ray.gates import attach_gates
-from trsp_ray.tiny import tiny_model
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.models.tiny import tiny_model
 torch.set_num_threads(1)
 windows_file, out = sys.argv[1:3]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

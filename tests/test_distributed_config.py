@@ -3,11 +3,13 @@
 import pytest
 import torch
 
-from trsp_ray.config import DistributedConfig, load_config
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config
+from trsp_ray.config.sections import DistributedConfig
 from trsp_ray.distributed.deepspeed_config import build_ds_config, merge, parse_options, validate_ds_config
 from trsp_ray.distributed.export import plain_state_dict
-from trsp_ray.distributed.train import check_resources, check_storage, prepare_run
-from trsp_ray.errors import TrspError
+from trsp_ray.distributed.storage import check_storage
+from trsp_ray.distributed.train import check_resources, prepare_run
 
 
 def test_cpu_config_is_fp32_zero3_with_torch_adam():

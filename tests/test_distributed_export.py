@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from trsp_ray.common.errors import TrspError
 from trsp_ray.distributed import export as dexport
 from trsp_ray.distributed.export import export_streaming, reload_fits, timeout_for
 from trsp_ray.distributed.ranks import free_port
 from trsp_ray.distributed.shards import ShardWriter, TensorSpec, plan_shards, verify_shards
-from trsp_ray.errors import TrspError
-from trsp_ray.export import MANIFEST, export_model
-from trsp_ray.families import FAMILIES
-from trsp_ray.gates import attach_gates
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import tiny_model
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models.families import FAMILIES
+from trsp_ray.models.tiny import tiny_model
+from trsp_ray.run.export import MANIFEST, export_model
 
 DROP = [1, 4]
 
@@ -74,7 +74,7 @@ def test_streamed_files_equal_save_pretrained(tmp_path, family):
 
 
 def test_manifest_has_the_single_process_keys(tmp_path):
-    from trsp_ray.export import pruned_manifest
+    from trsp_ray.run.export import pruned_manifest
 
     export_streaming(_gated("llama"), tokenizer=None, drop=DROP, output=str(tmp_path / "s"),
                      manifest={"method": "trsp", "config": {"ratio": 0.34}, "workers": 2})
@@ -227,7 +227,7 @@ def test_reload_check_only_where_the_model_fits(tmp_path):
 
 
 def test_bad_export_settings_are_one_line_errors():
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     for override, message in [("distributed.export_shard_mb=0", "distributed.export_shard_mb=0 is not valid"),
                               ("distributed.export_timeout_s=-5", "distributed.export_timeout_s=-5 is not valid")]:
@@ -247,11 +247,11 @@ def test_timeout_is_sized_from_the_bytes():
 
 WORKER = r"""
 import json, os, sys, torch
-from trsp_ray.config import DistributedConfig
+from trsp_ray.config.run_config import DistributedConfig
 from trsp_ray.distributed import engine as eng
 from trsp_ray.distributed.deepspeed_config import build_ds_config
 from trsp_ray.distributed.export import export_streaming
-from trsp_ray.gates import attach_gates
+from trsp_ray.method.gates import attach_gates
 torch.set_num_threads(1)
 model_dir, out = sys.argv[1], sys.argv[2]
 world = int(os.environ["WORLD_SIZE"])

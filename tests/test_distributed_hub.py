@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA2_70B = ROOT / "cluster" / "models" / "llama-2-70b.json"
@@ -39,10 +39,10 @@ def cached_70b(tmp_path, monkeypatch):
 
 
 def test_planner_reads_a_cached_hub_id_offline(cached_70b):
-    from trsp_ray import assets
-    from trsp_ray.distributed import planner
+    from trsp_ray.data import assets
+    from trsp_ray.plan import shape
 
-    assert planner.read_shape("meta-llama/Llama-2-70b-hf").params == 68_976_648_192
+    assert shape.read_shape("meta-llama/Llama-2-70b-hf").params == 68_976_648_192
     assert assets.resolve_model("meta-llama/Llama-2-70b-hf") == "meta-llama/Llama-2-70b-hf"
 
 
@@ -56,7 +56,7 @@ def test_plan_command_with_a_hub_id_prints_every_figure(cached_70b):
     out = done.stdout
     print(out)
     assert done.returncode == 1, done.stderr  # stage 2 needs activation checkpointing at 16 x 80 GB
-    # activations from the one activation model (distributed/activations.py, what autograd keeps on
+    # activations from the one activation model (plan/activations.py, what autograd keeps on
     # SmolLM2 exactly); the ZeRO-3 plan's own coarser figure had 79.9 and 137.0 GB
     assert ("stage 1: 72.1 GB per worker (fits)" in out
             and "stage 2 (all weights): 131.8 GB per worker (DOES NOT FIT)" in out)
@@ -69,7 +69,7 @@ def test_plan_command_with_a_hub_id_prints_every_figure(cached_70b):
 
 
 def test_hub_id_without_cache_offline_is_one_line_before_any_worker(tmp_path, monkeypatch):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.train import prepare_run
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
@@ -82,14 +82,14 @@ def test_hub_id_without_cache_offline_is_one_line_before_any_worker(tmp_path, mo
     message = str(err.value)
     assert "\n" not in message and "not in the Hugging Face cache" in message and "HF_HUB_OFFLINE=1" in message
     assert "hf download meta-llama/Llama-2-70b-hf" in message
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import shape
 
     with pytest.raises(TrspError, match="not in the Hugging Face cache"):
-        planner.read_shape("meta-llama/Llama-2-70b-hf")
+        shape.read_shape("meta-llama/Llama-2-70b-hf")
 
 
 def test_local_paths_still_work_and_bad_names_are_named(tmp_path):
-    from trsp_ray import hub
+    from trsp_ray.data import hub
 
     (tmp_path / "config.json").write_text(json.dumps({"a": 1}))
     assert hub.read_config(str(tmp_path)) == {"a": 1} == hub.read_config(str(tmp_path / "config.json"))

@@ -12,7 +12,7 @@ STRONG = ["stage1.lambda1=2.0", "stage1.lr=0.3", "stage1.first_round_steps=6", "
 
 
 def _run(model_dir, tmp_path, extra):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.train import run_distributed
 
     cfg = load_config(overrides=[f"model={model_dir}", f"distributed.storage_path={tmp_path / 'storage'}",

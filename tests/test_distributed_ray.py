@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trsp_ray.common.errors import TrspError
 from trsp_ray.distributed import ray_session
 from trsp_ray.distributed.ranks import free_port
-from trsp_ray.errors import TrspError
 
 pytestmark = [pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +29,8 @@ def tiny_dir(tmp_path_factory):
     """A 6-layer tiny Llama with SmolLM2's tokenizer: a real model directory, built in a second."""
     from transformers import AutoTokenizer
 
-    from trsp_ray.assets import smollm2_dir
-    from trsp_ray.tiny import tiny_model
+    from trsp_ray.data.assets import smollm2_dir
+    from trsp_ray.models.tiny import tiny_model
 
     path = tmp_path_factory.mktemp("tiny")
     tiny_model("llama", layers=6, vocab=49152).save_pretrained(path)
@@ -41,9 +41,9 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(tiny_dir):
     """The single-process stage 1 on the same model, data and seed."""
-    from trsp_ray.config import load_config
-    from trsp_ray.methods import run_stage1_for
-    from trsp_ray.workbench import prepare
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.methods import run_stage1_for
+    from trsp_ray.run.workbench import prepare
 
     return run_stage1_for(prepare(load_config(overrides=[f"model={tiny_dir}"] + OVERRIDES)))
 
@@ -100,7 +100,7 @@ def _live_gates_close(single, history: list[list[float]], tol: float = 1e-4) -> 
 
 
 def _run(tiny_dir, tmp_path, extra=(), **kwargs):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.train import run_distributed
 
     cfg = load_config(overrides=[f"model={tiny_dir}", f"distributed.storage_path={tmp_path / 'storage'}",
@@ -142,21 +142,22 @@ def test_zero3_two_workers_match_single_process(tiny_dir, tmp_path, single, clea
     assert result.drop_order == single.drop_order
     # Ray Train kept the last 2 checkpoints (keep_checkpoints) of the 3 written, and a stage-2 save
     # is the size the planner prints (fp32 master + Adam moments of every weight + gate state).
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import host_plan, zero3_setup
+    from trsp_ray.plan.shape import read_shape
 
     run_dir = root / "storage" / Path(result.storage).name
     kept = sorted(p.name.rsplit("-", 1)[0] for p in run_dir.glob("checkpoint-*"))
     assert kept == ["checkpoint-stage1-round2", "checkpoint-stage2-step2"]
     saved = sum(f.stat().st_size for f in next(run_dir.glob("checkpoint-stage2-*")).rglob("*") if f.is_file())
-    shape = planner.read_shape(str(tiny_dir))
-    estimate = planner.checkpoint_bytes(shape, planner.Setup(workers=2), trained=shape.params)
+    shape = read_shape(str(tiny_dir))
+    estimate = host_plan.checkpoint_bytes(shape, zero3_setup.Setup(workers=2), trained=shape.params)
     print(f"stage-2 checkpoint: {saved} bytes written, planner {estimate:.0f} ({saved / estimate - 1:+.2%})")
     assert abs(saved / estimate - 1) < 0.02
     stage1 = next(e for e in result.events if e["event"] == "stage1_done")
     print("max live-gate difference:", _live_gates_close(single, stage1["gate_history"]))
     _reloads(root / "out")
     # Stage 2 too: the single-process pipeline's export gives the same logits as the ZeRO-3 export.
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
 
     run(load_config(overrides=[f"model={tiny_dir}", f"output={tmp_path / 'single'}",
@@ -356,7 +357,7 @@ def test_workers_prune_from_a_handed_over_stage1(tiny_dir, tmp_path, single, loc
     learned = single.drop_order
     handed = dataclasses.replace(single, drop_order=[i for i in (4, 1, 3, 2) if i not in learned][:2])
     assert handed.drop_order != learned
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     cfg = load_config(overrides=[f"model={tiny_dir}", f"distributed.storage_path={tmp_path / 'storage'}",
                                  f"output={tmp_path / 'out'}", "method=trsp"] + OVERRIDES + ["stage2.steps=2"])
@@ -372,7 +373,7 @@ def test_sleb_heal_on_workers_heals_the_drop_set_chosen_in_one_process(tiny_dir,
     """SLEB's selection is not built on the workers; a sleb+heal too big for one device (the paper
     grid's, issue 19) chooses its drop set in one process and hands it over: the workers skip any
     selection and heal that set, and the export gives the single process's sleb+heal logits."""
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.train import run_distributed
     from trsp_ray.driver import run
 
@@ -403,13 +404,13 @@ def test_default_shortgpt_heal_on_workers_matches_one_process(tiny_dir, tmp_path
     must count nowhere) chooses the single process's drop set; the least-squares fold the default
     switches on with no compensation setting (its sums all-reduced over the ranks) and the heal give
     an export with the single process's logits."""
-    from trsp_ray import registry
-    from trsp_ray.baselines import block_influence
-    from trsp_ray.config import load_config
+    from trsp_ray.config import registry
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.methods import _windows
-    from trsp_ray.workbench import prepare
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.method.selectors import block_influence
+    from trsp_ray.run.methods import _windows
+    from trsp_ray.run.workbench import prepare
 
     assert registry.DEFAULT_METHOD == "shortgpt+comp+heal"
     # 16 x 32 calibration tokens: 8 per column of the hidden size 64 (the floor); compensation.method is

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 
 ROOT = Path(__file__).resolve().parents[1]
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",

@@ -94,7 +94,7 @@ def test_every_documented_command_parses(capsys):
             bad.append(f"{doc}: {shlex.join(argv)}\n  {capsys.readouterr().err.strip().splitlines()[-1]}")
     assert not bad, "\n".join(bad)
     # the config keys the commands set (`--set KEY=VALUE`) exist and take the value shown
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     sets = [argv[i + 1] for _, argv in found for i, a in enumerate(argv[:-1]) if a == "--set"]
     assert "device=cuda" in sets

@@ -7,8 +7,8 @@ import collections
 import pytest
 import torch
 
-from trsp_ray import calibration, domains
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.data import calibration, domains
 
 
 @pytest.mark.parametrize("name", domains.DOMAIN_NAMES)
@@ -61,7 +61,7 @@ def test_a_bad_mixture_is_a_one_line_error_naming_it(spec, words):
 
 
 def test_a_bad_mixture_is_refused_by_the_config_before_any_work():
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     with pytest.raises(TrspError, match="'books'"):
         load_config(None, ["data.calib_mix=wiki:1,books:1"])
@@ -104,7 +104,7 @@ def test_mixture_holds_its_proportions_within_one_window_in_every_prefix(monkeyp
 
 
 def test_any_number_of_drawn_windows_holds_the_proportions(monkeypatch):
-    from trsp_ray.training import Batches
+    from trsp_ray.method.training import Batches
 
     _fake_sources(monkeypatch, {"a": 50_000, "b": 9_000, "c": 40_000})
     cal = calibration.load(None, calib_text=None, calib_mix="mix", seqlen=33, bos=7)
@@ -138,7 +138,7 @@ def test_a_calibration_file_too_short_for_the_windows_or_the_fit_is_refused(monk
 
 @pytest.mark.parametrize("content, words", [(b"", "is empty"), (b"\x00\x01binary\x00", "is binary")])
 def test_an_empty_or_binary_calibration_file_is_refused(tmp_path, content, words):
-    from trsp_ray.assets import read_text_file
+    from trsp_ray.data.assets import read_text_file
 
     path = tmp_path / "calib.bin"
     path.write_bytes(content)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 from trsp_ray.evaluation.evaluator import EvalSettings, Evaluator, check_candidate, load_candidate
 from trsp_ray.evaluation.speed import SpeedSettings
 
@@ -23,7 +23,7 @@ def make_candidates(root: Path) -> dict[str, str]:
     """A tiny 4-layer Llama ("dense") and a copy with layer 2 removed ("pruned"), as exported dirs."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trsp_ray.assets import smollm2_dir
+    from trsp_ray.data.assets import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
@@ -80,8 +80,8 @@ def test_bad_candidates_and_settings_fail_on_one_line(tmp_path, candidates):
 
 
 def test_evaluator_measures_ppl_tasks_and_speed(candidates):
-    from trsp_ray.domains import load_texts
-    from trsp_ray.perplexity import encode, perplexity
+    from trsp_ray.data.domains import load_texts
+    from trsp_ray.data.perplexity import encode, perplexity
 
     settings = EvalSettings(tasks=("piqa", "arc_easy"), limit=3, ppl_windows=2, ppl_seqlen=64,
                             speed=FAST_SPEED, dense=candidates["dense"])
@@ -108,7 +108,7 @@ def test_pool_streams_results_retries_and_reports_failures(tmp_path, candidates,
     import mlflow
 
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
-    from trsp_ray.tracking import make_tracker
+    from trsp_ray.run.tracking import make_tracker
 
     broken = broken_candidate(tmp_path, candidates["dense"])
     models = [candidates["pruned"], str(tmp_path / "missing"), broken, candidates["dense"]]

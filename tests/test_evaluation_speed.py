@@ -2,7 +2,7 @@
 
 import pytest
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 from trsp_ray.evaluation import speed
 from trsp_ray.evaluation.speed import DEFAULTS, SpeedSettings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 from trsp_ray.evaluation import tasks as T
 from trsp_ray.evaluation.harness import check_limit, evaluate_lm, per_item
 
@@ -28,7 +28,7 @@ WIKIHOW = [3243, 3250]
 def tiny_model():
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trsp_ray.assets import smollm2_dir
+    from trsp_ray.data.assets import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
@@ -129,7 +129,7 @@ def test_lambada_accuracy_is_the_greedy_last_word_rule_on_smollm2():
     import json
 
     from trsp_ray.evaluation.harness import run_tasks
-    from trsp_ray.workbench import load_model
+    from trsp_ray.run.workbench import load_model
 
     model, tok = load_model("smollm2-135m")
     n = 24
@@ -152,8 +152,8 @@ def test_lm_evals_request_bar_follows_the_quiet_switch(capfd, monkeypatch):
     requests" bar in every benchmark row's log (46 lines in a README run): the harness's LM now
     follows the switch, and without the switch the bar is still there."""
     from trsp_ray.evaluation.harness import run_tasks
-    from trsp_ray.tiny import tiny_model
-    from trsp_ray.workbench import load_model
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.run.workbench import load_model
 
     _, tok = load_model("smollm2-135m")
     model = tiny_model("llama", layers=2, vocab=len(tok)).eval()
@@ -173,10 +173,10 @@ def test_lm_evals_notes_on_our_intended_use_are_dropped_its_warnings_kept(caplog
     nothing to a user in every benchmark row's log: quiet_libraries drops those, and only those."""
     import logging
 
+    from trsp_ray.common.logs import LM_EVAL_NOTES, quiet_libraries
     from trsp_ray.evaluation.harness import run_tasks
-    from trsp_ray.logs import LM_EVAL_NOTES, quiet_libraries
-    from trsp_ray.tiny import tiny_model
-    from trsp_ray.workbench import load_model
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.run.workbench import load_model
 
     _, tok = load_model("smollm2-135m")
     model = tiny_model("llama", layers=2, vocab=len(tok)).eval()
@@ -209,8 +209,8 @@ def test_an_evaluation_outside_a_checkout_prints_no_git_error(capfd, monkeypatch
     from lm_eval.loggers.utils import get_git_commit_hash
 
     from trsp_ray.evaluation.harness import run_tasks
-    from trsp_ray.tiny import tiny_model
-    from trsp_ray.workbench import load_model
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.run.workbench import load_model
 
     if subprocess.run(["git", "--version"], capture_output=True).returncode != 0:
         pytest.skip("git is not installed")

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from trsp_ray.errors import TrspError
-from trsp_ray.export import MANIFEST, export_model
-from trsp_ray.families import FAMILIES
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import tiny_model
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models.families import FAMILIES
+from trsp_ray.models.tiny import tiny_model
+from trsp_ray.run.export import MANIFEST, export_model
 
 CHECK = r"""
 import json, sys, torch

@@ -26,9 +26,9 @@ def _job(name: str):
 def no_work(monkeypatch):
     """Fail the test if a model is loaded, a distributed run starts or the evaluation pool starts:
     the bad input must be refused before any of them."""
-    from trsp_ray import workbench
     from trsp_ray.distributed import train
     from trsp_ray.evaluation import pool
+    from trsp_ray.run import workbench
 
     def refuse(what):
         def _raise(*a, **k):
@@ -130,10 +130,10 @@ def test_verbose_on_trsp_ray_or_its_subcommand():
 
 EXPORT = """
 import sys
-from trsp_ray.logs import quiet_libraries
+from trsp_ray.common.logs import quiet_libraries
 quiet_libraries(verbose=sys.argv[2] == "verbose")
-from trsp_ray.export import export_model, pruned_manifest
-from trsp_ray.tiny import tiny_model
+from trsp_ray.run.export import export_model, pruned_manifest
+from trsp_ray.models.tiny import tiny_model
 model = tiny_model("llama", layers=2)
 export_model(model, None, sys.argv[1], manifest=pruned_manifest(method=None, drop=[], num_layers_original=2))
 print("deepspeed imported:", "deepspeed" in sys.modules)
@@ -161,7 +161,7 @@ def test_an_export_prints_no_third_party_bars_and_imports_no_deepspeed(tmp_path,
 def test_deepspeed_banner_is_dropped_but_its_warnings_are_kept(monkeypatch):
     import logging
 
-    from trsp_ray.logs import quiet_libraries
+    from trsp_ray.common.logs import quiet_libraries
 
     for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL", "RAY_DEDUP_LOGS", "TQDM_DISABLE"):
         monkeypatch.delenv(var, raising=False)  # restored after the test: quiet_libraries sets them

@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from trsp_ray import compensation
-from trsp_ray.distributed import planner
-from trsp_ray.distributed.compensation_plan import WORKING_SET, compensation_plan
-from trsp_ray.tiny import VOCAB, tiny_model
+from trsp_ray.method import compensation
+from trsp_ray.models.tiny import VOCAB, tiny_model
+from trsp_ray.plan import shape, zero3_setup
+from trsp_ray.plan.compensation_plan import WORKING_SET, compensation_plan
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA2_70B = str(REPO / "cluster" / "models" / "llama-2-70b.json")
 
 
 def _plan_70b(windows: int, *, micro_batch: int = 1):
-    s = planner.read_shape(LLAMA2_70B)
-    st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True, micro_batch=micro_batch)
+    s = shape.read_shape(LLAMA2_70B)
+    st = zero3_setup.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True, micro_batch=micro_batch)
     return compensation_plan(s, st, ratio=0.25, windows=windows, protect_head=1, protect_tail=1)
 
 
@@ -64,7 +64,7 @@ def test_the_pass_hands_over_each_block_and_holds_none_to_its_end():
 
 def test_the_maps_leave_the_host_once_folded():
     from trsp_ray.distributed import compensate
-    from trsp_ray.gates import attach_gates
+    from trsp_ray.method.gates import attach_gates
 
     model = tiny_model("llama", layers=6)
     windows = list(torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1)).split(2))
@@ -78,10 +78,10 @@ def test_the_maps_leave_the_host_once_folded():
 def test_the_single_process_plan_has_the_fit_stage():
     """The default (shortgpt+comp+heal) fits in one process too: its plan has the fit, sized in the
     run's batch size (data.batch_size windows per forward); a method without a fit has none."""
-    from trsp_ray.config import load_config
-    from trsp_ray.distributed.single_plan import single_plan_for_run
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.plan.single_plan import single_plan_for_run
 
-    s = planner.read_shape(LLAMA2_70B)
+    s = shape.read_shape(LLAMA2_70B)
     plan = lambda *o: single_plan_for_run(load_config(None, ["data.seqlen=2048", *o]), device="gpu",
                                           memory_gb=80, shape=s)
     stages = {st.name: st for st in plan("data.batch_size=4").stages}

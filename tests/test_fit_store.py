@@ -5,10 +5,10 @@ on a family whose fold writes a bias (OPT) and one whose fold writes a norm's di
 import pytest
 import torch
 
-from trsp_ray.config import load_config
-from trsp_ray.methods import apply_method
-from trsp_ray.tiny import tiny_workspace
-from trsp_ray.workbench import prepare
+from trsp_ray.config.run_config import load_config
+from trsp_ray.models.tiny import tiny_workspace
+from trsp_ray.run.methods import apply_method
+from trsp_ray.run.workbench import prepare
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gemma2"])
@@ -17,7 +17,7 @@ def test_a_stored_fit_replays_the_computed_fold_exactly(tmp_path, family):
     if family == "opt":  # zero biases would stay zero under the fold: a store that lost them would pass
         from transformers import AutoModelForCausalLM
 
-        from trsp_ray.tiny import with_random_biases
+        from trsp_ray.models.tiny import with_random_biases
 
         with_random_biases(AutoModelForCausalLM.from_pretrained(root / "model")).save_pretrained(root / "model")
     cfg = load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
@@ -58,9 +58,9 @@ def test_trials_that_differ_only_in_their_heal_share_one_fit(tmp_path):
     key's fit once, under its lock, and replays it for the next trial, each logged."""
     import json
 
+    from trsp_ray.run.stage1_store import Stage1Store
     from trsp_ray.search.cache import RunLog, fit_for_trial
     from trsp_ray.search.pipeline import fit_key
-    from trsp_ray.stage1_store import Stage1Store
 
     def key(*overrides, drop=(3, 4)):
         cfg = load_config(overrides=["method=shortgpt+comp+heal", "compensation.windows=64", *overrides])

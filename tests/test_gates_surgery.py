@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from trsp_ray.errors import TrspError
-from trsp_ray.families import FAMILIES, decoder_layers, family_of, per_layer_lists
-from trsp_ray.gates import GatedLayer, attach_gates, detach_gates
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import tiny_model
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method.gates import GatedLayer, attach_gates, detach_gates
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models.families import FAMILIES, decoder_layers, family_of, per_layer_lists
+from trsp_ray.models.tiny import tiny_model
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -112,8 +112,8 @@ def test_gate_gradient_ema_sees_each_backward_once():
     """The tie-break EMA is a real EMA of dLoss/ds: one update per backward, no hooks left behind."""
     import torch
 
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.tiny import tiny_model
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.models.tiny import tiny_model
 
     model = tiny_model("llama", layers=4)
     gates = attach_gates(model)

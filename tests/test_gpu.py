@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from trsp_ray.gates import attach_gates
-from trsp_ray.tiny import tiny_model
-from trsp_ray.training import TorchStepper, causal_lm_loss, freeze, set_checkpointing
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.training import TorchStepper, causal_lm_loss, freeze, set_checkpointing
+from trsp_ray.models.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +28,8 @@ def device():
 
 
 def _bench(model, device, **overrides):
-    from trsp_ray.config import load_config
-    from trsp_ray.workbench import Workbench
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.workbench import Workbench
 
     cfg = load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
     return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10), heldout_ids=torch.arange(10),
@@ -86,8 +86,8 @@ def test_bf16_stepper_uses_fp32_masters_on_the_device(device):
 def test_export_check_runs_on_the_model_device(device, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trsp_ray.export import export_model
-    from trsp_ray.surgery import remove_layers
+    from trsp_ray.method.surgery import remove_layers
+    from trsp_ray.run.export import export_model
 
     tiny_model("llama", layers=4).save_pretrained(tmp_path / "src")  # loaded in bf16 as load_model does
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).to(device).eval()
@@ -100,8 +100,8 @@ def test_export_check_runs_on_the_model_device(device, tmp_path):
 
 
 def test_sleb_and_perplexity_agree_with_cpu(device):
-    from trsp_ray.baselines import sleb_drop
-    from trsp_ray.perplexity import perplexity
+    from trsp_ray.data.perplexity import perplexity
+    from trsp_ray.method.selectors import sleb_drop
 
     ids = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(2))
     batches = [ids[k * 96:(k + 1) * 96].view(3, 32) for k in range(4)]
@@ -116,9 +116,9 @@ def test_sleb_and_perplexity_agree_with_cpu(device):
 
 
 def test_prune_bf16_single_process_end_to_end(device, tmp_path):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path, layers=6, calib_chars=30000, eval_chars=10000)
     cfg = load_config(overrides=[

@@ -10,13 +10,13 @@ import pytest
 import torch
 from test_distributed_ray import tiny_dir  # noqa: F401  (a fixture)
 
-from trsp_ray import families
-from trsp_ray.config import load_config, replace
-from trsp_ray.errors import TrspError
-from trsp_ray.heal import run_heal
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import tiny_config, tiny_model
-from trsp_ray.training import Batches, TorchStepper, distill_loss
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config, replace
+from trsp_ray.method.heal import run_heal
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.method.training import Batches, TorchStepper, distill_loss
+from trsp_ray.models import families
+from trsp_ray.models.tiny import tiny_config, tiny_model
 
 LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
               "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -109,7 +109,7 @@ def test_a_tied_heads_gradient_is_the_heads_own():
     exactly an untied head's (same values, input embedding frozen): the input side adds nothing."""
     import copy
 
-    from trsp_ray.heal import output_side_only
+    from trsp_ray.method.heal import output_side_only
 
     _, tied, _ = _pruned([2, 3], tied=True)
     untied = copy.deepcopy(tied)
@@ -133,8 +133,8 @@ def test_a_tied_heads_gradient_is_the_heads_own():
 def test_a_map_heal_moves_only_the_folded_down_projections(objective):
     """Two blocks (layers 1 and 3 of 6): the fold writes into kept layers 0 and 2 (pruned indices 0
     and 1, from the fold's own report); the heal trains those two down_proj and nothing else."""
-    from trsp_ray import compensation
-    from trsp_ray.boundaries import fold_layers
+    from trsp_ray.method import compensation
+    from trsp_ray.method.boundaries import fold_layers
 
     drop = [1, 3]
     dense, model, kept = _pruned(drop)
@@ -156,8 +156,8 @@ def test_a_map_heal_on_gemma_trains_the_mlp_norms_the_diagonal_maps_folded_into(
     weights of the fold targets and nothing else (not the down_proj, which the fold left alone)."""
     import copy
 
-    from trsp_ray import compensation
-    from trsp_ray.boundaries import fold_layers
+    from trsp_ray.method import compensation
+    from trsp_ray.method.boundaries import fold_layers
 
     drop = [1, 3]
     dense = tiny_model("gemma2", layers=6)
@@ -181,7 +181,7 @@ def test_the_workers_heal_hands_the_engine_only_the_recipe():
     the last k kept layers (tail) or the fold targets' down_proj (map, original indices), the rest is
     frozen when the engine is built."""
     from trsp_ray.distributed.recovery import heal_on_workers
-    from trsp_ray.gates import attach_gates
+    from trsp_ray.method.gates import attach_gates
 
     drop = [2, 3]
     for recipe, comp, expect in (("tail", None, ["lm_head", 4, 5]), ("map", {"blocks": [(2, 3)]}, ["down_proj 1"])):
@@ -250,9 +250,9 @@ def test_bad_recipes_are_one_line_errors_before_any_work(tmp_path):
 
 
 def _llama70b_shape():
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import shape
 
-    return planner.shape_from_config(LLAMA2_70B)
+    return shape.shape_from_config(LLAMA2_70B)
 
 
 def _hand_tail(k: int) -> int:
@@ -263,34 +263,34 @@ def _hand_tail(k: int) -> int:
 
 
 def test_the_zero3_plan_counts_the_tail_recipes_optimizer_state_by_hand():
-    from trsp_ray.distributed import planner
-    from trsp_ray.distributed.zero3_plan import with_heal_setup
+    from trsp_ray.plan import memory, zero3_plan, zero3_setup
+    from trsp_ray.plan.zero3_plan import with_heal_setup
 
     s = _llama70b_shape()
     cfg = load_config(overrides=["method=shortgpt+heal", "heal.trainable=tail"])
-    st = with_heal_setup(cfg, planner.Setup(workers=16, activation_checkpointing=True), s)
+    st = with_heal_setup(cfg, zero3_setup.Setup(workers=16, activation_checkpointing=True), s)
     assert (st.trainable, st.tail_layers, st.frozen_layers) == ("tail", 3, 20)
-    stage2 = planner.estimate(s, st)[1]
+    stage2 = zero3_plan.estimate(s, st)[1]
     hand = _hand_tail(3)
     assert hand == 2_829_107_200
-    assert stage2.parts["optimizer fp32 + Adam (partition)"] == pytest.approx(hand * 12 / 16 / planner.GB)  # 1.98
-    assert stage2.parts["gradients (partition)"] == pytest.approx(hand * 2 / 16 / planner.GB)
-    assert planner.plan(s, st).host().checkpoint_gb == pytest.approx((hand * 12 + 64 * 1024 * 16) / planner.GB)
-    full = planner.estimate(s, with_heal_setup(replace(cfg, **{"heal.trainable": "all"}), planner.Setup(
+    assert stage2.parts["optimizer fp32 + Adam (partition)"] == pytest.approx(hand * 12 / 16 / memory.GB)  # 1.98
+    assert stage2.parts["gradients (partition)"] == pytest.approx(hand * 2 / 16 / memory.GB)
+    assert zero3_plan.plan(s, st).host().checkpoint_gb == pytest.approx((hand * 12 + 64 * 1024 * 16) / memory.GB)
+    full = zero3_plan.estimate(s, with_heal_setup(replace(cfg, **{"heal.trainable": "all"}), zero3_setup.Setup(
         workers=16, activation_checkpointing=True), s))[1]
     assert full.parts["optimizer fp32 + Adam (partition)"] > 18 * stage2.parts["optimizer fp32 + Adam (partition)"]
     # map: one folded down_proj (h x I) per block, at most one per dropped layer (20 of 80)
     mapped = with_heal_setup(replace(load_config(overrides=["method=shortgpt+comp+heal"]),
-                                     **{"heal.trainable": "map"}), planner.Setup(workers=16), s)
-    assert planner.estimate(s, mapped)[1].parts["optimizer fp32 + Adam (partition)"] == pytest.approx(
-        20 * 8192 * 28672 * 12 / 16 / planner.GB)
+                                     **{"heal.trainable": "map"}), zero3_setup.Setup(workers=16), s)
+    assert zero3_plan.estimate(s, mapped)[1].parts["optimizer fp32 + Adam (partition)"] == pytest.approx(
+        20 * 8192 * 28672 * 12 / 16 / memory.GB)
 
 
 @pytest.mark.parametrize("dtype,bytes_per_param", [("bf16", 12), ("fp32", 8)])
 def test_the_single_plan_counts_the_tail_recipes_optimizer_state_by_hand(dtype, bytes_per_param):
     """One process: Adam's two fp32 moments (8 bytes), plus an fp32 master for bf16 weights (12)."""
-    from trsp_ray.distributed.memory import GB
-    from trsp_ray.distributed.single_plan import single_plan_for_run
+    from trsp_ray.plan.memory import GB
+    from trsp_ray.plan.single_plan import single_plan_for_run
 
     cfg = load_config(overrides=["method=shortgpt+heal", "heal.trainable=tail", "heal.tail_layers=2",
                                  f"dtype={dtype}"])
@@ -302,7 +302,7 @@ def test_the_single_plan_counts_the_tail_recipes_optimizer_state_by_hand(dtype, 
 def test_trsp_ray_plan_prints_the_tail_heal_at_70b(tmp_path, capsys):
     import argparse
 
-    from trsp_ray.distributed.cli import register
+    from trsp_ray.plan_cli import register
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA2_70B))

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from trsp_ray.config import load_config, replace
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config, replace
 
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
              "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -23,8 +23,8 @@ def llama7b(tmp_path):
 
 
 def test_the_heal_is_planned_with_the_weights_a_heal_method_trains(llama7b):
-    from trsp_ray.distributed.single_plan import single_plan_for_run
-    from trsp_ray.pipeline import resolve
+    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.run.pipeline import resolve
 
     cfg = resolve(load_config(overrides=[f"model={llama7b}"])).cfg  # the default heals
     full = single_plan_for_run(cfg, device="gpu", memory_gb=80)
@@ -38,8 +38,8 @@ def test_the_heal_is_planned_with_the_weights_a_heal_method_trains(llama7b):
 
 
 def test_a_7b_default_prune_on_one_80gb_gpu_is_refused_naming_what_would_run(llama7b):
-    from trsp_ray.distributed import route
-    from trsp_ray.pipeline import resolve
+    from trsp_ray.plan import route
+    from trsp_ray.run.pipeline import resolve
 
     cfg = resolve(load_config(overrides=[f"model={llama7b}"])).cfg
     with pytest.raises(TrspError) as err:

@@ -123,7 +123,7 @@ def unresolved_imports(files) -> list[str]:
     for path in files:
         shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
         tree = ast.parse(path.read_text())
-        modules = {}  # local name -> the trsp_ray module it is bound to (`from trsp_ray import atomic`)
+        modules = {}  # local name -> the trsp_ray module it is bound to (`from trsp_ray.common import atomic`)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("trsp_ray"):
                 modules.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
@@ -161,7 +161,8 @@ def test_every_script_imports_what_the_package_has():
 
 def test_the_import_check_sees_a_missing_module_and_name(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text("from trsp_ray.nowhere import run\nfrom trsp_ray.workbench import nothing_here, prepare\n"
-                      "from trsp_ray import atomic\nimport trsp_ray.nope\natomic.write_json\natomic.gone\n")
+    script.write_text("from trsp_ray.nowhere import run\nfrom trsp_ray.run.workbench import nothing_here, prepare\n"
+                      "from trsp_ray.common import atomic\nimport trsp_ray.nope\natomic.write_json\natomic.gone\n")
     found = [line.split(" ", 1)[1] for line in unresolved_imports([script])]
-    assert found == ["trsp_ray.nowhere", "trsp_ray.workbench.nothing_here", "trsp_ray.nope", "trsp_ray.atomic.gone"]
+    assert found == ["trsp_ray.nowhere", "trsp_ray.run.workbench.nothing_here", "trsp_ray.nope",
+                     "trsp_ray.common.atomic.gone"]

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from trsp_ray.config import RunConfig
-from trsp_ray.errors import TrspError
-from trsp_ray.export import MANIFEST, MANIFEST_KEYS, pruned_manifest
-from trsp_ray.gates import attach_gates
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import tiny_model
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import RunConfig
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models.tiny import tiny_model
+from trsp_ray.run.export import MANIFEST, MANIFEST_KEYS, pruned_manifest
 
 DROP = [4, 1]  # in drop order: the manifest keeps it, the kept list follows the layer order
 KEPT = [0, 2, 3, 5]
@@ -30,8 +30,8 @@ def _pruned():
 
 
 def _exports(tmp_path, monkeypatch) -> dict[str, dict]:
-    from trsp_ray import assets
-    from trsp_ray import comparison_jobs as comparison
+    from trsp_ray.benchmark import jobs as comparison
+    from trsp_ray.data import assets
     from trsp_ray.distributed.export import export_streaming
     from trsp_ray.reproduce import work
     from trsp_ray.search import trial

@@ -7,7 +7,7 @@ import pytest
 
 
 def test_artifacts_lie_beside_the_database_not_in_the_working_directory(tmp_path, monkeypatch):
-    from trsp_ray.tracking import make_tracker
+    from trsp_ray.run.tracking import make_tracker
 
     store, cwd = tmp_path / "runs", tmp_path / "cwd"
     cwd.mkdir()
@@ -26,10 +26,10 @@ def export_dir(tmp_path_factory):
     """A real trsp_ray export (manifest included) of a tiny random Llama with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
-    from trsp_ray.assets import smollm2_dir
-    from trsp_ray.export import export_model, pruned_manifest
-    from trsp_ray.surgery import remove_layers
-    from trsp_ray.tiny import tiny_model
+    from trsp_ray.data.assets import smollm2_dir
+    from trsp_ray.method.surgery import remove_layers
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.run.export import export_model, pruned_manifest
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     model = tiny_model("llama", layers=3, vocab=len(tokenizer))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray import logs
+from trsp_ray.common import logs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +28,8 @@ def test_progress_lines_on_rank_0_only_warnings_everywhere(capsys, monkeypatch):
 
 def test_library_code_logs_through_the_logger_not_print():
     # print() is for results a command shows (tables, paths, JSON, one-line errors); progress is logged.
-    allowed = {"cli.py", "errors.py", "evaluation/cli.py", "reproduce/cli.py", "distributed/cli.py", "driver.py",
-               "comparison.py", "reproduce/run.py"}
+    allowed = {"cli.py", "common/errors.py", "evaluation/cli.py", "reproduce/cli.py", "plan_cli.py", "driver.py",
+               "benchmark/comparison.py", "reproduce/run.py"}
     offenders = []
     for path in (ROOT / "trsp_ray").rglob("*.py"):
         rel = path.relative_to(ROOT / "trsp_ray").as_posix()
@@ -69,11 +69,11 @@ def _calls(name: str) -> set[str]:
 
 
 def test_one_module_renames_temp_files_into_place_and_one_starts_ray():
-    assert _calls("os.replace") == {"trsp_ray/atomic.py"}
-    assert _calls("tempfile.mkstemp") == {"trsp_ray/atomic.py"}
+    assert _calls("os.replace") == {"trsp_ray/common/atomic.py"}
+    assert _calls("tempfile.mkstemp") == {"trsp_ray/common/atomic.py"}
     assert _calls("ray.init") == {"trsp_ray/distributed/ray_session.py"}
     # mkdtemp elsewhere makes scratch directories, never a file that is renamed into place
-    assert _calls("tempfile.mkdtemp") - {"trsp_ray/atomic.py"} <= {"trsp_ray/comparison.py",
+    assert _calls("tempfile.mkdtemp") - {"trsp_ray/common/atomic.py"} <= {"trsp_ray/benchmark/comparison.py",
                                                                     "trsp_ray/distributed/checkpoints.py"}
 
 
@@ -93,4 +93,4 @@ def test_one_function_splits_rows_over_the_data_parallel_ranks():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Slice) and node.step is not None and world(node.step):
                 found.add(path.relative_to(ROOT).as_posix())
-    assert found == {"trsp_ray/training.py"}
+    assert found == {"trsp_ray/method/training.py"}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trsp_ray.perplexity import bos_token, encode, perplexity, windows
+from trsp_ray.data.perplexity import bos_token, encode, perplexity, windows
 
 WORDS = [f"w{i}" for i in range(60)]
 
@@ -39,7 +39,7 @@ def _worker_bench(bench):
 def test_bos_token_reads_what_the_tokenizer_does():
     from transformers import AutoTokenizer
 
-    from trsp_ray.assets import smollm2_dir
+    from trsp_ray.data.assets import smollm2_dir
 
     assert bos_token(bos_tokenizer()) == 1
     smollm2 = AutoTokenizer.from_pretrained(smollm2_dir())
@@ -59,7 +59,7 @@ def test_bos_windows_hold_every_text_token_once():
 
 
 def test_perplexity_with_bos_matches_manual_nll_on_gemma3():
-    from trsp_ray.tiny import tiny_model
+    from trsp_ray.models.tiny import tiny_model
 
     model = tiny_model("gemma3_text", layers=2, vocab=64)
     tok = bos_tokenizer()
@@ -80,7 +80,7 @@ def test_perplexity_with_bos_matches_manual_nll_on_gemma3():
 
 def _bos_workspace(root):
     """A tiny random Gemma-3 text model + the BOS tokenizer, with calibration / held-out texts."""
-    from trsp_ray.tiny import tiny_model
+    from trsp_ray.models.tiny import tiny_model
 
     tok = bos_tokenizer()
     tiny_model("gemma3_text", layers=6, vocab=64).save_pretrained(root / "model")
@@ -95,7 +95,7 @@ def test_prune_reports_bos_convention_dense_ppl(tmp_path):
     (the acceptance's Gemma-3-270m case, on a tiny random gemma3_text model: no weights offline)."""
     from transformers import AutoModelForCausalLM
 
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
 
     root = _bos_workspace(tmp_path)
@@ -114,9 +114,9 @@ def test_prune_reports_bos_convention_dense_ppl(tmp_path):
 
 def test_smollm2_tokenizer_windows_unchanged(tmp_path):
     """SmolLM2's tokenizer adds no BOS, so the Workbench scores exactly the windows it always did."""
-    from trsp_ray.config import load_config
-    from trsp_ray.tiny import tiny_workspace
-    from trsp_ray.workbench import prepare
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.models.tiny import tiny_workspace
+    from trsp_ray.run.workbench import prepare
 
     root = tiny_workspace(tmp_path, layers=4, calib_chars=20000, eval_chars=8000)
     bench = prepare(load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
@@ -131,10 +131,10 @@ def test_every_path_starts_its_windows_with_bos(tmp_path):
     """SPEC section 5's one convention: stage 1's training and probe windows, ShortGPT's calibration,
     stage 2, the heal, validation and held-out perplexity, and the Ray Train workers' batch stream
     all start each window with BOS when the tokenizer adds one (the model sees nothing else)."""
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.distributed.worker import _batches
-    from trsp_ray.methods import apply_method, run_stage1_for
-    from trsp_ray.workbench import prepare
+    from trsp_ray.run.methods import apply_method, run_stage1_for
+    from trsp_ray.run.workbench import prepare
 
     root = _bos_workspace(tmp_path)
     cfg = load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trsp_ray.cli import main
-from trsp_ray.config import load_config
+from trsp_ray.config.run_config import load_config
 
 SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
          "stage1.first_round_steps=3", "stage1.steps_per_round=2", "stage2.steps=4",
@@ -17,7 +17,7 @@ SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eva
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (8 layers) with SmolLM2's real tokenizer, saved as a model directory."""
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     return tiny_workspace(tmp_path_factory.mktemp("tiny"), layers=8, calib_chars=40000, eval_chars=12000)
 
@@ -58,8 +58,8 @@ def test_prune_exports_and_logs_to_mlflow(tiny_dir, tmp_path, monkeypatch):
 
 def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeypatch):
     """A run killed in round 2 restarts from round 2's start; a finished run recomputes nothing."""
-    from trsp_ray import stage1 as stage1_module
     from trsp_ray.driver import run
+    from trsp_ray.method import stage1 as stage1_module
 
     cfg = load_config(None, [*SMALL, "tracking.enabled=false", f"checkpoint_dir={tmp_path / 'ck'}"], base={
         "model": str(tiny_dir / "model"), "ratio": 0.375, "method": "trsp-no-stage2",
@@ -83,7 +83,7 @@ def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeyp
     assert again["dropped_layers"] == resumed["dropped_layers"] and len(again["dropped_layers"]) == 3
     # The finished stage 1 sits in the one stage-1 store, under the key a search or a reproduction
     # of the same model, text and stage-1 settings would look up; the round checkpoints are gone.
-    from trsp_ray.stage1_store import Stage1Store, data_fingerprint, stage1_key
+    from trsp_ray.run.stage1_store import Stage1Store, data_fingerprint, stage1_key
 
     key = stage1_key(cfg.to_dict(), data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text))
     stored = Stage1Store(tmp_path / "ck").get(key, 3)
@@ -127,8 +127,8 @@ def test_default_prune_is_shortgpt_selection_compensation_then_a_heal_with_stage
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trsp_ray.methods import _windows, shortgpt_windows
-    from trsp_ray.workbench import prepare
+    from trsp_ray.run.methods import _windows, shortgpt_windows
+    from trsp_ray.run.workbench import prepare
 
     cfg = load_config(None, [])
     assert cfg.method == "shortgpt+comp+heal" and cfg.compensation.method == "auto"  # the method decides: lstsq

@@ -3,9 +3,9 @@ config.for_method turns what the name says into the settings every path reads.""
 
 import pytest
 
-from trsp_ray import registry
-from trsp_ray.config import RunConfig, for_method, replace, uncompensated
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import RunConfig, for_method, replace, uncompensated
 
 
 @pytest.mark.parametrize("name, selector, fit, heal, recipe", [
@@ -86,7 +86,7 @@ def test_composed_heal_pipelines_after_a_worker_selector_run_on_workers():
 def test_the_70b_job_takes_a_composed_pipeline_and_refuses_one_workers_cannot_run(capsys):
     import argparse
 
-    from trsp_ray.run_args import method_type
+    from trsp_ray.run.run_args import method_type
 
     parse = method_type(workers=True)
     assert parse("tail+cos+heal.tail") == "tail+cos+heal.tail"

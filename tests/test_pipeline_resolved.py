@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray import pipeline, registry
-from trsp_ray.config import load_config
-from trsp_ray.errors import TrspError
-from trsp_ray.tiny import tiny_workspace
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import load_config
+from trsp_ray.models.tiny import tiny_workspace
+from trsp_ray.run import pipeline
 
 SMALL = ["data.seqlen=32", "data.eval_seqlen=64", "data.eval_max_windows=2", "threads=1", "tracking.enabled=false",
          "baselines.calib_windows=2", "stage2.steps=2", "ratio=0.34"]
@@ -99,7 +100,7 @@ def test_resolve_sizes_the_fit_and_splits_a_budget_within_one_heal_step(ws):
 
 
 def test_a_family_no_fold_reaches_falls_back_once_and_says_why(ws, monkeypatch):
-    from trsp_ray import families
+    from trsp_ray.models import families
 
     monkeypatch.setattr(families, "fold_refusal", lambda config: "a norm after down_proj")
     pipe = pipeline.resolve(load_config(overrides=_overrides(ws)))
@@ -113,7 +114,8 @@ def test_a_family_no_fold_reaches_falls_back_once_and_says_why(ws, monkeypatch):
 def test_every_entry_point_starts_from_the_resolved_pipeline(ws, monkeypatch, tmp_path):
     """driver.run (prune), the benchmark's rows and the plan call pipeline.resolve; the prune's manifest
     records the resolved pipeline. Fails if an entry point decides the pipeline on its own again."""
-    from trsp_ray import comparison_jobs, driver
+    from trsp_ray import driver
+    from trsp_ray.benchmark import jobs
 
     calls = []
     real = pipeline.resolve
@@ -127,11 +129,11 @@ def test_every_entry_point_starts_from_the_resolved_pipeline(ws, monkeypatch, tm
     assert sorted(results["dropped_layers"]) == [3, 4]  # tail: the last two candidates before the final layer
 
     calls.clear()
-    cfg = comparison_jobs.row_config(load_config(overrides=_overrides(ws)), registry.ROWS["shortgpt+cos+heal"])
+    cfg = jobs.row_config(load_config(overrides=_overrides(ws)), registry.ROWS["shortgpt+cos+heal"])
     assert calls == ["shortgpt+cos+heal"] and (cfg.method, cfg.compensation.objective) == ("shortgpt+cos+heal",
                                                                                          "cosine")
     calls.clear()
-    cfg = comparison_jobs.row_config(load_config(overrides=_overrides(ws)), registry.ROWS["shortgpt+heal"])
+    cfg = jobs.row_config(load_config(overrides=_overrides(ws)), registry.ROWS["shortgpt+heal"])
     assert calls == ["shortgpt+heal"] and cfg.compensation.method == "none"
 
     calls.clear()

@@ -17,7 +17,7 @@ RANGES = {  # (geo-mean, left-out) PPL of dense and three rows: one decade, thre
 
 @pytest.mark.parametrize("ppls", RANGES.values(), ids=RANGES.keys())
 def test_benchmark_bars_tick_labels_do_not_overlap(ppls):
-    from trsp_ray.plots import benchmark_bars, close
+    from trsp_ray.common.plots import benchmark_bars, close
 
     names = [("dense", "dense"), ("trsp", "trained"), ("shortgpt", "selection"), ("sleb", "selection")]
     summary = [{"row": r, "group": g, "geo-mean x dense": _cell(a), "left-out PPL": _cell(b)}

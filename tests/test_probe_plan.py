@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 from test_distributed_hub import cached_70b  # noqa: F401  (fixture)
 
-from trsp_ray.config import load_config
-from trsp_ray.distributed import planner
-from trsp_ray.distributed.probe_plan import ProbeSetup, probe_plan, refine_calls
+from trsp_ray.config.run_config import load_config
+from trsp_ray.plan import shape, zero3_plan, zero3_setup
+from trsp_ray.plan.probe_plan import ProbeSetup, probe_plan, refine_calls
 
 MODELS = Path(__file__).resolve().parents[1] / "cluster" / "models"
 GiB = 2**30
 
 
 def _plan(name: str, **setup):
-    st = planner.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True, **setup)
+    st = zero3_setup.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True, **setup)
     probes = ProbeSetup.from_config(load_config(None, ["method=trsp+heal"]))
-    return probe_plan(planner.read_shape(str(MODELS / name)), st, probes)
+    return probe_plan(shape.read_shape(str(MODELS / name)), st, probes)
 
 
 @pytest.mark.parametrize("name, vocab", [("llama-2-70b.json", 32_000), ("llama-3-70b.json", 128_256)])
@@ -50,8 +50,8 @@ def test_probe_and_refinement_compute_of_llama2_70b():
 
 
 def test_a_teacher_over_the_budget_is_recomputed_every_call():
-    st = planner.Setup(workers=1, gpu_memory_gb=80, activation_checkpointing=True)
-    s = planner.read_shape(str(MODELS / "llama-3-70b.json"))
+    st = zero3_setup.Setup(workers=1, gpu_memory_gb=80, activation_checkpointing=True)
+    s = shape.read_shape(str(MODELS / "llama-3-70b.json"))
     pp = probe_plan(s, st, ProbeSetup.from_config(load_config(None, ["method=trsp+heal"])))
     assert not pp.teacher_cached and pp.memory.parts["probe teacher cache"] == 0  # 8 x 2048 x 128k x 2 > 2 GiB
     assert pp.compute == 2 * pp.calls * 8 * 2048
@@ -80,8 +80,8 @@ def test_a_run_whose_probes_do_not_fit_is_refused_before_any_worker(tmp_path):
     all), and check_plan says so in one line."""
     import json
 
+    from trsp_ray.common.errors import TrspError
     from trsp_ray.distributed.train import check_plan
-    from trsp_ray.errors import TrspError
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "vocab_size": 400_000, "hidden_size": 4096,
@@ -91,7 +91,7 @@ def test_a_run_whose_probes_do_not_fit_is_refused_before_any_worker(tmp_path):
               "data.batch_size=4", "data.seqlen=2048", "method=trsp-no-stage2",
               "distributed.activation_checkpointing=true"]
     cfg = load_config(None, common)
-    assert planner.plan_for_run(cfg, str(path)).fits
+    assert zero3_plan.plan_for_run(cfg, str(path)).fits
     with pytest.raises(TrspError, match=r"stage 1's removal probes need 50\.3 GB per worker"):
         check_plan(cfg, str(path))
     check_plan(load_config(None, [*common, "stage1.probe=0"]), str(path))  # no probes: nothing to refuse
@@ -109,8 +109,8 @@ def test_plan_of_the_default_method_has_no_probes_and_freezes_the_drop_set():
     out = default.stdout
     assert "stage 1 probes" not in out and "probe compute" not in out
     # as many tokens as stage 1 would see at the config's defaults (methods.shortgpt_windows)
-    from trsp_ray.config import replace
-    from trsp_ray.methods import shortgpt_windows
+    from trsp_ray.config.run_config import replace
+    from trsp_ray.run.methods import shortgpt_windows
 
     windows = shortgpt_windows(replace(load_config(None, []), **{"data.seqlen": 2048}), 20)
     assert f"Block Influence, forward-only, within the stage-1 figure; {windows} windows x 2048 tokens" in out
@@ -126,9 +126,9 @@ def test_the_route_takes_as_many_workers_as_the_probes_need(tmp_path):
     the probes fit no worker count allowed it refuses in one line naming them."""
     import json
 
-    from trsp_ray.distributed.route import route
-    from trsp_ray.distributed.shape import read_shape
-    from trsp_ray.errors import TrspError
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.plan.route import route
+    from trsp_ray.plan.shape import read_shape
 
     def shape(vocab):
         (tmp_path / "config.json").write_text(json.dumps({

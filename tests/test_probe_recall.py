@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from trsp_ray.errors import TrspError
-from trsp_ray.gates import attach_gates
-from trsp_ray.stage1 import RemovalScorer, common_tokens, recall_positions, run_stage1
-from trsp_ray.tiny import tiny_model
-from trsp_ray.training import Batches
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.probes import RemovalScorer, common_tokens, recall_positions
+from trsp_ray.method.stage1 import run_stage1
+from trsp_ray.method.training import Batches
+from trsp_ray.models.tiny import tiny_model
 
 
 def test_recall_positions_mark_rare_tokens_that_come_back_after_the_gap():
@@ -53,12 +54,12 @@ def test_recall_score_is_kl_plus_the_ce_increase_at_recall_positions():
 
 @pytest.mark.parametrize("teacher_dtype", [torch.float32, torch.bfloat16])
 def test_the_kl_sum_is_kl_div_to_the_bit_with_fewer_temporaries(teacher_dtype):
-    """The probes' KL (stage1._kl_sum, in place on the student's log-probs) returns what
+    """The probes' KL (probes._kl_sum, in place on the student's log-probs) returns what
     F.kl_div(lp, t, log_target=True, reduction="sum") returns, bit for bit, for an fp32 teacher and
     for a bf16 one (kl_div then sees its fp32 upcast, as the old scorer gave it)."""
     import torch.nn.functional as F
 
-    from trsp_ray.stage1 import _kl_sum
+    from trsp_ray.method.probes import _kl_sum
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 64, 3000, generator=g) * 3
@@ -106,8 +107,8 @@ def test_block_influence_joins_the_shortlist():
 
 
 def test_probe_windows_follow_probe_seqlen_and_bos():
-    from trsp_ray.config import load_config
-    from trsp_ray.methods import fixed_windows, probe_windows
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.methods import fixed_windows, probe_windows
 
     cfg = load_config(None, ["stage1.probe_windows=3", "stage1.probe_seqlen=64", "data.seqlen=16",
                              "data.batch_size=8"])

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from trsp_ray.distributed.ranks import free_port
-from trsp_ray.gates import attach_gates
-from trsp_ray.stage1 import RemovalScorer, recall_positions, run_stage1
-from trsp_ray.tiny import tiny_model
-from trsp_ray.training import Batches, split_over_ranks
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.probes import RemovalScorer, recall_positions
+from trsp_ray.method.stage1 import run_stage1
+from trsp_ray.method.training import Batches, split_over_ranks
+from trsp_ray.models.tiny import tiny_model
 
 DROPS = [[], [2], [1, 3], [2, 4]]
 STAGE1 = dict(n_drop=2, candidates=[1, 2, 3, 4], lambda1=0.01, lr=0.05, first_round_steps=6, steps_per_round=2,
@@ -53,7 +54,7 @@ def _probe(rank: int, world: int, all_reduce=None) -> dict:
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from trsp_ray.distributed.worker import sum_over_ranks
+    from trsp_ray.distributed.ranks import sum_over_ranks
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -87,7 +88,7 @@ def _uneven_main(rank: int, world: int, port: int, out: str) -> None:
     """3 windows over 2 ranks in chunks of 1: rank 1 has one chunk fewer and runs a padding forward."""
     import torch.distributed as dist
 
-    from trsp_ray.distributed.worker import sum_over_ranks
+    from trsp_ray.distributed.ranks import sum_over_ranks
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -193,12 +194,12 @@ def test_start_scores_only_the_late_positions(criterion):
 
 ZERO3_WORKER = r"""
 import json, os, sys, torch
-from trsp_ray.config import DistributedConfig
+from trsp_ray.config.run_config import DistributedConfig
 from trsp_ray.distributed import engine as eng
 from trsp_ray.distributed.deepspeed_config import build_ds_config
 from trsp_ray.distributed.worker import sum_over_ranks
-from trsp_ray.gates import attach_gates
-from trsp_ray.stage1 import RemovalScorer
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.stage1 import RemovalScorer
 torch.set_num_threads(1)
 model_dir, windows_file = sys.argv[1], sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

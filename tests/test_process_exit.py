@@ -1,4 +1,4 @@
-"""Issue 33 item 6: one exit (trsp_ray/process_exit.py) for the console script and every job, that
+"""Issue 33 item 6: one exit (trsp_ray/common/process_exit.py) for the console script and every job, that
 neither hangs on an idle thread pool nor turns a finished run into a failure in the teardown."""
 
 import ast
@@ -45,20 +45,20 @@ def test_the_command_exits_past_an_idle_thread_pool():
 
 def test_a_finished_job_is_not_failed_by_a_crash_in_the_teardown():
     script = CRASH_AT_TEARDOWN + ("import sys\n"
-                                  "from trsp_ray.process_exit import exit_after\n"
+                                  "from trsp_ray.common.process_exit import exit_after\n"
                                   "exit_after(lambda: print('finished'))\n")
     done = _run(script)
     assert (done.returncode, done.stdout) == (0, "finished\n"), done.stderr[-2000:]
 
 
 def test_a_failure_keeps_its_status_and_its_traceback():
-    script = ("from trsp_ray.process_exit import exit_after\n"
+    script = ("from trsp_ray.common.process_exit import exit_after\n"
               "def main():\n"
               "    raise RuntimeError('boom')\n"
               "exit_after(main)\n")
     done = _run(script)
     assert done.returncode == 1 and done.stderr.rstrip().endswith("RuntimeError: boom")
-    bad_flag = _run("import argparse\nfrom trsp_ray.process_exit import exit_after\n"
+    bad_flag = _run("import argparse\nfrom trsp_ray.common.process_exit import exit_after\n"
                     "exit_after(lambda: argparse.ArgumentParser(prog='job').parse_args(['--nope']))\n")
     assert bad_flag.returncode == 2 and "unrecognized arguments: --nope" in bad_flag.stderr
 
@@ -83,4 +83,4 @@ def test_only_the_exit_module_leaves_with_os_exit():
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("_exit", "_run_exitfuncs"):
                 found.add(p.relative_to(ROOT).as_posix())
-    assert found == {"trsp_ray/process_exit.py"}
+    assert found == {"trsp_ray/common/process_exit.py"}

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from trsp_ray.config import load_config
-from trsp_ray.gates import attach_gates
-from trsp_ray.methods import run_stage1_for
-from trsp_ray.workbench import prepare
+from trsp_ray.config.run_config import load_config
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.run.methods import run_stage1_for
+from trsp_ray.run.workbench import prepare
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 from trsp_ray.reproduce.grid import Cell, CellStore, build_grid
 from trsp_ray.reproduce.presets import LOCAL, PAPER, get_preset, paper_numbers
 from trsp_ray.reproduce.report import table_rows, to_csv, to_markdown
@@ -161,8 +161,8 @@ def test_a_gpu_preset_on_a_machine_without_cuda_fails_on_one_line_before_any_wor
 
 def _weight_updates(cfg) -> tuple:
     """(steps, lr, trainable, lora rank) of what a cell trains after its selection."""
-    from trsp_ray import registry
-    from trsp_ray.methods import method_heal
+    from trsp_ray.config import registry
+    from trsp_ray.run.methods import method_heal
 
     spec = registry.method(cfg.method)
     if spec.heal:
@@ -182,7 +182,7 @@ def test_every_trained_cell_trains_the_same_weights_for_as_many_steps(preset):
     fine-tuned every weight, so the grid compared unequal budgets. Every trained cell now trains
     stage 2's steps at stage 2's lr on stage 2's trainable set; the paper's (LoRA-healed) figures
     still sit on the +heal rows as a reference."""
-    from trsp_ray import registry
+    from trsp_ray.config import registry
     from trsp_ray.reproduce.work import cell_config
 
     spec = preset.models[0]
@@ -220,12 +220,12 @@ def test_a_healed_baseline_cell_too_big_for_one_gpu_routes_to_ray_train(method):
 def test_a_handed_over_selection_is_the_one_process_selection(tmp_path):
     """prune_cells chooses a handed-over cell's drop set on its one device: SLEB's drop set of the
     cell's own config, as `select` gives it, with its cost."""
-    from trsp_ray import tiny
-    from trsp_ray.config import load_config
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.methods import select
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.models import tiny
     from trsp_ray.reproduce.work import prune_cells
-    from trsp_ray.workbench import prepare
+    from trsp_ray.run.methods import select
+    from trsp_ray.run.workbench import prepare
 
     ws = tiny.tiny_workspace(tmp_path / "ws", layers=6)
     cfg = load_config(overrides=[f"model={ws / 'model'}", f"data.calib_text={ws / 'calib.txt'}",

@@ -18,8 +18,8 @@ def tiny_preset(root: Path):
     """LOCAL with a 4-layer random Llama (SmolLM2's tokenizer), short texts and tiny budgets."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trsp_ray import domains
-    from trsp_ray.assets import smollm2_dir
+    from trsp_ray.data import domains
+    from trsp_ray.data.assets import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
@@ -89,8 +89,8 @@ def _check_resume(tmp_path: Path, use_ray: bool) -> None:
 
 
 def test_interrupted_run_resumes_without_redoing_cells_in_process(tmp_path, monkeypatch):
-    from trsp_ray import calibration
-    from trsp_ray.perplexity import encode
+    from trsp_ray.data import calibration
+    from trsp_ray.data.perplexity import encode
 
     # The on-disk token cache is not what this test is about; keep its files out of ~/.cache.
     monkeypatch.setattr(calibration, "encode_cached", encode)

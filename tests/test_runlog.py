@@ -1,11 +1,11 @@
-"""trsp_ray.runlog: whole lines from concurrent writers, a torn last line skipped on read."""
+"""trsp_ray.common.runlog: whole lines from concurrent writers, a torn last line skipped on read."""
 
 import json
 import multiprocessing
 
 import pytest
 
-from trsp_ray import runlog
+from trsp_ray.common import runlog
 
 
 def test_append_and_read_round_trip(tmp_path):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from trsp_ray.config import load_config
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config
 from trsp_ray.search.route import trial_device, trial_route
 from trsp_ray.search.space import parse_space
 
@@ -18,7 +18,7 @@ SMALL = ["method=trsp", "data.seqlen=32", "data.batch_size=2", "data.eval_seqlen
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     return tiny_workspace(tmp_path_factory.mktemp("gpu_search"), layers=8, calib_chars=30000, eval_chars=8000)
 
@@ -109,9 +109,9 @@ def test_trials_are_scheduled_on_a_gpu_resource_and_run_on_cpu(assets, tmp_path,
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_trial_runs_stage2_on_ray_train_inside_the_trial(assets, tmp_path, fake_gpu_ray):
+    from trsp_ray.run.stage1_store import Stage1Store
     from trsp_ray.search.cache import RunLog
     from trsp_ray.search.run import SearchOptions, run_search
-    from trsp_ray.stage1_store import Stage1Store
 
     space = parse_space({"params": {"ratio": [0.25]}})
     opts = SearchOptions(search_dir=str(tmp_path / "search"), name="dist", asha=False, val_windows=2,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray.config import load_config
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config
 from trsp_ray.search.space import parse_space
 
 PIPELINES = ["shortgpt+heal", "tail+heal", "trsp+heal"]
@@ -24,7 +24,7 @@ STEP = 3 * 2 * 32
 
 @pytest.fixture(scope="module")
 def config_dir(tmp_path_factory):
-    from trsp_ray.tiny import tiny_config
+    from trsp_ray.models.tiny import tiny_config
 
     path = tmp_path_factory.mktemp("cfg")
     tiny_config("llama", layers=8).save_pretrained(path)
@@ -37,7 +37,7 @@ def _plan_base(config_dir, *extra):
 
 def heal_lr_key() -> str:
     """The config key a heal method's learning rate is read from (methods.method_heal)."""
-    from trsp_ray.methods import method_heal
+    from trsp_ray.run.methods import method_heal
 
     return "stage2.lr" if method_heal(load_config(overrides=["method=shortgpt+heal", "stage2.lr=0.123"])).lr == 0.123 \
         else "heal.lr"
@@ -161,7 +161,7 @@ def test_heal_steps_report_the_validation_loss_to_asha(monkeypatch):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """The tiny workspace, its calibration text cut into two sources: the calibration is a mixture."""
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path_factory.mktemp("pipelines"), layers=8, calib_chars=60000, eval_chars=8000)
     text = (root / "calib.txt").read_text()
@@ -180,8 +180,8 @@ def _independent_val_ppl(model_dir: str, *, root: Path, windows: int) -> tuple[f
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trsp_ray import calibration
-    from trsp_ray.perplexity import bos_token
+    from trsp_ray.data import calibration
+    from trsp_ray.data.perplexity import bos_token
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trsp_ray.config import load_config
+from trsp_ray.config.run_config import load_config
 from trsp_ray.search.space import parse_space
 
 GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3], "stage2.lambda2": [1e-3]}}
@@ -16,7 +16,7 @@ SMALL = ["method=trsp", "data.seqlen=32", "data.batch_size=2", "data.eval_seqlen
 
 def make_assets(root):
     """An 8-layer tiny Llama with SmolLM2's tokenizer and short calibration / held-out text files."""
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     return tiny_workspace(root, layers=8, calib_chars=60000, eval_chars=20000)
 

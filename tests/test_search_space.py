@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from trsp_ray.config import load_config
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config
+from trsp_ray.method.stage1 import Stage1Result
+from trsp_ray.run.stage1_store import Stage1Store, stage1_key
 from trsp_ray.search.cache import RunLog
 from trsp_ray.search.space import grid_points, parse_space, sample_points, trial_key
-from trsp_ray.stage1 import Stage1Result
-from trsp_ray.stage1_store import Stage1Store, stage1_key
 
 GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3], "stage2.lambda2": [1e-3]}}
 
@@ -17,7 +17,7 @@ GRID = {"params": {"ratio": [0.125, 0.25, 0.375], "stage1.lambda1": [1e-3, 5e-3]
 @pytest.fixture(scope="module")
 def config_dir(tmp_path_factory):
     """An 8-layer Llama config.json alone: enough for every check made before a trial starts."""
-    from trsp_ray.tiny import tiny_config
+    from trsp_ray.models.tiny import tiny_config
 
     path = tmp_path_factory.mktemp("cfg")
     tiny_config("llama", layers=8).save_pretrained(path)

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from trsp_ray.errors import TrspError
-from trsp_ray.gates import attach_gates
-from trsp_ray.tiny import tiny_model
-from trsp_ray.training import TorchStepper, causal_lm_loss, checkpointing_enabled, set_checkpointing
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.training import TorchStepper, causal_lm_loss, checkpointing_enabled, set_checkpointing
+from trsp_ray.models.tiny import tiny_model
 
 
 def _batch(seed=0, rows=2, seqlen=24, vocab=256):
@@ -19,7 +19,7 @@ def _batch(seed=0, rows=2, seqlen=24, vocab=256):
 
 def _grads(model, gates, batch, *, stage: int):
     """Parameter gradients of one stage-1 (gates + L1) or stage-2 (all weights + penalty) loss."""
-    from trsp_ray.training import freeze
+    from trsp_ray.method.training import freeze
 
     model.zero_grad(set_to_none=True)
     if stage == 1:
@@ -117,8 +117,8 @@ def test_fp16_stepper_skips_an_overflowing_step():
 
 
 def _bench(model, device="cpu", ckpt=False):
-    from trsp_ray.config import load_config
-    from trsp_ray.workbench import Workbench
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.workbench import Workbench
 
     cfg = load_config(overrides=[f"distributed.activation_checkpointing={str(ckpt).lower()}"])
     return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10), heldout_ids=torch.arange(10),
@@ -147,7 +147,7 @@ def test_fresh_model_is_an_equal_independent_copy():
 def test_fresh_model_is_made_on_the_device_without_a_host_copy():
     """The copy's tensors are created on the target device straight from the original's (the meta
     device stands in for a GPU: nothing is allocated, so a host-side copy would show as real data)."""
-    from trsp_ray.workbench import copy_model
+    from trsp_ray.run.workbench import copy_model
 
     original = tiny_model("llama", layers=2)
     copied = copy_model(original, torch.device("meta"))
@@ -161,7 +161,7 @@ def test_fresh_model_is_made_on_the_device_without_a_host_copy():
 
 def _sleb_before(model, gates, batches, *, n_drop, candidates, progress):
     """sleb_drop as it was before streaming (commit c8f7704): every batch's layer inputs at once."""
-    from trsp_ray.baselines import _layer_inputs, _score_without
+    from trsp_ray.method.selectors import _layer_inputs, _score_without
 
     drop = []
     for r in range(n_drop):
@@ -176,7 +176,7 @@ def _sleb_before(model, gates, batches, *, n_drop, candidates, progress):
 
 
 def test_streamed_sleb_matches_the_unbounded_one(monkeypatch):
-    from trsp_ray import baselines
+    from trsp_ray.method import selectors
 
     model = tiny_model("llama", layers=7, seed=3)
     gates = attach_gates(model)
@@ -185,9 +185,9 @@ def test_streamed_sleb_matches_the_unbounded_one(monkeypatch):
     before, after = [], []
     expected = _sleb_before(model, gates, batches, progress=lambda *a: before.append(a), **kwargs)
     held = []
-    real = baselines._layer_inputs
-    monkeypatch.setattr(baselines, "_layer_inputs", lambda m, g, b, **k: held.append(len(b)) or real(m, g, b, **k))
-    got = baselines.sleb_drop(model, gates, batches, progress=lambda *a: after.append(a), **kwargs)
+    real = selectors._layer_inputs
+    monkeypatch.setattr(selectors, "_layer_inputs", lambda m, g, b, **k: held.append(len(b)) or real(m, g, b, **k))
+    got = selectors.sleb_drop(model, gates, batches, progress=lambda *a: after.append(a), **kwargs)
     assert got == expected and after == before  # bit-identical scores, not approximately equal
     assert set(held) == {1} and len(held) == 3 * len(batches)  # one batch of layer inputs at a time
 
@@ -201,56 +201,56 @@ LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 1100
 
 
 def _cfg(*overrides):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
 
     return load_config(overrides=["device=cuda", "data.seqlen=2048", "data.batch_size=8", *overrides])
 
 
 def test_single_plan_reads_dtype_and_checkpointing():
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import shape, single_plan
 
-    s = planner.shape_from_config(LLAMA2_7B)
+    s = shape.shape_from_config(LLAMA2_7B)
     stage1 = {}
     for dtype in ("bf16", "fp32"):
         for ckpt in ("false", "true"):
-            p = planner.single_plan_for_run(_cfg("method=trsp-no-stage2", f"dtype={dtype}",
+            p = single_plan.single_plan_for_run(_cfg("method=trsp-no-stage2", f"dtype={dtype}",
                                                  f"distributed.activation_checkpointing={ckpt}"),
                                             device="gpu", memory_gb=80, shape=s)
             stage1[dtype, ckpt] = p.stages[0].total
     # the issue's figure: stage 1 on 7B at 8 x 2048 tokens in fp32 needs ~200 GB of activations
     assert 150 < stage1["fp32", "false"] < 260
     assert stage1["bf16", "true"] < 40 and stage1["bf16", "true"] < stage1["bf16", "false"] < stage1["fp32", "false"]
-    sleb = [planner.single_plan_for_run(_cfg("method=sleb", f"baselines.sleb_windows={n}"), device="gpu",
+    sleb = [single_plan.single_plan_for_run(_cfg("method=sleb", f"baselines.sleb_windows={n}"), device="gpu",
                                         memory_gb=80, shape=s).stages[0].total for n in (2, 128)]
     assert sleb[0] == sleb[1] < 40  # bounded: independent of the number of calibration windows
 
 
 def test_route_single_gpu_when_it_fits_else_workers_else_one_line_error():
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import route, shape
 
-    s7, s13 = planner.shape_from_config(LLAMA2_7B), planner.shape_from_config(LLAMA2_13B)
+    s7, s13 = shape.shape_from_config(LLAMA2_7B), shape.shape_from_config(LLAMA2_13B)
     ckpt = "distributed.activation_checkpointing=true"
-    r = planner.route(_cfg("method=trsp-no-stage2", ckpt), shape=s13, max_workers=0)
+    r = route.route(_cfg("method=trsp-no-stage2", ckpt), shape=s13, max_workers=0)
     assert r.workers == 0 and r.plan.fits and "single process" in r.describe()
-    r = planner.route(_cfg("method=trsp", ckpt), shape=s13, max_workers=8)  # stage 2: 16+ bytes/param
+    r = route.route(_cfg("method=trsp", ckpt), shape=s13, max_workers=8)  # stage 2: 16+ bytes/param
     assert r.workers in (2, 4, 8) and r.plan.fits and "ZeRO-3" in r.describe()
     with pytest.raises(TrspError) as err:
-        planner.route(_cfg("method=trsp", ckpt), shape=s7, max_workers=0)
+        route.route(_cfg("method=trsp", ckpt), shape=s7, max_workers=0)
     msg = str(err.value)
     assert "\n" not in msg and "stage 2 needs" in msg and "80.0 GB of one GPU" in msg
     assert "stage2.trainable=lora" in msg
     with pytest.raises(TrspError, match="distributed.workers"):
-        planner.route(_cfg("method=trsp", ckpt, "stage2.trainable=lora", "data.batch_size=64"), shape=s13,
+        route.route(_cfg("method=trsp", ckpt, "stage2.trainable=lora", "data.batch_size=64"), shape=s13,
                       max_workers=0)
     with pytest.raises(TrspError, match="sleb"):  # SLEB has no Ray Train route
-        planner.route(_cfg("method=sleb", "data.batch_size=512"), shape=s13, max_workers=8)
+        route.route(_cfg("method=sleb", "data.batch_size=512"), shape=s13, max_workers=8)
 
 
 def test_missing_device_is_a_one_line_error_before_any_work(monkeypatch, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from trsp_ray import workbench
     from trsp_ray.cli import main
+    from trsp_ray.run import workbench
 
     monkeypatch.setattr(workbench, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     monkeypatch.setattr(workbench.domains, "load_texts", lambda *a, **k: pytest.fail("read the texts"))
@@ -260,8 +260,8 @@ def test_missing_device_is_a_one_line_error_before_any_work(monkeypatch, capsys)
 
 
 def test_plan_too_large_for_one_device_is_refused_before_any_work(monkeypatch, capsys):
-    from trsp_ray import workbench
     from trsp_ray.cli import main
+    from trsp_ray.run import workbench
 
     monkeypatch.setattr(workbench, "device_kind", lambda cfg: ("gpu", 0.5))
     monkeypatch.setattr(workbench, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
@@ -273,10 +273,12 @@ def test_plan_too_large_for_one_device_is_refused_before_any_work(monkeypatch, c
 
 def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypatch, tmp_path):
     """driver.run hands a run the planner sends to workers to run_distributed, with that many."""
-    from trsp_ray import driver, workbench
-    from trsp_ray.config import load_config, replace
-    from trsp_ray.distributed import planner, train
-    from trsp_ray.distributed import route as routing
+    from trsp_ray import driver
+    from trsp_ray.config.run_config import load_config, replace
+    from trsp_ray.distributed import train
+    from trsp_ray.plan import route as routing
+    from trsp_ray.plan import shape, zero3_plan
+    from trsp_ray.run import workbench
 
     seen = {}
 
@@ -287,7 +289,7 @@ def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypa
     monkeypatch.setattr(train, "run_distributed", fake_run_distributed)
     monkeypatch.setattr(workbench, "prepare", lambda *a, **k: pytest.fail("single-process path taken"))
     cfg = load_config(overrides=["method=trsp", "distributed.workers=4", "tracking.enabled=false"])
-    zero = planner.zero3_plan(replace(cfg, **{"distributed.workers": 2}), planner.shape_from_config(LLAMA2_7B))
+    zero = zero3_plan.zero3_plan(replace(cfg, **{"distributed.workers": 2}), shape.shape_from_config(LLAMA2_7B))
     monkeypatch.setattr(routing, "route", lambda *a, **k: routing.Route(2, "cpu", zero))
     results = driver.run(cfg)
     assert seen["cfg"].distributed.workers == 2 and not seen["cfg"].distributed.use_gpu
@@ -295,8 +297,8 @@ def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypa
 
 
 def test_prune_dry_run_prints_route_and_plan(capsys, monkeypatch):
-    from trsp_ray import workbench
     from trsp_ray.cli import main
+    from trsp_ray.run import workbench
 
     monkeypatch.setattr(workbench, "prepare", lambda *a, **k: pytest.fail("dry run did work"))
     assert main(["prune", "--method", "sleb", "--dry-run", "--set", "dtype=bf16"]) == 0
@@ -307,8 +309,9 @@ def test_prune_dry_run_prints_route_and_plan(capsys, monkeypatch):
 
 
 def test_benchmark_checks_every_row_plan_before_any_work(monkeypatch, capsys):
-    from trsp_ray import comparison, workbench
+    from trsp_ray.benchmark import comparison
     from trsp_ray.cli import main
+    from trsp_ray.run import workbench
 
     monkeypatch.setattr(workbench, "device_kind", lambda cfg: ("cpu", 1.5))
     monkeypatch.setattr(comparison, "run_benchmark", lambda *a, **k: pytest.fail("benchmark started"))

@@ -14,14 +14,14 @@ from trsp_ray.reproduce.run import run_reproduce
 
 @pytest.fixture(autouse=True)
 def _no_token_cache(monkeypatch):
-    from trsp_ray import calibration
-    from trsp_ray.perplexity import encode
+    from trsp_ray.data import calibration
+    from trsp_ray.data.perplexity import encode
 
     monkeypatch.setattr(calibration, "encode_cached", encode)  # keep ~/.cache out of it
 
 
 def _trial_config(search_dir: Path, run: dict, point: dict) -> dict:
-    from trsp_ray.stage1_store import data_fingerprint
+    from trsp_ray.run.stage1_store import data_fingerprint
 
     return {"run": run, "point": point, "search_dir": str(search_dir), "invocation": "test", "reuse": True,
             "data_fp": data_fingerprint(model=run["model"], calib_text=run["data"]["calib_text"]),
@@ -29,7 +29,7 @@ def _trial_config(search_dir: Path, run: dict, point: dict) -> dict:
 
 
 def test_changing_lambda1_recomputes_stage1_in_the_search_store(tmp_path):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.search.cache import RunLog
     from trsp_ray.search.trial import _execute
 
@@ -73,8 +73,9 @@ def test_changing_lambda1_recomputes_stage1_and_the_cell_in_the_reproduction_sto
 
 def _route_trsp_to_ray_train(monkeypatch, workers: int = 1):
     """Route the stage-2 rows (trsp, trsp-oneshot) to Ray Train, as the planner does for 7B on 80 GB."""
-    from trsp_ray.config import replace
-    from trsp_ray.distributed import planner
+    from trsp_ray.config.run_config import replace
+    from trsp_ray.plan import zero3_plan
+    from trsp_ray.plan.route import Route
     from trsp_ray.reproduce import run as run_module
 
     original = run_module.cell_route
@@ -83,8 +84,8 @@ def _route_trsp_to_ray_train(monkeypatch, workers: int = 1):
         r = original(preset, spec, cfg, method, shape=shape)
         if method not in ("trsp", "trsp-oneshot"):
             return r
-        plan = planner.zero3_plan(replace(cfg, **{"distributed.workers": workers}), r.plan.shape)
-        return planner.Route(workers, "cpu", plan)
+        plan = zero3_plan.zero3_plan(replace(cfg, **{"distributed.workers": workers}), r.plan.shape)
+        return Route(workers, "cpu", plan)
 
     monkeypatch.setattr(run_module, "cell_route", route)
 
@@ -100,10 +101,10 @@ def test_a_ray_train_cell_gets_the_shared_stage1_and_reports_its_kept_layers(tmp
         assert selection is None  # a TRSP cell prunes from the shared stage 1, no handed drop set
         import dataclasses
 
-        from trsp_ray.export import export_model
-        from trsp_ray.methods import apply_method
-        from trsp_ray.stage1_store import result_from
-        from trsp_ray.workbench import prepare
+        from trsp_ray.run.export import export_model
+        from trsp_ray.run.methods import apply_method
+        from trsp_ray.run.stage1_store import result_from
+        from trsp_ray.run.workbench import prepare
 
         handed.append((cell_id, stage1["drop_order"]))
         bench = prepare(cfg)

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from trsp_ray.baselines import block_influence, random_drop, shortgpt_drop, sleb_drop
-from trsp_ray.families import FAMILIES
-from trsp_ray.gates import attach_gates
-from trsp_ray.stage1 import run_stage1
-from trsp_ray.stage2 import run_stage2
-from trsp_ray.surgery import remove_layers
-from trsp_ray.tiny import tiny_model
-from trsp_ray.training import Batches, TorchStepper, freeze
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.selectors import block_influence, random_drop, shortgpt_drop, sleb_drop
+from trsp_ray.method.stage1 import run_stage1
+from trsp_ray.method.stage2 import run_stage2
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.method.training import Batches, TorchStepper, freeze
+from trsp_ray.models.families import FAMILIES
+from trsp_ray.models.tiny import tiny_model
 
 IDENTITY = (2, 4)  # layers whose residual contribution is zeroed: nothing is lost by dropping them
 
@@ -123,7 +123,7 @@ def test_stage2_relative_update_falls(trained, schedule):
         after = model(input_ids=held, labels=held).loss.item()
         if schedule == "anneal":  # the drop set ends as exact identities: removal changes nothing
             assert torch.equal(model(held).logits, bypassed)
-        from trsp_ray.gates import detach_gates
+        from trsp_ray.method.gates import detach_gates
 
         detach_gates(untrained)
         remove_layers(untrained, drop)
@@ -148,7 +148,7 @@ def test_block_influence_without_the_lm_head_equals_the_whole_forward(family):
     """Block Influence runs the decoder stack only (`base_model`, no LM head: ~30% of SmolLM2's
     selection forward); on every family that stack must pass through every gated layer, as the
     whole model's forward does (OPT's decoder sits one level deeper, GPT-NeoX's is `gpt_neox`)."""
-    from trsp_ray.baselines import influence_sums
+    from trsp_ray.method.selectors import influence_sums
 
     model = tiny_model(family, layers=4)
     gates = attach_gates(model)
@@ -167,7 +167,7 @@ def test_sleb_replay_matches_full_forward(trained):
     calib = [ids[:256].view(8, 32)]
     drop = sleb_drop(model, gates, calib, n_drop=2, candidates=[1, 2, 3, 4])
     assert sorted(drop) == [2, 4]
-    from trsp_ray.baselines import _calibration_nll, _layer_inputs, _score_without
+    from trsp_ray.method.selectors import _calibration_nll, _layer_inputs, _score_without
 
     inputs = _layer_inputs(model, gates, calib, bypass=[])
     for j in (1, 3):
@@ -230,7 +230,7 @@ def test_stage1_probes_decide_among_the_smallest_gates(trained):
 
 @pytest.mark.parametrize("criterion", ["ce", "kl"])
 def test_removal_scorer_measures_the_pruned_model(trained, criterion):
-    from trsp_ray.stage1 import RemovalScorer
+    from trsp_ray.method.probes import RemovalScorer
 
     model, ids = _useful_copy(trained)
     gates = attach_gates(model)
@@ -246,7 +246,7 @@ def test_removal_scorer_measures_the_pruned_model(trained, criterion):
     import torch.nn.functional as F
 
     pruned = copy.deepcopy(model)
-    from trsp_ray.gates import detach_gates
+    from trsp_ray.method.gates import detach_gates
 
     detach_gates(pruned)
     remove_layers(pruned, [2, 4])
@@ -276,8 +276,8 @@ def test_distillation_heal_moves_the_pruned_model_toward_the_dense_one(trained):
     that KL on windows it never trained on (CE healing is not asked to)."""
     import copy
 
-    from trsp_ray.heal import run_heal
-    from trsp_ray.training import TorchStepper, distill_loss
+    from trsp_ray.method.heal import run_heal
+    from trsp_ray.method.training import TorchStepper, distill_loss
 
     teacher, ids = _useful_copy(trained)
     student = copy.deepcopy(teacher)
@@ -300,8 +300,8 @@ def test_distillation_heal_moves_the_pruned_model_toward_the_dense_one(trained):
 
 
 def test_distillation_is_refused_on_ray_train_workers():
-    from trsp_ray.config import load_config
-    from trsp_ray.errors import TrspError
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config.run_config import load_config
 
     with pytest.raises(TrspError, match="recovery.objective='kd' is not available with distributed.workers=2"):
         load_config(None, ["recovery.objective=kd", "distributed.workers=2"])
@@ -312,7 +312,7 @@ def test_stage2_skip_schedule_is_a_heal_of_the_pruned_model(trained):
     heal of the pruned model does: same batches and lr give the same weights, and they moved."""
     import copy
 
-    from trsp_ray.heal import run_heal
+    from trsp_ray.method.heal import run_heal
 
     model, ids = trained
     drop = [0, 3]
@@ -320,7 +320,7 @@ def test_stage2_skip_schedule_is_a_heal_of_the_pruned_model(trained):
     gates = attach_gates(skip)
     run_stage2(model=skip, gates=gates, batches=Batches(ids[:-512], seqlen=32, batch_size=8, seed=4), drop=drop,
                lambda2=1.0, steps=6, lr=3e-3, schedule="skip")
-    from trsp_ray.gates import detach_gates
+    from trsp_ray.method.gates import detach_gates
 
     detach_gates(skip)
     remove_layers(skip, drop)
@@ -338,7 +338,7 @@ def test_stage2_skip_schedule_is_a_heal_of_the_pruned_model(trained):
 def test_refinement_undoes_a_myopic_greedy_choice():
     """Greedy took layer 1 (cheapest alone) but {2, 3} costs less than {1, 3}: the swap pass finds
     it among the probed layers, and keeps the drop order's positions."""
-    from trsp_ray.stage1 import Stage1Result, _refine
+    from trsp_ray.method.stage1 import Stage1Result, _refine
 
     costs = {frozenset({1, 3}): 1.0, frozenset({2, 3}): 0.5, frozenset({1, 2}): 0.8, frozenset({3, 4}): 0.9,
              frozenset({1, 4}): 1.2, frozenset({2, 4}): 0.7}
@@ -360,9 +360,9 @@ def test_refinement_undoes_a_myopic_greedy_choice():
 def test_refine_budget_bounds_the_scorer_calls():
     """stage1.refine_budget caps refinement's scorer calls (a pass that finds nothing costs
     n_drop x |pool|); the calls are counted, and the default keeps two whole passes at 8 of 30."""
-    from trsp_ray.config import load_config
-    from trsp_ray.errors import TrspError
-    from trsp_ray.stage1 import Stage1Result, _refine
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.method.stage1 import Stage1Result, _refine
 
     calls = []
 

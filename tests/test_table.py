@@ -1,6 +1,6 @@
-"""trsp_ray.table: the one renderer behind the benchmark, evaluation and reproduction tables."""
+"""trsp_ray.common.table: the one renderer behind the benchmark, evaluation and reproduction tables."""
 
-from trsp_ray import table
+from trsp_ray.common import table
 
 ROWS = [{"method": "dense", "layers": 30, "ppl": 12.3456}, {"method": "trsp|25", "layers": 22, "ppl": 1234.5}]
 

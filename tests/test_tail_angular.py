@@ -7,17 +7,17 @@ import math
 import pytest
 import torch
 
-from trsp_ray import baselines
-from trsp_ray.gates import attach_gates
-from trsp_ray.stage1 import candidate_layers
-from trsp_ray.tiny import tiny_model
+from trsp_ray.method import selectors
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.stage1 import candidate_layers
+from trsp_ray.models.tiny import tiny_model
 
 
 def test_tail_drops_the_last_candidates_before_the_protected_tail():
     candidates = candidate_layers(10, protect_head=1, protect_tail=1)  # 1..8
-    assert baselines.tail_drop(n_drop=3, candidates=candidates) == [8, 7, 6]
-    assert baselines.tail_drop(n_drop=3, candidates=candidate_layers(10, protect_head=1, protect_tail=2)) == [7, 6, 5]
-    assert baselines.tail_drop(n_drop=0, candidates=candidates) == []
+    assert selectors.tail_drop(n_drop=3, candidates=candidates) == [8, 7, 6]
+    assert selectors.tail_drop(n_drop=3, candidates=candidate_layers(10, protect_head=1, protect_tail=2)) == [7, 6, 5]
+    assert selectors.tail_drop(n_drop=0, candidates=candidates) == []
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
@@ -43,27 +43,27 @@ def test_angular_equals_a_brute_force_scan_over_every_contiguous_block(family):
         starts = [a for a in candidates if all(a + k in candidates for k in range(n))]
         brute = {a: distance(a, n) for a in starts}
         best = min(brute, key=brute.get)
-        ours = baselines.angular_distances(model, gates, batches, n_drop=n, starts=starts)
+        ours = selectors.angular_distances(model, gates, batches, n_drop=n, starts=starts)
         assert ours == pytest.approx(brute, rel=1e-5, abs=1e-6)
-        assert baselines.angular_drop(model, gates, batches, n_drop=n, candidates=candidates) == \
+        assert selectors.angular_drop(model, gates, batches, n_drop=n, candidates=candidates) == \
             list(range(best, best + n))
     assert len(set(brute.values())) > 1  # the blocks differ: the choice is a real one
 
 
 def test_no_contiguous_block_is_a_one_line_error():
-    from trsp_ray.errors import TrspError
+    from trsp_ray.common.errors import TrspError
 
     model = tiny_model("llama", layers=6).eval()
     with pytest.raises(TrspError, match="no 3 contiguous candidate layers") as err:
-        baselines.angular_drop(model, attach_gates(model), [torch.randint(3, 50, (1, 8))], n_drop=3,
+        selectors.angular_drop(model, attach_gates(model), [torch.randint(3, 50, (1, 8))], n_drop=3,
                                candidates=[1, 2, 4])
     assert "\n" not in str(err.value)
 
 
 def test_tail_and_angular_prune_a_tiny_model_with_a_heal(tmp_path):
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path / "ws", layers=6, calib_chars=20000, eval_chars=8000)
     base = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}", f"data.eval_text={root / 'eval.txt'}",
@@ -84,9 +84,9 @@ def test_tail_and_angular_pipelines_run_and_export_on_every_family(tmp_path, fam
     diagonal map on Gemma), and an export that reloads with the in-memory logits."""
     import json
 
-    from trsp_ray.config import load_config
+    from trsp_ray.config.run_config import load_config
     from trsp_ray.driver import run
-    from trsp_ray.tiny import tiny_workspace
+    from trsp_ray.models.tiny import tiny_workspace
 
     root = tiny_workspace(tmp_path / "ws", layers=6, calib_chars=12000, eval_chars=6000, family=family)
     base = [f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}", f"data.eval_text={root / 'eval.txt'}",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trsp_ray import plots
-from trsp_ray.tracking import make_tracker
+from trsp_ray.common import plots
+from trsp_ray.run.tracking import make_tracker
 
 
 def _gates():
@@ -62,7 +62,7 @@ def test_every_benchmark_row_name_is_a_valid_metric_name(tmp_path):
     README run died on 'shortgpt+heal@compute' after every row had run)."""
     from mlflow.tracking import MlflowClient
 
-    from trsp_ray.registry import ROW_NAMES
+    from trsp_ray.config.registry import ROW_NAMES
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = make_tracker(tracking_uri=uri, experiment="names")

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trsp_ray.config import load_config
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config
 from trsp_ray.distributed.recovery import heal_on_workers, recovery_settings
-from trsp_ray.errors import TrspError
-from trsp_ray.gates import attach_gates
-from trsp_ray.tiny import tiny_model
-from trsp_ray.training import Batches, TorchStepper
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.training import Batches, TorchStepper
+from trsp_ray.models.tiny import tiny_model
 
 LLAMA2_70B = Path(__file__).resolve().parents[1] / "cluster" / "models" / "llama-2-70b.json"
 
@@ -60,12 +60,13 @@ def test_a_heal_method_heals_on_workers_with_stage2_disabled_with_the_single_pro
 
 
 def test_the_plan_counts_the_heal_of_a_heal_method_with_stage2_disabled():
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import zero3_plan
+    from trsp_ray.plan.shape import read_shape
 
-    shape = planner.read_shape(str(LLAMA2_70B))
-    heal = planner.zero3_plan(_cfg("method=trsp+heal", "stage2.enabled=false"), shape)
+    shape = read_shape(str(LLAMA2_70B))
+    heal = zero3_plan.zero3_plan(_cfg("method=trsp+heal", "stage2.enabled=false"), shape)
     assert [s.name for s in heal.stages] == ["stage 1", "stage 2 (all weights)"]
-    assert len(planner.zero3_plan(_cfg("method=trsp", "stage2.enabled=false"), shape).stages) == 1
+    assert len(zero3_plan.zero3_plan(_cfg("method=trsp", "stage2.enabled=false"), shape).stages) == 1
 
 
 def _ids():
@@ -121,11 +122,11 @@ def test_the_workers_heal_is_the_single_process_heal_loop(monkeypatch, recipe):
 
     from trsp_ray.distributed import worker
     from trsp_ray.distributed.events import EventLog, FaultInjector
-    from trsp_ray.heal import run_heal as original
-    from trsp_ray.surgery import remove_layers
+    from trsp_ray.method.heal import run_heal as original
+    from trsp_ray.method.surgery import remove_layers
 
     calls = []
-    monkeypatch.setattr("trsp_ray.heal.run_heal", lambda **kwargs: calls.append(kwargs) or original(**kwargs))
+    monkeypatch.setattr("trsp_ray.method.heal.run_heal", lambda **kwargs: calls.append(kwargs) or original(**kwargs))
     cfg = _cfg("method=shortgpt+heal", "stage2.steps=3", "stage2.lr=1e-2", "data.seqlen=16", "data.batch_size=4",
                "distributed.checkpoint_every=100", f"heal.trainable={recipe}", "heal.tail_layers=2",
                "heal.lora_rank=4")
@@ -152,16 +153,17 @@ def test_the_workers_heal_is_the_single_process_heal_loop(monkeypatch, recipe):
 def test_the_plan_of_a_worker_heal_leaves_the_drop_set_out_of_the_optimizer():
     """Llama-2-70B, trsp+heal at 25% on 16 workers: 20 of 80 layers frozen in the heal, so its
     optimizer state, gradients and every save are a quarter smaller than stage 2 of trsp."""
-    from trsp_ray.distributed import planner
+    from trsp_ray.plan import host_plan, zero3_plan
+    from trsp_ray.plan.shape import read_shape
 
-    shape = planner.read_shape(str(LLAMA2_70B))
+    shape = read_shape(str(LLAMA2_70B))
     common = ["distributed.workers=16", "distributed.use_gpu=true", "data.batch_size=16", "data.seqlen=2048",
               "distributed.activation_checkpointing=true"]
-    heal = planner.zero3_plan(_cfg("method=trsp+heal", *common), shape)
-    trsp = planner.zero3_plan(_cfg("method=trsp", *common), shape)
+    heal = zero3_plan.zero3_plan(_cfg("method=trsp+heal", *common), shape)
+    trsp = zero3_plan.zero3_plan(_cfg("method=trsp", *common), shape)
     frozen = 20 * shape.layer_params
     assert heal.setup.frozen_layers == 20 and trsp.setup.frozen_layers == 0
-    assert heal.host().checkpoint_gb == pytest.approx(planner.checkpoint_bytes(
+    assert heal.host().checkpoint_gb == pytest.approx(host_plan.checkpoint_bytes(
         shape, heal.setup, trained=shape.params - frozen) / 2**30)
     assert round(trsp.host().checkpoint_gb, 1) == 770.9 and round(heal.host().checkpoint_gb, 1) == 579.6
     optim = "optimizer fp32 + Adam (partition)"
@@ -172,7 +174,7 @@ def test_worker_activation_checkpointing_keeps_dropout_off(monkeypatch):
     """OPT has dropout 0.1, off in one process (eval mode); the workers' stepper factory used to
     switch training mode on for HF's gradient checkpointing, so worker training ran with dropout."""
     from trsp_ray.distributed import engine
-    from trsp_ray.training import checkpointing_enabled
+    from trsp_ray.method.training import checkpointing_enabled
 
     monkeypatch.setattr(engine, "DeepSpeedStepper", lambda model, groups, **_: ("stepper", model.training))
     model = tiny_model("opt", layers=4).eval()

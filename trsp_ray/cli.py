@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from trsp_ray.config import METHODS
-from trsp_ray.registry import GRAMMAR
-from trsp_ray.run_args import add_run_arguments, method_type, run_config
+from trsp_ray.config.registry import GRAMMAR
+from trsp_ray.config.run_config import METHODS
+from trsp_ray.run.run_args import add_run_arguments, method_type, run_config
 
 
 def _prune(args) -> int:
@@ -14,11 +14,11 @@ def _prune(args) -> int:
 
     cfg = run_config(args, method=args.method, output=args.output)
     if args.compute_budget is not None:
-        from trsp_ray.config import replace
+        from trsp_ray.config.run_config import replace
 
         cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
     if args.dry_run:
-        from trsp_ray.pipeline import resolve
+        from trsp_ray.run.pipeline import resolve
 
         pipe = resolve(cfg)  # as driver.run resolves it: the fit that runs, then the heal
         cfg = pipe.cfg
@@ -44,7 +44,7 @@ def _tokens(text: str) -> float:
 
 def _describe(chosen) -> str:
     """The route and, stage by stage, the plan it was chosen by."""
-    from trsp_ray.distributed.plan_format import format_plan
+    from trsp_ray.plan.plan_format import format_plan
 
     if chosen.workers:
         return f"route: {chosen.describe()}\n{format_plan(chosen.plan)}"
@@ -57,7 +57,7 @@ def _describe(chosen) -> str:
 
 def _fit_line(cfg) -> str:
     """Which compensation the run fits (compensation.method resolved by config.for_method)."""
-    from trsp_ray.compensation import describe
+    from trsp_ray.method.compensation import describe
 
     c = cfg.compensation
     if c.method == "none":
@@ -77,7 +77,7 @@ FULL = {"lambada": 500, "zeroshot": 100, "budgets": "1,4"}
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
-    from trsp_ray.errors import TrspError
+    from trsp_ray.common.errors import TrspError
 
     try:
         return tuple(int(x) for x in text.split(","))
@@ -86,7 +86,7 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _benchmark(args) -> int:
-    from trsp_ray.comparison import DEFAULT_ROWS, QUICK_ROWS, check_request, run_benchmark
+    from trsp_ray.benchmark.comparison import DEFAULT_ROWS, QUICK_ROWS, check_request, run_benchmark
 
     mode = FULL if args.full else QUICK
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else (DEFAULT_ROWS if args.full else QUICK_ROWS)
@@ -99,7 +99,7 @@ def _benchmark(args) -> int:
     # its 56 scorer calls found no swap), unless a --config or --set says how to refine.
     cut_refine = quick and not args.config and not any(o.startswith("stage1.refine") for o in args.overrides)
     if cut_refine:
-        from trsp_ray.config import replace
+        from trsp_ray.config.run_config import replace
 
         cfg = replace(cfg, **{"stage1.refine": 0})
     # ... and scores QUICK_EVAL_WINDOWS windows per domain instead of data.eval_max_windows (each row's
@@ -107,19 +107,20 @@ def _benchmark(args) -> int:
     # --config or a --set chooses the windows
     cut_windows = quick and not args.config and not any(o.startswith("data.eval_max_windows") for o in args.overrides)
     if cut_windows:
-        from trsp_ray.config import replace
+        from trsp_ray.config.run_config import replace
 
         cfg = replace(cfg, **{"data.eval_max_windows": QUICK_EVAL_WINDOWS})
     if args.full_baselines or args.full:
-        from trsp_ray.config import FULL_SLEB_WINDOWS, replace
+        from trsp_ray.config.run_config import replace
+        from trsp_ray.config.sections import FULL_SLEB_WINDOWS
 
         cfg = replace(cfg, **{"baselines.sleb_windows": max(cfg.baselines.sleb_windows, FULL_SLEB_WINDOWS)})
     # bad rows / seeds / item counts / budgets fail before Ray starts
     check_request(cfg, rows, args.seeds, zeroshot, lambada_limit=lambada, budgets=budgets)
-    from trsp_ray.workbench import check_single_plan
+    from trsp_ray.run.workbench import check_single_plan
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
-    from trsp_ray.config_sections import DataConfig
+    from trsp_ray.config.sections import DataConfig
 
     cut = "" if not quick else (
         f"quick run (the README's): CUT the rows {', '.join(r for r in DEFAULT_ROWS if r not in QUICK_ROWS)} "
@@ -133,7 +134,7 @@ def _benchmark(args) -> int:
         f"{FULL['budgets']}.")
     kwargs = {"seeds": args.seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut}
     if args.workers > 0:
-        from trsp_ray.distributed.comparison import run_benchmark_ray
+        from trsp_ray.benchmark.cluster import run_benchmark_ray
 
         run_benchmark_ray(cfg, rows, workers=args.workers, **kwargs)
     else:
@@ -223,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=2,
                    help="Ray workers on a local Ray instance (0 = run in this process without Ray)")
     b.set_defaults(func=_benchmark)
-    from trsp_ray.distributed.cli import register as register_plan
     from trsp_ray.evaluation.cli import register as register_eval
+    from trsp_ray.plan_cli import register as register_plan
     from trsp_ray.reproduce.cli import register as register_reproduce
     from trsp_ray.search.cli import register as register_search
 
@@ -238,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trsp_ray.errors import run_main
-    from trsp_ray.logs import quiet_libraries
+    from trsp_ray.common.errors import run_main
+    from trsp_ray.common.logs import quiet_libraries
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `trsp-ray` command: `main()`, then the one exit of the commands and jobs (process_exit.py:
     the interpreter's thread shutdown and atexit handlers, without its module teardown)."""
-    from trsp_ray.process_exit import exit_after
+    from trsp_ray.common.process_exit import exit_after
 
     exit_after(main)
 

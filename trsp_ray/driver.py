@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 
-from trsp_ray import calibration, domains, pipeline, registry, workbench
-from trsp_ray.config import RunConfig
-from trsp_ray.logs import log
-from trsp_ray.perplexity import bos_token, perplexity
+from trsp_ray.common.logs import log
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import RunConfig
+from trsp_ray.data import calibration, domains
+from trsp_ray.data.perplexity import bos_token, perplexity
+from trsp_ray.run import pipeline, workbench
 
 
 def run_stage1(cfg: RunConfig, bench, *, report):
@@ -19,8 +21,8 @@ def run_stage1(cfg: RunConfig, bench, *, report):
     (Ctrl-C, a lost machine) restarts after its last finished round."""
     from pathlib import Path
 
-    from trsp_ray.methods import run_stage1_for
-    from trsp_ray.stage1_store import Stage1Store, data_fingerprint, stage1_content, stage1_key
+    from trsp_ray.run.methods import run_stage1_for
+    from trsp_ray.run.stage1_store import Stage1Store, data_fingerprint, stage1_content, stage1_key
 
     cfg_dict = cfg.to_dict()
     fingerprint = data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text, calib_mix=cfg.data.calib_mix)
@@ -42,11 +44,11 @@ def run_stage1(cfg: RunConfig, bench, *, report):
 
 def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     """Prune one model with one method as configured; export, evaluate and log. Returns the results."""
-    from trsp_ray import plots
-    from trsp_ray.export import check_export_target, export_model, pruned_manifest
-    from trsp_ray.methods import apply_method
-    from trsp_ray.table import render
-    from trsp_ray.tracking import make_tracker
+    from trsp_ray.common import plots
+    from trsp_ray.common.table import render
+    from trsp_ray.run.export import check_export_target, export_model, pruned_manifest
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.tracking import make_tracker
 
     # the pipeline on this model, decided once: the fit it runs on this family, the heal a budget buys
     pipe = pipeline.resolve(cfg)
@@ -115,9 +117,9 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
 
 
 def route_for(cfg: RunConfig):
-    """The planner's route of `cfg` on this machine (distributed/route.py), after the cheap checks: the
+    """The planner's route of `cfg` on this machine (plan/route.py), after the cheap checks: the
     device exists, config.json and the ratio are valid. One-line TrspError when nothing fits."""
-    from trsp_ray.distributed import route
+    from trsp_ray.plan import route
 
     workbench.resolve_device(cfg.device)
     workbench.check_inputs(cfg)
@@ -134,9 +136,9 @@ def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
     """`run` for a model the single-process plan cannot hold: stage 1, stage 2 and export on
     `chosen.workers` Ray Train workers (distributed/train.py), then held-out PPL of the export in
     this process when an evaluation pass fits one device."""
-    from trsp_ray.config import replace
-    from trsp_ray.distributed.single_plan import single_plan_for_run
+    from trsp_ray.config.run_config import replace
     from trsp_ray.distributed.train import run_distributed
+    from trsp_ray.plan.single_plan import single_plan_for_run
 
     cfg_w = replace(cfg, **{"distributed.workers": chosen.workers, "distributed.use_gpu": chosen.device == "gpu"})
     result = run_distributed(cfg_w, overwrite=overwrite)

@@ -100,7 +100,7 @@ def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str 
     if not local:
         waited = flush_uploads()  # at most two saves on local disk: the one uploading and this one
         if waited > 30:
-            from trsp_ray.logs import log
+            from trsp_ray.common.logs import log
 
             log(f"  checkpoint: waited {waited:.0f} s for the previous save's upload")
     target = storage.build_checkpoint_path_from_name(name) if local else tempfile.mkdtemp(prefix="trsp-ckpt-")

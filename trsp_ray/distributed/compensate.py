@@ -1,4 +1,4 @@
-"""Closed-form compensation (trsp_ray/compensation.py) on Ray Train ZeRO-3 workers (issue 21 item 3).
+"""Closed-form compensation (trsp_ray/method/compensation.py) on Ray Train ZeRO-3 workers (issue 21 item 3).
 
 The workers never cut the model before the streaming export: the drop set stays in the network,
 bypassed through its gates, so the map of block [a..b] is folded into the kept layer a-1 (original
@@ -6,7 +6,7 @@ index) while P stays bypassed, and export.py writes the folded weights from the 
 
 `fit` runs on the dense model (every gate off, nothing bypassed) before any weight trains, i.e.
 right after stage 1 (which trains only the gates): rank r of W accumulates M^T M and M^T Y over
-windows k with k % W == r (the removal probes' split, stage1.RemovalScorer), the float64 sums are
+windows k with k % W == r (the removal probes' split, probes.RemovalScorer), the float64 sums are
 all-reduced, and every rank solves the same T per block (each rank runs its share of the
 windows in batches of the run's batch size, so a forward has min(batch, ceil(windows / W)) rows:
 compensation_plan sizes the fit in those, and measured: benchmarks/fit_memory.py). Under ZeRO-3 every forward is a
@@ -15,7 +15,7 @@ the whole model (compensation.accumulate's early stop would leave a pass half-wa
 DeepSpeed's gather hooks). `fold` applies the maps where one process does: after stage 2, before
 a heal. Only the "dense" activations are served here (check_for_workers refuses the rest).
 
-The cosine objective (`compensation.objective=cosine`, trsp_ray/compensation_cosine.py) is no
+The cosine objective (`compensation.objective=cosine`, trsp_ray/method/compensation_cosine.py) is no
 function of the sums: each rank keeps its own shard's rows (x, r, y) of every block on the host,
 from the same dense pass, and the Gauss-Newton steps from the least-squares map all-reduce their
 curvature, gradient and step-length losses, so every rank takes the same steps on all the tokens
@@ -34,23 +34,24 @@ import time
 
 import torch
 
-from trsp_ray import compensation, compensation_scalar, families
-from trsp_ray.boundaries import forward_pass
+from trsp_ray.common.errors import TrspError
 from trsp_ray.distributed.ranks import all_reduce_sum
-from trsp_ray.errors import TrspError
-from trsp_ray.training import split_over_ranks
+from trsp_ray.method import compensation, compensation_scalar
+from trsp_ray.method.boundaries import forward_pass
+from trsp_ray.method.training import split_over_ranks
+from trsp_ray.models import families
 
 
 def check_for_workers(cfg, *, workers: int | None = None) -> None:
     """Refuse, before any worker starts, a compensation the workers do not run (one line); `workers`
     defaults to distributed.workers (a route or a plan passes the count it chose)."""
-    from trsp_ray.config import for_method
+    from trsp_ray.config.run_config import for_method
 
     c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
     workers = cfg.distributed.workers if workers is None else workers
     if c.method != "none" and not c.windows:  # 0: sized from the model's hidden size, as the run sizes it
-        from trsp_ray.config import sized
-        from trsp_ray.workbench import model_hidden
+        from trsp_ray.config.run_config import sized
+        from trsp_ray.run.workbench import model_hidden
 
         hidden = model_hidden(cfg.model)
         c = c if hidden is None else sized(for_method(cfg), hidden=hidden).compensation

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import re
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 
 # Optimizer steps are counted by the stage loops, never printed by DeepSpeed.
 _QUIET = {"steps_print": 10**9, "wall_clock_breakdown": False}
@@ -35,7 +35,7 @@ def worker_dtype(cfg) -> str:
 
 def check_worker_dtype(cfg) -> None:
     """One line, before any worker starts, when `dtype` asks for what the workers would not run."""
-    from trsp_ray.errors import TrspError
+    from trsp_ray.common.errors import TrspError
 
     runs = {"bfloat16": "bf16", "float32": "fp32"}[worker_dtype(cfg)]
     if cfg.dtype not in ("auto", runs):

@@ -135,7 +135,7 @@ class DeepSpeedStepper:
     def __init__(self, model, param_groups: list[dict], *, ds_config: dict, rank: int, world: int):
         import deepspeed
 
-        from trsp_ray.gates import GatedLayer
+        from trsp_ray.method.gates import GatedLayer
 
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
         _safe_checkpoint_engine(self.engine)
@@ -243,7 +243,7 @@ class StepperFactory:
             # layers. The single process's rule (training.set_checkpointing): unlike HF's
             # gradient_checkpointing_enable it needs no training mode, which would switch on
             # dropout (OPT's 0.1) that the one-process run does not have.
-            from trsp_ray.training import set_checkpointing
+            from trsp_ray.method.training import set_checkpointing
 
             set_checkpointing(model, True)
         stepper = DeepSpeedStepper(model, param_groups, ds_config=self.ds_config, rank=self.rank, world=self.world)

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from trsp_ray.logs import log
+from trsp_ray.common.logs import log
 
 
 class EventLog:

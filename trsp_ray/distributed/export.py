@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 
 SLOW_STORAGE_BYTES_PER_S = 50e6  # a slow network filesystem; local NVMe is 20-100x faster
 
@@ -83,7 +83,7 @@ def export_units(model, drop: list[int]) -> tuple[list[Unit], list[int], int]:
     A tensor shared by two modules (lm_head tied to the embedding) is exported once, under its
     first name, as transformers' save_pretrained does.
     """
-    from trsp_ray import families
+    from trsp_ray.models import families
 
     layers_path = families.family_of(model).layers_path
     layers = families.decoder_layers(model)
@@ -190,9 +190,9 @@ def reference_logits(model, drop: list[int], *, vocab: int, device: torch.device
     layers bypassed, which equals removing them (tests/test_gates_surgery.py). Collective under
     ZeRO-3 (every rank runs the forward; the engine's hooks must still be installed). Leaves the
     dropped layers bypassed: the export is the model's last use."""
-    from trsp_ray import families
-    from trsp_ray.export import probe_logits
-    from trsp_ray.gates import GatedLayer, attach_gates, detach_gates
+    from trsp_ray.method.gates import GatedLayer, attach_gates, detach_gates
+    from trsp_ray.models import families
+    from trsp_ray.run.export import probe_logits
 
     wrapped = all(isinstance(layer, GatedLayer) for layer in families.decoder_layers(model))
     gates = attach_gates(model)  # existing wrappers kept; gating, stage-2 scales and bypass cleared
@@ -241,7 +241,7 @@ def export_streaming(model, *, tokenizer, drop: list[int], output: str, manifest
     """
     import torch.distributed as dist
 
-    from trsp_ray import families
+    from trsp_ray.models import families
 
     rank, world = _world()
     units, kept, total = export_units(model, list(drop))
@@ -281,9 +281,9 @@ class _Rank0Export:
     the gathers (raising mid-stream would leave the others blocked in the next gather)."""
 
     def __init__(self, model, *, shards, output: str, overwrite: bool):
-        from trsp_ray.atomic import staging_dir
+        from trsp_ray.common.atomic import staging_dir
         from trsp_ray.distributed.shards import ShardWriter
-        from trsp_ray.export import check_output_dir
+        from trsp_ray.run.export import check_output_dir
 
         self.model, self.shards, self.error, self.result, self.tmp, self.writer = model, shards, None, None, None, None
         try:
@@ -315,9 +315,9 @@ class _Rank0Export:
 
     def finish(self, *, tokenizer, reference, device, dtype, vocab: int, kept: list[int], total: int,
                drop: list[int], manifest: dict, reload_note: str, timeout_s: int) -> None:
-        from trsp_ray.atomic import publish
+        from trsp_ray.common.atomic import publish
         from trsp_ray.distributed.shards import verify_shards
-        from trsp_ray.export import pruned_manifest, write_manifest
+        from trsp_ray.run.export import pruned_manifest, write_manifest
 
         if self.error is not None:
             return
@@ -344,7 +344,7 @@ class _Rank0Export:
 
     def _write_config(self, *, kept: list[int], total: int, dtype: torch.dtype) -> None:
         """config.json of the pruned model (what save_pretrained would write after remove_layers)."""
-        from trsp_ray.surgery import shorten_config
+        from trsp_ray.method.surgery import shorten_config
 
         config = copy.deepcopy(self.model.config)
         shorten_config(config, kept=kept, total=total)
@@ -357,7 +357,7 @@ class _Rank0Export:
     def _reload_check(self, reference: torch.Tensor, *, device, dtype, vocab: int) -> dict:
         from transformers import AutoModelForCausalLM
 
-        from trsp_ray.export import probe_logits
+        from trsp_ray.run.export import probe_logits
 
         reloaded = AutoModelForCausalLM.from_pretrained(self.tmp, dtype=dtype).to(device).eval()
         got = probe_logits(reloaded, vocab, device)[1]

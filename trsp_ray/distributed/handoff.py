@@ -1,5 +1,5 @@
 """Stage 2 + export on Ray Train workers from a stage-1 result computed elsewhere (the shared,
-content-keyed store of trsp_ray/stage1_store.py), so every TRSP variant of a model - single-device
+content-keyed store of trsp_ray/run/stage1_store.py), so every TRSP variant of a model - single-device
 or distributed, in a search or a reproduction - prunes from one stage-1 run: `run_distributed`
 takes the result as `stage1=` (a plain dict, `stage1_store.result_dict`) and the workers skip their
 own stage 1. The returned `shared` flag says whether the exported drop set is the shared one.
@@ -13,7 +13,7 @@ def run_stage2_distributed(cfg, *, stage1: dict | None, n_drop: int, name: str, 
     to `cfg.output`; `shared` is True when the exported drop set is `stage1`'s for `cfg.method`.
     `stage1=None`: the workers learn stage 1 (a model whose stage 1 needs them too)."""
     from trsp_ray.distributed.train import run_distributed
-    from trsp_ray.stage1_store import result_from
+    from trsp_ray.run.stage1_store import result_from
 
     if stage1 is None:
         return run_distributed(cfg, name=name, overwrite=overwrite), False

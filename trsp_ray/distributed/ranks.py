@@ -50,8 +50,8 @@ def block_influence_on_ranks(cfg, bench, windows: list, *, rank: int) -> tuple[d
     each rank scores its share (rows k % world == rank; a rank short of one runs a padding row that
     counts nowhere, so every rank runs as many ZeRO-3 forwards) and the sums are summed over the
     ranks, so every rank gets the same figures, equal to one process's on all the windows."""
-    from trsp_ray.baselines import influence_sums
-    from trsp_ray.training import split_over_ranks
+    from trsp_ray.method.selectors import influence_sums
+    from trsp_ray.method.training import split_over_ranks
 
     # a stage-1 step's rows per rank (its micro batch): the activations and logits the plan's
     # stage-1 figure holds, at any world size

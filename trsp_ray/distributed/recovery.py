@@ -10,9 +10,9 @@ def recovery_settings(cfg) -> dict | None:
     (methods.heal_settings of methods.method_heal: stage2.steps at stage2.lr, config.heal_recipe's
     recipe; heal.steps is refused on the workers, train.check_worker_settings). TRSP's stage 2:
     run_stage2's (methods.stage2_settings)."""
-    from trsp_ray import registry
-    from trsp_ray.distributed.zero3_plan import recovers_on_workers
-    from trsp_ray.methods import heal_settings, method_heal, stage2_settings
+    from trsp_ray.config import registry
+    from trsp_ray.plan.zero3_plan import recovers_on_workers
+    from trsp_ray.run.methods import heal_settings, method_heal, stage2_settings
 
     if not recovers_on_workers(cfg):
         return None
@@ -29,8 +29,8 @@ def heal_on_workers(cfg, *, model, gates, drop: list[int], comp: dict | None, ba
     master, Adam moments, gradients or checkpoint bytes for ~a quarter of a 70B model) and a tail or
     map recipe picks its set among the kept layers before the engine is built. `comp`: the fit's
     info, whose blocks name the map recipe's layers (None without a fit). Returns run_heal's result."""
-    from trsp_ray.boundaries import fold_layers
-    from trsp_ray.heal import run_heal
+    from trsp_ray.method.boundaries import fold_layers
+    from trsp_ray.method.heal import run_heal
 
     settings = recovery_settings(cfg)
     kept = [w for w in gates.wrappers if w.index not in set(drop)]
@@ -46,8 +46,8 @@ def heal_on_workers(cfg, *, model, gates, drop: list[int], comp: dict | None, ba
 def gathered_mlp_output(layer, model):
     """families.map_module with the layer's partitions gathered: a ZeRO-3 weight shows no shape
     until gathered (the fit resolves its targets the same way)."""
-    from trsp_ray import families
     from trsp_ray.distributed.engine import gather_context
+    from trsp_ray.models import families
 
     with gather_context(list(layer.parameters())):
         return families.map_module(layer, model)

@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 
 
 def is_remote(storage_path: str) -> bool:

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trsp_ray.common.errors import TrspError
+from trsp_ray.common.logs import warn
 from trsp_ray.distributed import ray_session
 from trsp_ray.distributed.storage import RunRecords, check_storage, is_remote, location
-from trsp_ray.errors import TrspError
-from trsp_ray.logs import warn
 
 __all__ = ["DistributedResult", "check_plan", "check_resources", "check_storage", "prepare_run", "run_distributed"]
 
@@ -76,8 +76,8 @@ def check_resources(dist, resources: dict, cpus: int | None = None) -> None:
 def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
     """Refuse a plan whose GPU memory (GPU runs: the stages, then stage 1's removal probes) or
     checkpoints (`disk_budget_gb`, any run) do not fit, naming what would (see zero3_plan.py)."""
-    from trsp_ray.distributed.route import worker_extras_problem
-    from trsp_ray.distributed.zero3_plan import plan_for_run
+    from trsp_ray.plan.route import worker_extras_problem
+    from trsp_ray.plan.zero3_plan import plan_for_run
 
     plan = plan_for_run(cfg, model_path, ds_config)
     disk = plan.disk_problem()
@@ -92,10 +92,10 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
 
 def check_worker_settings(cfg, *, drop_given: bool = False) -> None:
     """Settings one process honours that the workers would not: refused in one line."""
-    from trsp_ray import registry
+    from trsp_ray.config import registry
     from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.deepspeed_config import check_worker_dtype
-    from trsp_ray.distributed.zero3_plan import method_on_workers
+    from trsp_ray.plan.zero3_plan import method_on_workers
 
     if not method_on_workers(cfg.method, drop_given=drop_given):
         handed = (f" ({', '.join(registry.HANDED_OVER_METHODS)} with a drop set chosen in one process)"
@@ -117,7 +117,7 @@ def check_worker_settings(cfg, *, drop_given: bool = False) -> None:
 
 def check_handed_drop(drop, *, ratio: float, layers: int) -> None:
     """A drop set handed to the workers: distinct layer indices of the model, as many as `ratio` drops."""
-    from trsp_ray.stage1 import n_drop_for
+    from trsp_ray.method.stage1 import n_drop_for
 
     want = n_drop_for(ratio, layers)
     if (len(drop) != want or len(set(drop)) != len(drop)
@@ -129,9 +129,9 @@ def check_handed_drop(drop, *, ratio: float, layers: int) -> None:
 def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False, resources: dict | None = None,
                 cpus: int | None = None, drop_given: bool = False):
     """All checks, in the driver; returns (ds_config, storage, model_path)."""
-    from trsp_ray import assets
+    from trsp_ray.data import assets
     from trsp_ray.distributed.deepspeed_config import build_ds_config, validate_ds_config
-    from trsp_ray.export import check_output_dir
+    from trsp_ray.run.export import check_output_dir
 
     dist = cfg.distributed
     if dist.workers < 1:
@@ -144,9 +144,9 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
                         ("distributed.checkpoint_every", dist.checkpoint_every)):
         if steps % dist.grad_accum:  # a round or checkpoint must end on an optimizer step
             raise TrspError(f"{name}={steps} is not a multiple of distributed.grad_accum={dist.grad_accum}")
-    from trsp_ray import registry
-    from trsp_ray.config import heal_recipe
-    from trsp_ray.distributed.zero3_plan import trains_on_workers
+    from trsp_ray.config import registry
+    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.plan.zero3_plan import trains_on_workers
 
     heals = registry.method(cfg.method).heal  # a heal method's heal trains its recipe, stage 2 stage2.trainable
     trainable = heal_recipe(cfg, heal_method=True)[0] if heals else cfg.stage2.trainable
@@ -179,7 +179,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     """
     import ray
 
-    from trsp_ray.pipeline import resolve
+    from trsp_ray.run.pipeline import resolve
 
     # the pipeline on this model (idempotent for a config driver.run resolved): a compensating method
     # (the default) fits its compensation on the workers
@@ -191,7 +191,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     ds_config, storage, model_path = prepare_run(cfg, ds_options=ds_options, overwrite=overwrite,
                                                  drop_given=drop is not None)
     if drop is not None:
-        from trsp_ray.distributed.shape import read_shape
+        from trsp_ray.plan.shape import read_shape
 
         check_handed_drop(drop, ratio=cfg.ratio, layers=read_shape(model_path).layers)
     ray_session.connect(include_dashboard=None)  # Ray's default: a long training run is worth watching
@@ -221,7 +221,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
 def tracking_uri_for(cfg, local_storage: str | None) -> str | None:
     """`tracking.tracking_uri`, else the shared store named by TRSP_RAY_MLFLOW_DIR (set by
     cluster/runtime_env.yaml), else `<storage_path>/mlflow.db` for a local storage path, else None."""
-    from trsp_ray.tracking import default_tracking_uri
+    from trsp_ray.run.tracking import default_tracking_uri
 
     if cfg.tracking.tracking_uri:
         return cfg.tracking.tracking_uri
@@ -233,8 +233,8 @@ def tracking_uri_for(cfg, local_storage: str | None) -> str | None:
 def log_run(cfg, result: DistributedResult, *, name: str, local_storage: str | None) -> str | None:
     """One MLflow run for a distributed run, written by the driver from the run's own event log
     (workers never write MLflow: one writer per store), in the store of `tracking_uri_for`."""
-    from trsp_ray import plots
-    from trsp_ray.tracking import MlflowTracker
+    from trsp_ray.common import plots
+    from trsp_ray.run.tracking import MlflowTracker
 
     uri = tracking_uri_for(cfg, local_storage)
     if uri is None:

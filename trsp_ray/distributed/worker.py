@@ -19,7 +19,7 @@ import torch
 from trsp_ray.distributed.checkpoints import discard_download, restore_point, save
 from trsp_ray.distributed.events import EventLog, FaultInjector
 from trsp_ray.distributed.ranks import block_influence_on_ranks, forward_engine, sum_over_ranks
-from trsp_ray.training import FIT_STREAM, HEAL_STREAM, SELECTION_STREAM, STAGE1_STREAM, STAGE2_STREAM
+from trsp_ray.method.training import FIT_STREAM, HEAL_STREAM, SELECTION_STREAM, STAGE1_STREAM, STAGE2_STREAM
 
 
 def reset_peak_memory() -> None:
@@ -47,8 +47,8 @@ def train_loop(config: dict) -> None:
     """Entry point of every Ray Train worker; `config` is the plain dict built by the driver."""
     import ray.train
 
-    from trsp_ray import registry
-    from trsp_ray.config import from_dict
+    from trsp_ray.config import registry
+    from trsp_ray.config.run_config import from_dict
     from trsp_ray.distributed import compensate
     from trsp_ray.distributed import engine as eng
 
@@ -67,8 +67,8 @@ def train_loop(config: dict) -> None:
     bench = _load(config, cfg, rank=rank, world=world)
     fault = FaultInjector(config.get("fault"), rank, config.get("records"))
     if config.get("stage1") is not None:  # a stage 1 computed elsewhere (distributed/handoff.py)
-        from trsp_ray.stage1 import n_drop_for
-        from trsp_ray.stage1_store import result_from
+        from trsp_ray.method.stage1 import n_drop_for
+        from trsp_ray.run.stage1_store import result_from
 
         drop = result_from(config["stage1"]).drop_for(cfg.method, n_drop_for(cfg.ratio, bench.num_layers))
         s1_state = {"handed_over": True}
@@ -80,8 +80,8 @@ def train_loop(config: dict) -> None:
     elif registry.method(cfg.method).selector == registry.SHORTGPT_SELECTOR:
         drop, s1_state = _shortgpt(cfg, bench, events=events, rank=rank), {}
     elif registry.method(cfg.method).selector == registry.TAIL_SELECTOR:  # no forward: every rank alike
-        from trsp_ray.baselines import tail_drop
-        from trsp_ray.stage1 import candidate_layers, n_drop_for
+        from trsp_ray.method.selectors import tail_drop
+        from trsp_ray.method.stage1 import candidate_layers, n_drop_for
 
         g = cfg.gates
         candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
@@ -122,11 +122,11 @@ def _load(config: dict, cfg, *, rank: int, world: int):
 
     from transformers import AutoTokenizer
 
-    from trsp_ray import families
+    from trsp_ray.data.perplexity import bos_token
     from trsp_ray.distributed import engine as eng
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.perplexity import bos_token
-    from trsp_ray.workbench import calibration_of
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.models import families
+    from trsp_ray.run.workbench import calibration_of
 
     path = config["model_path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -146,8 +146,8 @@ def _load(config: dict, cfg, *, rank: int, world: int):
 
 
 def _batches(cfg, bench, seed_offset: int):
-    from trsp_ray.perplexity import bos_token
-    from trsp_ray.training import Batches
+    from trsp_ray.data.perplexity import bos_token
+    from trsp_ray.method.training import Batches
 
     d = cfg.data
     # the single process's convention (Workbench.batches): BOS first when the tokenizer adds one
@@ -157,10 +157,11 @@ def _batches(cfg, bench, seed_offset: int):
 
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
+    from trsp_ray.data.perplexity import bos_token
     from trsp_ray.distributed import engine as eng
-    from trsp_ray.methods import probe_windows, probes_removal, stage1_settings
-    from trsp_ray.perplexity import bos_token
-    from trsp_ray.stage1 import RemovalScorer, candidate_layers, check_drop_count, common_tokens, n_drop_for, run_stage1
+    from trsp_ray.method.probes import RemovalScorer, common_tokens
+    from trsp_ray.method.stage1 import candidate_layers, check_drop_count, n_drop_for, run_stage1
+    from trsp_ray.run.methods import probe_windows, probes_removal, stage1_settings
 
     s1, g = cfg.stage1, cfg.gates
     candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
@@ -211,10 +212,10 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     """ShortGPT's drop set on the single process's windows (methods.select), Block Influence scored
     data-parallel (block_influence_on_ranks). Forward-only and cheap: a resumed run recomputes it
     rather than checkpointing it."""
-    from trsp_ray import registry
-    from trsp_ray.baselines import lowest_influence
-    from trsp_ray.methods import fixed_windows, shortgpt_windows
-    from trsp_ray.stage1 import candidate_layers, check_drop_count, n_drop_for
+    from trsp_ray.config import registry
+    from trsp_ray.method.selectors import lowest_influence
+    from trsp_ray.method.stage1 import candidate_layers, check_drop_count, n_drop_for
+    from trsp_ray.run.methods import fixed_windows, shortgpt_windows
 
     g = cfg.gates
     candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
@@ -234,9 +235,9 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     """Stage 2, or a heal method's heal (recovery.heal_on_workers: heal.run_heal, the single
     process's loop), with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards.
     A heal trains its recipe's set (`comp`: the fit's info, whose blocks name the map recipe's layers)."""
-    from trsp_ray import registry
+    from trsp_ray.config import registry
     from trsp_ray.distributed.recovery import heal_on_workers, recovery_settings
-    from trsp_ray.stage2 import run_stage2
+    from trsp_ray.method.stage2 import run_stage2
 
     settings = recovery_settings(cfg)
     if settings is None:
@@ -281,16 +282,16 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
 def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: int) -> dict | None:
     """The compensation's maps (distributed/compensate.py) from the dense model, on the single
     process's windows (FIT_STREAM, methods.apply_method); None for compensation.method none."""
-    from trsp_ray import families
-    from trsp_ray.config import sized
+    from trsp_ray.config.run_config import sized
     from trsp_ray.distributed import compensate
-    from trsp_ray.methods import fixed_windows
+    from trsp_ray.models import families
+    from trsp_ray.run.methods import fixed_windows
 
     c = sized(cfg, hidden=families.text_config(bench.model).hidden_size).compensation  # windows 0: auto
     if c.method == "none":
         return None
     if c.windows < bench.world:  # every rank raises alike (a rank without a window would hang the rest)
-        from trsp_ray.errors import TrspError
+        from trsp_ray.common.errors import TrspError
 
         raise TrspError(f"compensation.windows={c.windows} is fewer than the {bench.world} workers; use "
                         f"compensation.windows >= {bench.world}")

@@ -62,7 +62,7 @@ def _settings(args):
 
 
 def _footer(settings) -> str:
-    from trsp_ray.assets import WIKI_SOURCE
+    from trsp_ray.data.assets import WIKI_SOURCE
     from trsp_ray.evaluation.harness import lm_eval_version
 
     text = settings.eval_text or f"{WIKI_SOURCE}, held-out articles"
@@ -77,7 +77,7 @@ def run_eval(args) -> int:
     from trsp_ray.evaluation import report
     from trsp_ray.evaluation.evaluator import check_candidate
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
-    from trsp_ray.tracking import make_tracker
+    from trsp_ray.run.tracking import make_tracker
 
     settings = _settings(args)
     for path in [*args.models, *([args.dense] if args.dense else [])]:

@@ -13,11 +13,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.common.logs import log
 from trsp_ray.evaluation.harness import check_limit
 from trsp_ray.evaluation.speed import SpeedSettings
 from trsp_ray.evaluation.tasks import DEFAULT_TASKS, STOCK_PREFIX, check_task_names
-from trsp_ray.logs import log
 
 MANIFEST = "trsp_ray.json"
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -129,8 +129,8 @@ class Evaluator:
         return f"{socket.gethostname()}:{os.getpid()} ({self.threads} threads)"
 
     def _heldout_ids(self, tokenizer):
-        from trsp_ray.domains import load_texts
-        from trsp_ray.perplexity import encode
+        from trsp_ray.data.domains import load_texts
+        from trsp_ray.data.perplexity import encode
 
         key = (len(tokenizer), tuple(tokenizer("Held-out text, 2024.").input_ids))
         if key not in self._text_ids:
@@ -149,8 +149,8 @@ class Evaluator:
 
     def evaluate(self, path: str) -> dict:
         """Everything measured for one candidate, as a plain dict (see report.py for the columns)."""
+        from trsp_ray.data.perplexity import perplexity
         from trsp_ray.evaluation.harness import lm_eval_version, run_tasks
-        from trsp_ray.perplexity import perplexity
 
         s, start = self.settings, time.perf_counter()
         name = Path(path).name

@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 from trsp_ray.evaluation.tasks import STOCK_PREFIX, check_task_names, lm_eval_name, write_task_dir
 
 METRICS = ("acc", "acc_norm")

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trsp_ray.common.errors import TrspError
+from trsp_ray.common.logs import log as progress_log
 from trsp_ray.distributed import ray_session
-from trsp_ray.errors import TrspError
 from trsp_ray.evaluation.evaluator import EvalSettings, Evaluator, check_candidate
-from trsp_ray.logs import log as progress_log
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import csv
 import io
 from pathlib import Path
 
-from trsp_ray import atomic
+from trsp_ray.common import atomic
+from trsp_ray.common.table import markdown, render
 from trsp_ray.evaluation.tasks import PAPER_TASKS
-from trsp_ray.table import markdown, render
 
 METRICS = ("acc", "acc_norm")
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
 
 # Per-device defaults (what `benchmarks/speed.py` and the evaluation pool's speed column both use).
 # CPU: SmolLM2-135M at 1 thread, a 512-token prefill is ~1.7 s and a 4 x 32-token generation ~3 s,

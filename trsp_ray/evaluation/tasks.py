@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trsp_ray import atomic
-from trsp_ray.errors import TrspError
+from trsp_ray.common import atomic
+from trsp_ray.common.errors import TrspError
 
 STOCK_PREFIX = "lm_eval:"
 PAPER_TASKS = ("piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge")  # the paper's 5-task mean
@@ -188,7 +188,7 @@ def task_config(name: str, data_path: Path) -> dict:
 
 
 def default_root() -> Path:
-    from trsp_ray.assets import cache_dir
+    from trsp_ray.data.assets import cache_dir
 
     return cache_dir() / "lm_eval_tasks"
 

@@ -66,7 +66,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    from trsp_ray.process_exit import exit_after
+    from trsp_ray.common.process_exit import exit_after
 
     parser = argparse.ArgumentParser(prog="trsp-ray reproduce")
     add_arguments(parser)

@@ -4,7 +4,7 @@ Layout under the output directory:
     cells/<cell id>.json        one finished cell (pruned and scored), written atomically
     models/<cell id>/           the exported pruned model (atomic export)
     models/<cell id>.prune.json what its pruning did (drop set, route, time), with its prune key
-    stage1/<key>.json           shared stage-1 results by content key (trsp_ray/stage1_store.py)
+    stage1/<key>.json           shared stage-1 results by content key (trsp_ray/run/stage1_store.py)
     run_log.jsonl               one JSON line per event: run start/end, cell skipped/stale/pruned/computed
 
 A cell is done when its record carries the cell's current content key, and pruned when its export
@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trsp_ray import atomic, runlog
-from trsp_ray.errors import TrspError
+from trsp_ray.common import atomic, runlog
+from trsp_ray.common.errors import TrspError
 from trsp_ray.reproduce.presets import GRID_METHODS, Preset
 
 

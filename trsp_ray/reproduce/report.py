@@ -11,8 +11,8 @@ import csv
 import io
 from pathlib import Path
 
+from trsp_ray.common.table import markdown, render
 from trsp_ray.reproduce.presets import GRID_METHODS
-from trsp_ray.table import markdown, render
 
 COLUMNS = ["model", "method", "ratio", "layers", "dropped", "PPL", "paper PPL", "d PPL",
            "mean5 acc %", "paper acc %", "d acc", "prefill x", "route", "prune s"]
@@ -94,7 +94,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     rows = [r for r in rows if r["PPL"] is not None]
     if not rows:
         return None
-    from trsp_ray.plots import _pyplot
+    from trsp_ray.common.plots import _pyplot
 
     plt = _pyplot()
     models = sorted({r["model"] for r in rows})
@@ -119,7 +119,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 
 def write_reports(results: list[dict], out: Path, *, preset) -> dict[str, Path]:
     """results.md / .csv / .txt and ppl.png under `out` (each through a temp file + rename)."""
-    from trsp_ray import atomic
+    from trsp_ray.common import atomic
 
     rows, foot = table_rows(results), footer(preset)
     out = Path(out)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trsp_ray.common.errors import TrspError
+from trsp_ray.common.logs import log
 from trsp_ray.distributed import ray_session
-from trsp_ray.errors import TrspError
-from trsp_ray.logs import log
 from trsp_ray.reproduce.grid import Cell, CellStore, build_grid
 from trsp_ray.reproduce.presets import Preset, get_preset, paper_numbers
 from trsp_ray.reproduce.work import (
@@ -76,9 +76,9 @@ class CellPlan:
 def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[str, CellPlan]:
     """Every cell's config, route and shared stage 1, from config files alone (no weights, no
     writes); a bad override, a ratio that drops nothing or a cell that fits no route fails here."""
-    from trsp_ray.stage1 import n_drop_for
-    from trsp_ray.stage1_store import content_key, prefix_serves, stage1_content
-    from trsp_ray.workbench import check_inputs
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.stage1_store import content_key, prefix_serves, stage1_content
+    from trsp_ray.run.workbench import check_inputs
 
     plans: dict[str, CellPlan] = {}
     stage1: dict[tuple, Stage1Plan] = {}
@@ -110,7 +110,7 @@ def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[s
 
 def _attach_keys(plans: dict[str, CellPlan], eval_dict: dict) -> None:
     """Content keys of every cell and stage 1 (reads the model's and texts' files: after the checks)."""
-    from trsp_ray.stage1_store import data_fingerprint, stage1_key, text_fingerprint
+    from trsp_ray.run.stage1_store import data_fingerprint, stage1_key, text_fingerprint
 
     fps: dict[tuple, str] = {}
     for p in plans.values():
@@ -171,8 +171,8 @@ def run_reproduce(preset: str | Preset, *, out: str, models=None, methods=None, 
     Unknown preset/model/method, a bad ratio or override, a cell no route fits fail with a one-line
     TrspError before any model is loaded or Ray is started. `on_cell(cell, record)` is called after
     each stored cell."""
-    from trsp_ray.export import check_work_dir
     from trsp_ray.reproduce.report import write_reports
+    from trsp_ray.run.export import check_work_dir
 
     check_work_dir(out, flag="--out")  # a file or a read-only folder: refused before any cell is planned
     p = get_preset(preset) if isinstance(preset, str) else preset
@@ -269,7 +269,7 @@ def _record_pruned(store: CellStore, plans, cell: Cell, record: dict) -> None:
 def _finish_model(store, p: Preset, key: str, todo: list[Cell], plans, pending, eval_overrides, use_ray,
                   on_cell, computed) -> None:
     """Collect the model's task, run its Ray Train cells from the shared stage 1, score its cells."""
-    from trsp_ray.stage1 import n_drop_for
+    from trsp_ray.method.stage1 import n_drop_for
 
     shared: dict = {}
     chosen: dict = {}

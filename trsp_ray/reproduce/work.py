@@ -3,7 +3,7 @@
 Every TRSP cell of a model (trsp, trsp-oneshot, trsp-no-stage2, any ratio) prunes from one
 stage-1 run: learned once, on one device, at the largest TRSP ratio of the grid (a smaller ratio's
 drop set is a prefix of the order; the one-shot ablation uses the round-1 ranking), and kept in the
-content-keyed stage-1 store (trsp_ray/stage1_store.py, shared with the search), so a changed
+content-keyed stage-1 store (trsp_ray/run/stage1_store.py, shared with the search), so a changed
 stage-1 setting recomputes it and an interrupted run does not. A cell whose stage 2 needs several
 GPUs gets that same result handed to its Ray Train run (distributed/handoff.py).
 
@@ -17,11 +17,11 @@ import dataclasses
 import time
 from pathlib import Path
 
-from trsp_ray import registry
-from trsp_ray.config import RunConfig, load_config, replace
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import RunConfig, load_config, replace
 from trsp_ray.reproduce.presets import grid_method
-from trsp_ray.stage1_store import content_key, model_fingerprint, text_fingerprint
+from trsp_ray.run.stage1_store import content_key, model_fingerprint, text_fingerprint
 
 # Config sections that do not change what a cell exports or scores.
 NOT_RESULTS = ("tracking", "output", "threads", "checkpoint_dir", "distributed")
@@ -58,14 +58,14 @@ def cell_key(prune: str, eval_settings: dict) -> str:
 
 def planner_shape(spec):
     """A planner Shape from a preset's config.json fields (what read_shape would read from disk)."""
-    from trsp_ray.distributed.shape import shape_from_config
+    from trsp_ray.plan.shape import shape_from_config
 
     return shape_from_config(spec.shape, source=spec.key)
 
 
 def model_shape(spec):
-    from trsp_ray import assets
-    from trsp_ray.distributed.shape import read_shape
+    from trsp_ray.data import assets
+    from trsp_ray.plan.shape import read_shape
 
     return planner_shape(spec) if spec.shape else read_shape(assets.resolve_model(spec.model))
 
@@ -78,8 +78,8 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
     """The planner's route of a cell: one process on one device, or N Ray Train workers (at most
     the preset's `max_workers`); a one-line TrspError when neither fits. The dense cell is only
     scored, and a TRSP cell's stage 1 is the shared one, so neither plans a stage 1 of its own."""
-    from trsp_ray.distributed import route
-    from trsp_ray.distributed.single_plan import single_plan, single_setup_for_run
+    from trsp_ray.plan import route
+    from trsp_ray.plan.single_plan import single_plan, single_setup_for_run
 
     shape = shape or model_shape(spec)
     device = _device(cfg)
@@ -121,7 +121,7 @@ def hands_over(cfg: RunConfig, workers: int) -> bool:
 
 def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
     """The route of a model's shared stage 1: one device, always (the store is filled by one process)."""
-    from trsp_ray.distributed import route
+    from trsp_ray.plan import route
 
     shape = shape or model_shape(spec)
     device = _device(cfg)
@@ -142,10 +142,10 @@ def _host_gb() -> float:
 def shared_stage1(load, *, root: str, key: str, n_drop: int, content: dict) -> dict:
     """The shared stage-1 result of `key` covering `n_drop` layers, as plain data: from the store,
     else learned on the workbench `load()` returns and stored."""
-    from trsp_ray.stage1_store import Stage1Store, compute_stage1, result_dict
+    from trsp_ray.run.stage1_store import Stage1Store, compute_stage1, result_dict
 
     def compute(n: int):
-        from trsp_ray.logs import log
+        from trsp_ray.common.logs import log
 
         log(f"stage 1: learning {n} layers (shared by every TRSP cell of this model)")
         return compute_stage1(load(), n)
@@ -156,8 +156,8 @@ def shared_stage1(load, *, root: str, key: str, n_drop: int, content: dict) -> d
 
 def _dense_dir(bench, out_dir: Path) -> str:
     """Scoring needs a model directory: the local model itself, else a one-time export (hub ids)."""
-    from trsp_ray import assets
-    from trsp_ray.export import export_model, pruned_manifest
+    from trsp_ray.data import assets
+    from trsp_ray.run.export import export_model, pruned_manifest
 
     path = Path(assets.resolve_model(bench.cfg.model))
     if path.is_dir():
@@ -181,12 +181,12 @@ def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], sta
     {"records": one {cell_id, model_dir, drop, info, prune_seconds, stage1_shared} per cell,
     "stage1": {key: result dict}, "selections": {cell_id: {"drop", "info"}}}.
     """
-    from trsp_ray.config import from_dict
+    from trsp_ray.config.run_config import from_dict
 
     loaded: list = []
 
     def load():
-        from trsp_ray.workbench import prepare
+        from trsp_ray.run.workbench import prepare
 
         if not loaded:
             loaded.append(prepare(from_dict(run)))
@@ -200,10 +200,10 @@ def prune_cells(run: dict, cells: list[dict], *, model_dirs: dict[str, str], sta
 
 def _select_one(bench, c: dict) -> dict:
     """The drop set of a cell that heals on Ray Train workers, chosen on this one device."""
-    from trsp_ray.config import from_dict
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.logs import log
-    from trsp_ray.methods import select
+    from trsp_ray.common.logs import log
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.run.methods import select
 
     cfg = from_dict(c["run"])
     cell_bench = dataclasses.replace(bench, cfg=cfg)
@@ -214,10 +214,10 @@ def _select_one(bench, c: dict) -> dict:
 
 
 def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
-    from trsp_ray.config import from_dict
-    from trsp_ray.logs import log
-    from trsp_ray.methods import apply_method
-    from trsp_ray.stage1_store import result_from
+    from trsp_ray.common.logs import log
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.stage1_store import result_from
 
     t0 = time.time()
     if grid_method(c["method"]).method is None:
@@ -235,7 +235,7 @@ def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
 
 def export_cell(outcome, bench, *, method: str, config: dict, info: dict, target: str) -> str:
     """A single-device cell's export (`method` is the grid row), replacing a half-finished one."""
-    from trsp_ray.export import export_model, pruned_manifest
+    from trsp_ray.run.export import export_model, pruned_manifest
 
     manifest = pruned_manifest(method=method, drop=outcome.drop, num_layers_original=bench.num_layers,
                                config=config, info=info)

@@ -1,7 +1,7 @@
 """Selection reuse across trials, and the search's machine-readable run log.
 
 Trials that share the model, data, precision, gates and stage-1 settings share one stage-1 result
-from the content-keyed store (trsp_ray/stage1_store.py, the same store the reproduction uses),
+from the content-keyed store (trsp_ray/run/stage1_store.py, the same store the reproduction uses),
 computed once for the largest ratio any of them needs; a trial that finds another computing it
 waits for that result instead of computing it again. A baseline selection (Block Influence, the
 angular block, SLEB, tail, random) is kept in the same store, under the same lock, as the drop set
@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trsp_ray import runlog
-from trsp_ray.stage1 import Stage1Result
-from trsp_ray.stage1_store import Stage1Store
+from trsp_ray.common import runlog
+from trsp_ray.method.stage1 import Stage1Result
+from trsp_ray.run.stage1_store import Stage1Store
 
 EVENTS = "events.jsonl"
 
@@ -69,7 +69,7 @@ def selection_for_trial(*, need: int, compute: Callable[[], tuple[list[int], dic
     """(drop set of `need` layers, its cost info) of a baseline selection: from the store, or
     `compute()` once under the key's lock and stored as the record for exactly `need` layers
     (a baseline's windows can depend on the drop count, so no prefix is served)."""
-    from trsp_ray import atomic
+    from trsp_ray.common import atomic
 
     def timed() -> tuple[list[int], dict]:
         start = time.perf_counter()
@@ -100,7 +100,7 @@ def fit_for_trial(*, store: Stage1Store | None, key: str, log: RunLog, trial: st
     def obtain(compute, apply):
         import torch
 
-        from trsp_ray import atomic
+        from trsp_ray.common import atomic
 
         path = store.root / f"{key}.fit.pt"
         with store.locked(key):

@@ -30,7 +30,7 @@ def parse_space_args(items: list[str], *, algorithm: str | None, num_samples: in
     """A plain space dict from the flags (flags win over the file)."""
     import yaml
 
-    from trsp_ray.errors import TrspError
+    from trsp_ray.common.errors import TrspError
     from trsp_ray.search.space import RANGES
 
     spec: dict = {}
@@ -106,8 +106,8 @@ def options(args) -> "SearchOptions":  # noqa: F821
 def search_config(args):
     """(run config, search space) of parsed search flags: --compute-budget is heal.compute_budget of
     every trial (searchable itself: --space heal.compute_budget=...)."""
-    from trsp_ray.config import replace
-    from trsp_ray.run_args import run_config
+    from trsp_ray.config.run_config import replace
+    from trsp_ray.run.run_args import run_config
     from trsp_ray.search.space import parse_space
 
     space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
@@ -129,7 +129,7 @@ def _search(args) -> int:
 def add_method_argument(p) -> None:
     """--method for a search: any pipeline of the registry (the base of every trial; `--space
     method=a,b` searches several), default the product's default pipeline."""
-    from trsp_ray import registry
+    from trsp_ray.config import registry
 
     p.add_argument("--method", default=None,
                    help=f"the trials' pipeline (default {registry.DEFAULT_METHOD}): "
@@ -142,7 +142,7 @@ def add_method_argument(p) -> None:
 
 def register(subparsers) -> None:
     """Add `search` to the `trsp-ray` subcommands (same run-config flags as `prune`)."""
-    from trsp_ray.run_args import add_run_arguments
+    from trsp_ray.run.run_args import add_run_arguments
 
     p = subparsers.add_parser("search", help="Ray Tune search over pipelines, their settings and the ratio, "
                                              "at an optional total compute budget")

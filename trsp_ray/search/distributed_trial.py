@@ -17,10 +17,10 @@ import math
 import time
 from pathlib import Path
 
-from trsp_ray import registry
+from trsp_ray.config import registry
+from trsp_ray.run.stage1_store import compute_stage1, result_dict, result_from, stage1_content
 from trsp_ray.search.cache import stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
-from trsp_ray.stage1_store import compute_stage1, result_dict, result_from, stage1_content
 
 # Tune captures a trial's child tasks into the trial's own placement group, which holds only the
 # trial's CPU; these tasks (like the Ray Train workers) take free cluster resources instead.
@@ -31,9 +31,9 @@ def _stage1_task(run: dict, n_drop: int) -> dict:
     """Ray task body: stage 1 of `run` for `n_drop` layers on the device the task was given."""
     import ray
 
-    from trsp_ray.config import from_dict, replace
+    from trsp_ray.config.run_config import from_dict, replace
+    from trsp_ray.run.workbench import prepare
     from trsp_ray.search.route import trial_device
-    from trsp_ray.workbench import prepare
 
     cfg = from_dict(run)
     device = trial_device(cfg.device, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
@@ -46,11 +46,11 @@ def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trsp_ray import assets
-    from trsp_ray.config import from_dict
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.data import assets
+    from trsp_ray.data.perplexity import bos_token, perplexity
     from trsp_ray.evaluation.evaluator import load_candidate
-    from trsp_ray.perplexity import bos_token, perplexity
-    from trsp_ray.workbench import calibration_of, kept_parameters
+    from trsp_ray.run.workbench import calibration_of, kept_parameters
 
     cfg = from_dict(run)
     model, tokenizer = load_candidate(model_dir, dtype="bfloat16" if torch.cuda.is_available() else "float32")
@@ -66,17 +66,18 @@ def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
 def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tuple:
     """(cfg with a budgeted heal's steps, the planned compute record): from stage 1's measured cost
     when this trial holds it, else budget.py's plan (the workers select; they report no cost here)."""
-    from trsp_ray import budget
-    from trsp_ray.methods import stage1_cost
-    from trsp_ray.pipeline import training_steps
+    from trsp_ray.run import budget
+    from trsp_ray.run.methods import stage1_cost
+    from trsp_ray.run.pipeline import training_steps
+    from trsp_ray.run.workbench import model_hidden
     from trsp_ray.search.pipeline import budgeted
-    from trsp_ray.workbench import model_hidden
 
     select, fit = budget.planned_select_cost(cfg, num_layers=num_layers), None
     if stage1 is not None:
         s1 = result_from(stage1)
         select = stage1_cost(s1, num_layers=num_layers, train_base=cfg.stage1.train_base)
-        cfg, fit = budgeted(cfg, drop=s1.drop_for(cfg.method, n_drop), select_cost=select, num_layers=num_layers,
+        drop = s1.drop_for(registry.method(cfg.method).ranking, n_drop)
+        cfg, fit = budgeted(cfg, drop=drop, select_cost=select, num_layers=num_layers,
                             hidden=model_hidden(cfg.model) or 1)
     elif cfg.heal.compute_budget:
         cfg = budget.resolve(cfg, num_layers=num_layers)
@@ -91,11 +92,11 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
     """The trial as above; `config` is the Tune config (see trial.run_trial), `cfg` its RunConfig."""
     import ray
 
-    from trsp_ray import atomic
-    from trsp_ray.config import replace
+    from trsp_ray.common import atomic
+    from trsp_ray.config.run_config import replace
     from trsp_ray.distributed.handoff import run_stage2_distributed
-    from trsp_ray.stage1 import n_drop_for
-    from trsp_ray.workbench import check_inputs
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.workbench import check_inputs
 
     route, search_dir, start = config["route"], Path(config["search_dir"]), time.perf_counter()
     num_layers = check_inputs(cfg)  # config.json only: the trial never holds the model

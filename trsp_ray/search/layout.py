@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trsp_ray.stage1_store import Stage1Store
+from trsp_ray.run.stage1_store import Stage1Store
 
 TRIALS = "trials"  # finished-trial records: <search_dir>/trials/<trial key>.json
 MODELS = "models"  # exported pruned models: <search_dir>/models/<trial key>/

@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from trsp_ray import atomic, plots
-from trsp_ray.tracking import _flatten, default_tracking_uri, experiment_id
+from trsp_ray.common import atomic, plots
+from trsp_ray.run.tracking import _flatten, default_tracking_uri, experiment_id
 
 STATE = "mlflow.json"
 PARENT_TAG = "mlflow.parentRunId"
@@ -94,7 +94,7 @@ def _label(record: dict) -> str:
 def pareto_figure(records: list[dict]):
     """Calibration held-out PPL (the objective) against each trial's total compute; colour: kept
     fraction of parameters, marker: the pipeline; the line joins the Pareto front."""
-    from trsp_ray.plots import _pyplot
+    from trsp_ray.common.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -127,7 +127,7 @@ def gate_heatmap(records: list[dict]):
     """Rows: trials; columns: layers; colour: stage-1 gate value when the trial's drop set was complete."""
     import numpy as np
 
-    from trsp_ray.plots import _pyplot
+    from trsp_ray.common.plots import _pyplot
 
     plt = _pyplot()
     rows = [r for r in records if r.get("gates")]

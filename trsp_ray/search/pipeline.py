@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from trsp_ray import registry
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 
 # the sections every pipeline reads whole (the calibration windows, the gates' protected layers)
 COMMON = ("model", "seed", "device", "dtype", "method")
@@ -37,7 +37,7 @@ def selection_content(cfg, n_drop: int) -> dict:
     """What chooses a drop set of `n_drop` layers beyond the model and the calibration windows: the
     selector and what it reads (methods.select: TRSP's stage 1, the windows Block Influence / the
     angular block / SLEB score; tail and random read nothing but the seed and gates)."""
-    from trsp_ray.methods import shortgpt_windows
+    from trsp_ray.run.methods import shortgpt_windows
 
     spec = registry.method(cfg.method)
     out = {"selector": spec.selector, "n_drop": n_drop}
@@ -53,9 +53,9 @@ def selection_content(cfg, n_drop: int) -> dict:
 def selection_key(cfg_dict: dict, fingerprint: str, *, num_layers: int) -> str:
     """Content key of a baseline selection: trials of any pipeline with the same selector, windows,
     drop count, model, calibration (its fingerprint), precision, seed and gates share it."""
-    from trsp_ray.config import from_dict
-    from trsp_ray.stage1 import n_drop_for
-    from trsp_ray.stage1_store import content_key
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.stage1_store import content_key
 
     cfg = from_dict(cfg_dict)
     d = cfg_dict["data"]
@@ -67,10 +67,10 @@ def selection_key(cfg_dict: dict, fingerprint: str, *, num_layers: int) -> str:
 def effective(cfg_dict: dict, *, num_layers: int) -> dict:
     """The part of a trial config its pipeline reads, as the pipeline resolves it (module doc);
     raises the config's own one-line TrspError for a combination no pipeline runs."""
-    from trsp_ray.config import from_dict
-    from trsp_ray.methods import method_heal
-    from trsp_ray.pipeline import resolve
-    from trsp_ray.stage1 import n_drop_for
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.methods import method_heal
+    from trsp_ray.run.pipeline import resolve
 
     cfg = resolve(from_dict(cfg_dict), budget_layers=False).cfg
     spec = registry.method(cfg.method)
@@ -100,8 +100,8 @@ LSTSQ_ONLY = ("ridge", "form", "rank", "weighting")
 def fit_key(cfg_dict: dict, *, selection: str, drop: list[int]) -> str:
     """Content key of a trial's fit: its selection's key, the drop set and every fit setting
     (_fit_content) with the calibration windows' seqlen; trials that differ only in their heal share it."""
-    from trsp_ray.config import for_method, from_dict
-    from trsp_ray.stage1_store import content_key
+    from trsp_ray.config.run_config import for_method, from_dict
+    from trsp_ray.run.stage1_store import content_key
 
     cfg = for_method(from_dict(cfg_dict))  # the fit the name spells (a trial's config is resolved already)
     return content_key({"fit_of": selection, "drop": sorted(drop), "fit": _fit_content(cfg.compensation),
@@ -110,7 +110,7 @@ def fit_key(cfg_dict: dict, *, selection: str, drop: list[int]) -> str:
 
 def _fit_content(comp) -> dict | str:
     """The fit a trial runs: every compensation setting but those its method does not read."""
-    from trsp_ray import compensation
+    from trsp_ray.method import compensation
 
     if comp.method == "none":
         return "none"
@@ -203,8 +203,8 @@ def stage1_floor_cost(cfg, *, num_layers: int) -> float:
     fixed in advance; probes and refinement only add), by methods.stage1_cost's formula."""
     from types import SimpleNamespace
 
-    from trsp_ray.methods import stage1_cost
-    from trsp_ray.stage1 import n_drop_for
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.methods import stage1_cost
 
     s1, d = cfg.stage1, cfg.data
     rounds = 1 if s1.selection == "oneshot" else n_drop_for(cfg.ratio, num_layers)
@@ -215,7 +215,7 @@ def stage1_floor_cost(cfg, *, num_layers: int) -> float:
 
 def planned_costs(cfg, *, num_layers: int) -> tuple[float, float]:
     """(selection, fit) dense-forward tokens a budgeted point plans: budget.py's plan, TRSP's floor."""
-    from trsp_ray import budget
+    from trsp_ray.run import budget
 
     select = budget.planned_select_cost(cfg, num_layers=num_layers)
     if select is None:
@@ -226,9 +226,9 @@ def planned_costs(cfg, *, num_layers: int) -> tuple[float, float]:
 def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
     """One-line TrspError, before any trial, for a budgeted point whose method does not heal or whose
     selection and fit leave no heal step (budget.heal_steps says by how much)."""
-    from trsp_ray import budget
-    from trsp_ray.config import from_dict
-    from trsp_ray.pipeline import resolve
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.run import budget
+    from trsp_ray.run.pipeline import resolve
     from trsp_ray.search.space import apply_point
 
     for point in points:
@@ -245,10 +245,10 @@ def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
 def max_heal_steps(base: dict, points: list[dict], *, num_layers: int) -> int:
     """The most steps any point trains (a budgeted heal at most what its budget buys after the planned
     selection and fit): how many validation reports ASHA may see."""
-    from trsp_ray import budget
-    from trsp_ray.config import from_dict
-    from trsp_ray.methods import method_heal
-    from trsp_ray.pipeline import resolve
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.run import budget
+    from trsp_ray.run.methods import method_heal
+    from trsp_ray.run.pipeline import resolve
     from trsp_ray.search.space import apply_point
 
     most = 0
@@ -267,7 +267,7 @@ def trial_stage1_key(cfg_dict: dict, fingerprint: str, *, n_drop: int) -> str:
     """The stage-1 store key of a TRSP trial: shared by every ratio as stage1_store says, except under
     a compute budget, where a trial is charged what its own selection costs, so each drop count gets
     its own stage 1 (a longer one would charge it the rounds it does not use)."""
-    from trsp_ray.stage1_store import content_key, stage1_key
+    from trsp_ray.run.stage1_store import content_key, stage1_key
 
     key = stage1_key(cfg_dict, fingerprint)
     return content_key({"stage1": key, "n_drop": n_drop}) if cfg_dict["heal"]["compute_budget"] else key
@@ -277,8 +277,9 @@ def budgeted(cfg, *, drop: list[int], select_cost: float, num_layers: int, hidde
     """(cfg whose heal has the steps heal.compute_budget leaves, the fit's cost for `drop`): the
     selection's measured cost and the fit's exact cost for this drop set, so every trial's total lies
     within one heal step below the budget (budget.heal_steps). Without a budget: cfg unchanged."""
-    from trsp_ray import budget, compensation
-    from trsp_ray.config import for_method, sized
+    from trsp_ray.config.run_config import for_method, sized
+    from trsp_ray.method import compensation
+    from trsp_ray.run import budget
 
     comp = sized(for_method(cfg), hidden=hidden).compensation
     fit = 0.0 if comp.method == "none" else compensation.cost(

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from trsp_ray import registry
-from trsp_ray.errors import TrspError
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 
 GPU_STEP = 0.25  # trial GPU fractions are multiples of this (Ray packs them onto whole GPUs)
 
@@ -52,11 +52,11 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
     the peak), from the memory planner's `route`: one GPU (a fraction of it) when the single-process
     plan fits, else the fewest Ray Train workers the cluster's GPUs allow. `cluster` is
     `ray.cluster_resources()`; explicit values override the planner."""
-    from trsp_ray.config import replace
-    from trsp_ray.distributed import route as routing
-    from trsp_ray.distributed.shape import read_shape
-    from trsp_ray.distributed.single_plan import single_plan, single_plan_for_run, single_setup_for_run
-    from trsp_ray.distributed.zero3_plan import zero3_plan
+    from trsp_ray.config.run_config import replace
+    from trsp_ray.plan import route as routing
+    from trsp_ray.plan.shape import read_shape
+    from trsp_ray.plan.single_plan import single_plan, single_plan_for_run, single_setup_for_run
+    from trsp_ray.plan.zero3_plan import zero3_plan
 
     _check_counts(gpus_per_trial, workers, eval_gpus)
     have = float(cluster.get("GPU", 0.0))

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from trsp_ray import registry
-from trsp_ray.config import RunConfig, from_dict
+from trsp_ray.common.errors import TrspError
+from trsp_ray.common.logs import log as progress_log
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import RunConfig, from_dict
 from trsp_ray.distributed import ray_session
-from trsp_ray.errors import TrspError
-from trsp_ray.logs import log as progress_log
+from trsp_ray.run.stage1_store import data_fingerprint
 from trsp_ray.search.cache import RunLog
 from trsp_ray.search.layout import TRIALS, trial_record_path
 from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
-from trsp_ray.stage1_store import data_fingerprint
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ class Plan(NamedTuple):
 def plan_trials(base: RunConfig, space: SearchSpace) -> Plan:
     """The checked plan of a search. Raises a one-line TrspError before any trial: a bad point, a key
     that acts in none of the searched pipelines, a budget a point's selection and fit alone exceed."""
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.workbench import check_inputs
     from trsp_ray.search import pipeline
-    from trsp_ray.stage1 import n_drop_for
-    from trsp_ray.workbench import check_inputs
 
     if space.algorithm == "optuna":
         _optuna_search_class()  # a missing optuna fails here, before Ray starts
@@ -106,7 +106,7 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> Plan:
 
 def _absolute_paths(cfg: dict) -> dict:
     """Tune runs trials in their own working directory: every path must be absolute."""
-    from trsp_ray import assets, domains
+    from trsp_ray.data import assets, domains
 
     cfg["model"] = str(Path(assets.resolve_model(cfg["model"])).resolve()) if Path(cfg["model"]).exists() \
         else cfg["model"]
@@ -184,7 +184,7 @@ def _concurrency(opts: SearchOptions, trials: int, route, cluster: dict, *, cpus
 
 
 def _route(base: RunConfig, opts: SearchOptions, cluster: dict):
-    from trsp_ray import assets
+    from trsp_ray.data import assets
     from trsp_ray.search.route import trial_route
 
     return trial_route(base, model_path=assets.resolve_model(base.model), cluster=cluster,
@@ -222,7 +222,7 @@ def _run_tune(base_dict, space, opts, *, point_space, search_alg, num_samples, t
 
 def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
     """Records of the trials this invocation ran; early-stopped ones get a 'stopped' record."""
-    from trsp_ray import atomic
+    from trsp_ray.common import atomic
 
     out = []
     for result in results:
@@ -249,7 +249,7 @@ def _collect(results, search_dir: Path, base_dict: dict) -> list[dict]:
 def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log, route) -> None:
     """Held-out PPL (and optional zero-shot tasks) of every new export, on the evaluation pool
     (actors on GPUs, in bf16, when the search runs on GPUs)."""
-    from trsp_ray import atomic
+    from trsp_ray.common import atomic
     from trsp_ray.evaluation.evaluator import EvalSettings
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
 
@@ -283,7 +283,7 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     """Run (or resume) a search; returns a summary with the stage-1/stage-2 counts of this invocation."""
     import ray
 
-    from trsp_ray.export import check_work_dir
+    from trsp_ray.run.export import check_work_dir
 
     check_work_dir(opts.search_dir, flag="--search-dir")  # a file or a read-only folder: refused now
     plan = plan_trials(base, space)

@@ -25,7 +25,7 @@ class GroupedASHA(FIFOScheduler):
 
     def group(self, config: dict) -> int:
         """Layers the trial drops: its searched ratio (or the base ratio) times the layer count."""
-        from trsp_ray.stage1 import n_drop_for
+        from trsp_ray.method.stage1 import n_drop_for
 
         ratio = (config.get("point") or {}).get("ratio", self.base_ratio)
         return n_drop_for(float(ratio), self.num_layers)

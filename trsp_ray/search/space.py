@@ -13,9 +13,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from trsp_ray.config import RunConfig, from_dict
-from trsp_ray.errors import TrspError
-from trsp_ray.stage1_store import content_key
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import RunConfig, from_dict
+from trsp_ray.run.stage1_store import content_key
 
 # What a search may vary: the pipeline (`method`), the ratio, the seed, and any key of the sections
 # that shape a trial's result, found in the config tree itself (so a key a section gains is
@@ -161,7 +161,7 @@ def apply_point(base: dict, point: dict) -> dict:
     leaves its composed name, which the config refuses in one line (a grid records it as refused)."""
     import copy
 
-    from trsp_ray import registry
+    from trsp_ray.config import registry
 
     out = copy.deepcopy(base)
     parts = {k: v for k, v in point.items() if k in PIPELINE_KEYS}
@@ -186,13 +186,13 @@ def apply_point(base: dict, point: dict) -> dict:
 
 def check_points(base: RunConfig, space: SearchSpace, points: list[dict] | None, *, num_layers: int) -> None:
     """Every point (or, for ranges, both bounds) must make a valid config that drops 1..candidates layers."""
-    from trsp_ray.stage1 import candidate_layers, check_drop_count, n_drop_for
+    from trsp_ray.method.stage1 import candidate_layers, check_drop_count, n_drop_for
 
     probes = points if points is not None else [
         {d.key: d.bounds()[i] for d in space.dims} for i in (0, 1)]
     g = base.gates
     candidates = candidate_layers(num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
-    from trsp_ray import registry
+    from trsp_ray.config import registry
 
     for point in probes:
         applied = apply_point(base.to_dict(), point)

@@ -15,20 +15,20 @@ import math
 import time
 from pathlib import Path
 
-from trsp_ray import registry
-from trsp_ray.pipeline import training_steps
+from trsp_ray.config import registry
+from trsp_ray.run.pipeline import training_steps
+from trsp_ray.run.stage1_store import compute_stage1, stage1_content
 from trsp_ray.search.cache import RunLog, fit_for_trial, selection_for_trial, stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.search.pipeline import budgeted
 from trsp_ray.search.space import apply_point, trial_key
-from trsp_ray.stage1_store import compute_stage1, stage1_content
 
 REPORTS = 4  # validation reports over a trial's training steps when the search sets no val_every
 
 
 def validation_loss(bench, model, *, windows: int) -> float:
     """Mean next-token NLL (nats) on the validation split, leaving the model's train/eval mode as it was."""
-    from trsp_ray.perplexity import perplexity
+    from trsp_ray.data.perplexity import perplexity
 
     was_training = model.training
     try:
@@ -42,8 +42,8 @@ def validation_loss(bench, model, *, windows: int) -> float:
 def expected_kept_parameters(bench, drop: list[int]) -> int:
     """Parameters left once `drop` is removed (known before stage 2: a multi-objective searcher wants
     every intermediate report to carry the same metrics as the final one)."""
-    from trsp_ray.families import decoder_layers
-    from trsp_ray.workbench import kept_parameters
+    from trsp_ray.models.families import decoder_layers
+    from trsp_ray.run.workbench import kept_parameters
 
     layers = decoder_layers(bench.model)
     return kept_parameters(bench.model) - sum(p.numel() for i in drop for p in layers[i].parameters())
@@ -93,8 +93,8 @@ def run_trial(config: dict) -> None:
 def _selection(bench, cfg_dict: dict, config: dict, *, key: str, log, trial: str):
     """(drop set, selection info, stage-1 result or None): TRSP's from the stage-1 store, a baseline's
     from the selection store, each computed once per key (search/cache.py)."""
-    from trsp_ray.gates import attach_gates
-    from trsp_ray.methods import select, stage1_cost
+    from trsp_ray.method.gates import attach_gates
+    from trsp_ray.run.methods import select, stage1_cost
     from trsp_ray.search.pipeline import selection_content
 
     cfg, n_drop = bench.cfg, bench.n_drop()
@@ -120,7 +120,7 @@ def _selection(bench, cfg_dict: dict, config: dict, *, key: str, log, trial: str
 
 def compute_record(info: dict, *, budget: float) -> dict:
     """A trial's compute in dense-forward tokens (SPEC section 5): selection, fit, heal, total."""
-    from trsp_ray import compute
+    from trsp_ray.plan import compute
 
     heal = compute.TRAIN_TOKEN * info.get("weight_tokens", 0)
     return {"select": info.get("select_cost", 0.0), "fit": info.get("compensation_cost", 0.0), "heal": heal,
@@ -132,14 +132,14 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     """One trial; `gpu_ids` are the GPUs Ray assigned to it (the route in `config` says how many)."""
     import torch
 
-    from trsp_ray import families
-    from trsp_ray.config import from_dict, replace
-    from trsp_ray.methods import apply_method
-    from trsp_ray.pipeline import resolve
+    from trsp_ray.config.run_config import from_dict, replace
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.models import families
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.pipeline import resolve
+    from trsp_ray.run.workbench import check_inputs, kept_parameters, prepare
     from trsp_ray.search.pipeline import fit_key, selection_key, trial_stage1_key
     from trsp_ray.search.route import trial_device
-    from trsp_ray.stage1 import n_drop_for
-    from trsp_ray.workbench import check_inputs, kept_parameters, prepare
 
     torch.set_num_threads(int(config.get("threads") or 1))
     search_dir = Path(config["search_dir"])
@@ -197,7 +197,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
               "info": {k: v for k, v in info.items() if k != "relative_update"}}
     record["total_compute"] = record["compute"]["total"]
     record["model_dir"] = _export(outcome, bench, search_dir, tkey, record)
-    from trsp_ray import atomic
+    from trsp_ray.common import atomic
 
     atomic.write_json(trial_record_path(search_dir, tkey), record)
     log.write("trial_finished", trial=tkey, val_ppl=record["val_ppl"], total_compute=record["total_compute"])
@@ -207,7 +207,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
 
 
 def _export(outcome, bench, search_dir: Path, key: str, record: dict) -> str:
-    from trsp_ray.export import export_model, pruned_manifest
+    from trsp_ray.run.export import export_model, pruned_manifest
 
     manifest = pruned_manifest(method=bench.cfg.method, drop=outcome.drop, num_layers_original=bench.num_layers,
                                config=record["config"], search_trial=key,

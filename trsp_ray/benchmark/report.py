@@ -1,0 +1,166 @@
+"""How the comparison is shown: one terminal table per budget group, the verdicts of the TRSP rows
+and of the default row column by column, and what the run cut; plots are in trsp_ray.common.plots."""
+
+from __future__ import annotations
+
+import math
+
+from trsp_ray.benchmark import stats as stats
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import RunConfig
+
+FIXED = ["row", "dropped (first seed)", "kept %", "select k", "recover k", "total k"]
+
+
+def fmt(stat: dict | None, digits: int = 2, scale: float = 1.0) -> str:
+    if not stat:
+        return "-"
+    mean = f"{stat['mean'] * scale:.{digits}f}"
+    if "se" in stat:
+        mean += f" ±{stat['se'] * scale:.{digits}f}"
+    if stat["n"] > 1:
+        mean += f" [{stat['min'] * scale:.{digits}f}-{stat['max'] * scale:.{digits}f}]"
+    return mean
+
+
+def table_columns(summary: list[dict], left_out: list[str]) -> list[str]:
+    doms = summary[0]["domains"] if summary else []
+    ppl = [stats.GEO] + [f"{d} PPL" for d in doms if d not in left_out]
+    ppl += [f"{d} PPL (left out)" for d in doms if d in left_out]
+    return FIXED + ppl + ["LAMBADA acc", "zero-shot %", "wall s"]
+
+
+def table_rows(summary: list[dict], left_out: list[str]) -> list[dict]:
+    """The printed cells (compute in thousands of dense-forward tokens)."""
+    out = []
+    for s in summary:
+        cell = {"group": s["group"], "budget": s["budget"], "row": s["row"],
+                "dropped (first seed)": " ".join(map(str, sorted(s["drop"])))
+                                        + ("" if s["same drop over seeds"] else " *"),
+                "kept %": s["kept %"], "select k": s["select cost"] / 1e3, "recover k": s["recovery cost"] / 1e3,
+                "total k": s["total cost"] / 1e3, stats.GEO: fmt(s[stats.GEO], 3),
+                "LAMBADA acc": fmt(s.get("LAMBADA acc"), 3), "zero-shot %": fmt(s.get("zero-shot"), 1, 100.0),
+                "wall s": s["seconds"]}
+        for d in s["domains"]:  # the seed mean; the spread and the paired noise are in the verdicts below
+            mean = s[f"{d} PPL"]["mean"]
+            cell[f"{d} PPL" + (" (left out)" if d in left_out else "")] = f"{mean:.{1 if mean >= 100 else 2}f}"
+        out.append(cell)
+    return out
+
+
+def _signed(col: str, p: dict) -> str:
+    """A paired difference in the column's units: % of perplexity, or accuracy points, ± 2 SE."""
+    if col in dict(stats.TASK_COLUMNS):
+        return f"{p['diff'] * 100:+.1f}±{2 * p['se'] * 100:.1f}pt"
+    return f"{(math.exp(p['diff']) - 1) * 100:+.1f}±{(math.exp(2 * p['se']) - 1) * 100:.1f}%"
+
+
+def verdict_table(s: dict, by_row: dict, cols: list[tuple[str, bool]], summary: list[dict]) -> str:
+    """One line per other row: its total compute and, per column, the paired verdict of `s` against it."""
+    from trsp_ray.common.table import render
+
+    costs = {o["row"]: o["total cost"] for o in summary if o["budget"] == s["budget"]}
+    names = [c for c, _ in cols if any(c in v for v in by_row.values())]
+    rows = []
+    for other, verdicts in by_row.items():
+        cell = {"against": other, "its total k": costs.get(other, 0.0) / 1e3}
+        for c in names:
+            cell[c] = f"{verdicts[c]['verdict']} {_signed(c, verdicts[c])}" if c in verdicts else "-"
+        rows.append(cell)
+    return render(rows, ["against", "its total k"] + names)
+
+
+def sleb_note(cfg: RunConfig) -> str:
+    from trsp_ray.config.sections import FULL_SLEB_WINDOWS
+
+    n, seqlen = cfg.baselines.sleb_windows, cfg.data.seqlen
+    if n >= FULL_SLEB_WINDOWS:
+        return (f"SLEB scored its removals on {n} calibration windows of {seqlen} tokens (in full: on SmolLM2 its "
+                f"drop set did not change from {FULL_SLEB_WINDOWS // 2} to {FULL_SLEB_WINDOWS} windows).")
+    return (f"SLEB scored its removals on {n} calibration windows of {seqlen} tokens: CUT to fit 15 minutes on 2 CPU "
+            f"cores; --full-baselines runs it on {FULL_SLEB_WINDOWS}, where its drop set stops changing.")
+
+
+def render_report(summary: list[dict], *, calibration_source: str, left_out: list[str], cfg: RunConfig,
+                  seeds: list[int], zeroshot_limit: int, lambada_limit: int, cut: str = "") -> str:
+    """The terminal report: one table per budget group, the paired verdicts of the default against
+    every other row of its group, and of each row against its group's best baseline."""
+    from trsp_ray.common.table import render
+    from trsp_ray.data import domains
+
+    cells = table_rows(summary, left_out)
+    columns = table_columns(summary, left_out)
+    cols = stats.columns(summary[0]["domains"] if summary else [], left_out)
+    d = cfg.data
+    parts = []
+    for budget in sorted({c["budget"] for c in cells}):
+        for group in ("dense", "selection", "trained"):
+            rows = [c for c in cells if c["group"] == group and c["budget"] == budget]
+            if rows:
+                title = registry.GROUP_TITLES[group] + (f", heal budget x{budget}" if group == "trained" else "")
+                parts += [f"\n{title}", render(rows, columns)]
+    tokens = cfg.stage2.steps * d.batch_size * d.seqlen
+    scored = ", ".join(f"{n} ({domains.DOMAINS[n].source})" for n in (summary[0]["domains"] if summary else []))
+    out_note = (f"left out of calibration (scored, never calibrated on): {', '.join(left_out)}" if left_out
+                else "no domain is left out of calibration")
+    parts.append(
+        f"\nseeds {seeds} (mean [min-max]; '*' = the drop set changed across seeds).\n"
+        f"calibration: {calibration_source}; {out_note}.\n"
+        f"held-out PPL per domain over {d.eval_max_windows or 'all'} windows of {d.eval_seqlen} tokens of its "
+        f"held-out documents (every {domains.HELDOUT_EVERY}th, none calibrated on): {scored}.\n"
+        f"{stats.GEO}: the geometric mean over the domains of PPL / dense PPL (1.000 = dense).\n"
+        f"trained rows: {cfg.stage2.steps} batches of {d.batch_size}x{d.seqlen} tokens ({tokens:,}) of weight updates "
+        f"per budget unit, objective {cfg.recovery.objective}; '@compute' rows also heal with the TRSP selection's "
+        "extra compute.\ncompute in thousands of dense-forward tokens (a forward token 1, a trained token 3): "
+        "select = choosing the drop set, recover = stage 2 / heal / compensation, total = both.")
+    if any(registry.ROWS[s["row"]].method and registry.recipe(s["row"])[0] == registry.SLEB_SELECTOR
+           for s in summary):
+        parts.append(sleb_note(cfg))  # only where a SLEB row ran
+    if lambada_limit:
+        parts.append(f"LAMBADA: last-word accuracy (lm-eval lambada_openai rule) on the first {lambada_limit} test "
+                     "passages, ± standard error; reported only, never used to select or tune.")
+    if zeroshot_limit:
+        metrics = ", ".join(f"{t} {m}" for t, m in stats.ZEROSHOT_METRIC.items())
+        parts.append(f"zero-shot: mean over the paper's five tasks ({metrics}), {zeroshot_limit} items per task, "
+                     "± standard error; reported only.")
+    if any(registry.ROWS[s["row"]].compensate or registry.ROWS[s["row"]].comp_compute for s in summary):
+        from trsp_ray.config.run_config import compensated
+
+        c = compensated(cfg).compensation
+        how = ("one scale per block from dense token norms" if c.method == "scalar"
+               else f"{c.form if c.form != 'lowrank' else f'rank-{c.rank}'} map, {c.activations} activations, "
+                    f"ridge {c.ridge} towards the identity, "
+                    f"{'norm-weighted' if c.weighting == 'norm' else 'unweighted'} tokens")
+        parts.append(f"+comp rows: {c.method} compensation after removal ({how}, {c.windows} calibration windows of "
+                     f"{d.seqlen} tokens), folded into the weights before any heal; '@comp' rows heal instead "
+                     "with what that compensation of their drop set costs as extra steps.")
+    if cut:
+        parts.append(cut)
+    parts += _verdicts(summary, cols)
+    return "\n".join(parts)
+
+
+def _verdicts(summary: list[dict], cols: list[tuple[str, bool]]) -> list[str]:
+    parts = ["\nPaired verdicts (each item / window compared with itself across rows; a PPL difference in % of "
+             "perplexity, an accuracy's in points, ± 2 paired SE; a win must also exceed the seeds' spread of the "
+             "difference; one seed has no spread, its verdicts say so and count as no win):"]
+    for s in summary:
+        if s.get("default vs"):
+            parts.append(f"\nthe default `trsp-ray prune` (method {registry.DEFAULT_METHOD} = row {s['row']}, total "
+                         f"{s['total cost'] / 1e3:.1f}k) against every row of its group:")
+            parts.append(verdict_table(s, s["default vs"], cols, summary))
+    judged = {s["row"]: s["vs best"] for s in summary if s.get("vs best") and not registry.ROWS[s["row"]].is_default}
+    if judged:
+        parts.append("\neach row against the best baseline of its group (by the geometric mean):")
+        best = {s["row"]: s["best baseline"] for s in summary if s.get("vs best")}
+        for row, verdicts in judged.items():
+            subject = next(s for s in summary if s["row"] == row)
+            line = "; ".join(f"{c} {v['verdict']} {_signed(c, v)}" for c, _ in cols for v in [verdicts.get(c)] if v)
+            wins = sum(v["verdict"] == "better" for v in verdicts.values())
+            parts.append(f"{row} x{subject['budget']} vs {best[row]}: {line} -> wins {wins} of {len(verdicts)}")
+    mde = stats.detectable(summary, cols)
+    if mde:
+        parts.append("smallest difference each column can detect (2 x the median paired SE of these comparisons): "
+                     + ", ".join(f"{c} {v * 100:.1f}pt" if c in dict(stats.TASK_COLUMNS) else f"{c} {v:.1f}%"
+                                 for c, v in mde.items()))
+    return parts

@@ -1,0 +1,294 @@
+"""Single-process plan: the memory of a run's stages in one process on one device (driver.run, the
+benchmark, search trials, reproduction cells).
+
+One device holds the working copy of the model (Workbench.fresh_model; the original stays in host
+memory, so on CPU both count), then per stage: a training stage's activations (activations.py);
+per parameter, Adam's two fp32 moments (8) and, for bf16/fp16, an fp32 master copy (4):
+training.TorchStepper. The step's fp32 gradients (4 per parameter) appear after backward freed
+the activations, so the stage peaks at the larger of the two. A no-grad forward holds one layer's
+intermediates and its logits (bytes per token, e = dtype bytes, V vocab): SLEB / ShortGPT the
+model-dtype logits, their fp32 upcast and the log-softmax (eV + 4V + 4V; fp32 skips the upcast);
+evaluation (perplexity.py) fp32 logits, their shifted copy and the log-softmax (12V); SLEB also
+the inputs of every layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squares
+fit ("compensation", after the removal): on a GPU a transient dense copy on the device (the pruned copy
+steps out to host memory, methods._dense_beside; the fold lands there), on CPU the pruned copy and the
+original; beside it the fit's sums and its largest phase over min(data.batch_size, windows) windows per
+forward (distributed/compensation_plan.fit_phases, the workers' formula).
+Measured: benchmarks/planner_single.py; the fit on workers: benchmarks/fit_memory.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trsp_ray.method.recipes import TAIL_RECIPE
+from trsp_ray.plan.activations import forward_layer_bytes, training_activations_gb
+from trsp_ray.plan.compensation_plan import WORKING_SET, cosine_host_gb, fit_phases, fit_rows, max_blocks
+from trsp_ray.plan.memory import GB, SINGLE_OVERHEAD_GB, Peaks, StagePlan
+from trsp_ray.plan.shape import Shape, read_shape
+from trsp_ray.plan.zero3_plan import method_on_workers, planned_maps
+
+
+@dataclass(frozen=True)
+class SingleSetup:
+    """What the single-process path's memory depends on (RunConfig fields, see `single_setup_for_run`)."""
+
+    memory_gb: float = 80.0  # what the one device holds: a GPU's memory, or host memory on CPU
+    dtype_bytes: int = 2  # 2 = bf16 / fp16, 4 = fp32
+    device: str = "gpu"  # gpu | cpu: on CPU the original model shares the memory with the working copy
+    batch: int = 4  # windows per training step
+    seqlen: int = 2048
+    activation_checkpointing: bool = False
+    trainable: str = "all"  # stage 2: all | lora
+    lora_rank: int = 8
+    train_base: bool = False
+    baseline_batch: int = 4  # windows per ShortGPT / SLEB forward
+    baseline_seqlen: int = 2048
+    eval_batch: int = 4  # windows per perplexity forward
+    eval_seqlen: int = 2048
+
+
+@dataclass
+class SinglePlan(Peaks):
+    """The single-process stages of a run on one device; same reading as `Plan`."""
+
+    shape: Shape
+    setup: SingleSetup
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.setup.memory_gb
+
+    def reason(self) -> str:
+        w = self.worst()
+        where = "one GPU" if self.setup.device == "gpu" else "host memory"
+        return f"{w.name} needs {w.total:.1f} GB in one process, more than the {self.setup.memory_gb:.1f} GB of {where}"
+
+
+def _single_weights(plan: StagePlan, s: Shape, st: SingleSetup, params: int) -> None:
+    plan.parts["model (working copy)"] = params * st.dtype_bytes / GB
+    if st.device == "cpu":
+        plan.parts["model (original, host)"] = s.params * st.dtype_bytes / GB
+    plan.parts["runtime overhead"] = SINGLE_OVERHEAD_GB[st.device]
+
+
+def _optimizer_gb(params: int, e: int) -> float:
+    """Adam's fp32 moments, plus the fp32 master copy of low-precision parameters (GB)."""
+    return params * (8 if e == 4 else 12) / GB
+
+
+def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int, gated: bool, lora: bool = False,
+                    layers: int | None = None, grad_layers: int | None = None) -> StagePlan:
+    """One training stage in one process (stage 1, stage 2, heal); `layers` < L after removal;
+    `lora`: `trained_params` are fp32 adapters beside the frozen weights; `grad_layers`: the layers
+    backward runs through (default all of `layers`; a tail heal's k)."""
+    layers = s.layers if layers is None else layers
+    params = s.params - (s.layers - layers) * s.layer_params
+    plan = StagePlan(name)
+    _single_weights(plan, s, st, params)
+    # Adapters keep the same Linear inputs for their gradients as trained weights do.
+    acts = training_activations_gb(s, dtype_bytes=st.dtype_bytes, tokens=st.batch * st.seqlen,
+                                   layers=layers if grad_layers is None else grad_layers,
+                                   checkpointing=st.activation_checkpointing, trained=trained_params > 0,
+                                   gated=gated)
+    if lora:
+        plan.parts["LoRA adapters (fp32)"] = trained_params * 4 / GB
+    if trained_params:
+        plan.parts["optimizer state"] = _optimizer_gb(trained_params, 4 if lora else st.dtype_bytes)
+    # The step's fp32 gradients appear once backward has freed the activations.
+    plan.parts["activations + logits | step gradients"] = max(acts, trained_params * 4 / GB)
+    return plan
+
+
+def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: int, evaluation: bool) -> StagePlan:
+    """A no-grad pass: ShortGPT, SLEB (with its per-batch layer inputs) or perplexity."""
+    from trsp_ray.config import registry
+
+    e, tokens = st.dtype_bytes, batch * seqlen
+    plan = StagePlan(name)
+    _single_weights(plan, s, st, s.params)
+    logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
+    plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
+    if name in registry.LAYER_INPUT_SELECTORS:
+        plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
+    return plan
+
+
+@dataclass(frozen=True)
+class FitSetup:
+    """What the single-process fit's memory depends on (compensation.*, resolved and sized)."""
+
+    windows: int
+    blocks: int  # the most blocks the planned drop sets can have
+    objective: str = "mse"
+    activations: str = "dense"  # sequential: one block's sums at a time
+
+
+def single_fit(s: Shape, st: SingleSetup, fit: FitSetup, *, n_drop: int) -> StagePlan:
+    """The least-squares fit and fold in one process (module doc)."""
+    e = st.dtype_bytes
+    plan = StagePlan("compensation")
+    if st.device == "gpu":
+        plan.parts["model (a transient dense copy; the pruned copy waits in host memory)"] = s.params * e / GB
+        plan.parts["runtime overhead"] = SINGLE_OVERHEAD_GB[st.device]
+    else:
+        _single_weights(plan, s, st, s.params - n_drop * s.layer_params)
+    rows = fit_rows(windows=fit.windows, batch=st.batch)
+    share = fit.windows * st.seqlen if fit.objective == "cosine" else 0
+    blocks = fit.blocks if fit.activations == "dense" else min(1, fit.blocks)
+    phases = fit_phases(s, dtype_bytes=e, tokens=rows * st.seqlen, blocks=blocks, sharded=False,
+                        fold_here=st.device == "cpu", cosine_share=share)
+    plan.parts[WORKING_SET] = max(phases.values())
+    if share:  # the cosine fit's cached rows, in host memory
+        rows_gb = cosine_host_gb(share=share, hidden=s.hidden, dtype_bytes=e, blocks=blocks)
+        if st.device == "cpu":
+            plan.parts["cosine rows of every block"] = rows_gb
+        else:
+            plan.host += rows_gb
+    return plan
+
+
+def _fits(cfg, method: str) -> bool:
+    """Whether `method` runs a least-squares fit in one process (config.for_method resolves auto)."""
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config.run_config import for_method
+
+    try:
+        return for_method(cfg, method).compensation.method == "lstsq"
+    except TrspError:  # a compensation the run refuses in one line (after stage 2): no fit to plan
+        return False
+
+
+def fit_setup(cfg, *, methods: tuple[str, ...] | None, layers: int, hidden: int) -> FitSetup | None:
+    """The largest least-squares fit any of `methods` (default cfg.method) runs, None when none does
+    (the scalar fold's six sums per block are left out)."""
+    from trsp_ray.config.run_config import for_method, sized
+    from trsp_ray.method.stage1 import n_drop_for
+
+    fits = [sized(for_method(cfg, m), hidden=hidden).compensation for m in methods or (cfg.method,) if _fits(cfg, m)]
+    if not fits:
+        return None
+    g = cfg.gates
+    blocks = max_blocks(n_drop=n_drop_for(cfg.ratio, layers), candidates=layers - g.protect_head - g.protect_tail)
+    worst = max(fits, key=lambda c: c.windows)
+    return FitSetup(windows=worst.windows, blocks=blocks, objective="cosine" if any(
+        c.objective == "cosine" for c in fits) else "mse", activations=worst.activations)
+
+
+def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark rows)."""
+    from trsp_ray.config import registry
+
+    out: list[str] = []
+    for m in methods or (cfg.method,):
+        selector, recovery = registry.recipe(m)
+        wanted = ["stage 1"] if selector == registry.TRSP_SELECTOR else []
+        if recovery == "stage2" and cfg.stage2.enabled and cfg.stage2.steps > 0:
+            wanted.append("stage 2")
+        if selector in registry.FORWARD_SELECTORS:
+            wanted.append(selector)
+        if _fits(cfg, m):
+            wanted.append("compensation")
+        if (cfg.heal.steps > 0 and selector is not None) or recovery == "heal":
+            wanted.append("heal")
+        out += [w for w in wanted + ["evaluation"] if w not in out]
+    return tuple(out)
+
+
+def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
+    e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(cfg.dtype, 2 if device == "gpu" else 4)
+    d = cfg.data
+    return SingleSetup(memory_gb=memory_gb, dtype_bytes=e, device=device, batch=d.batch_size, seqlen=d.seqlen,
+                       activation_checkpointing=cfg.distributed.activation_checkpointing,
+                       trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank,
+                       train_base=cfg.stage1.train_base, baseline_batch=d.batch_size, baseline_seqlen=d.seqlen,
+                       eval_batch=4, eval_seqlen=d.eval_seqlen)
+
+
+def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
+                heal_lora_rank: int = 8, heal_tail_layers: int = 3, heal_maps: int = 0,
+                fit: FitSetup | None = None) -> SinglePlan:
+    """The plan of the single-process `stages` (names as `single_stages` gives them); the heal trains
+    `heal_trainable` (heal.py's recipes: the tail's k = `heal_tail_layers`, the map's `heal_maps`);
+    `fit`: the least-squares fit of the "compensation" stage."""
+    from trsp_ray.config import registry
+
+    built = []
+    for name in stages:
+        if name == "compensation":
+            if fit is None:
+                raise ValueError("the compensation stage's plan needs its FitSetup (fit_setup)")
+            built.append(single_fit(s, st, fit, n_drop=n_drop))
+        elif name == "stage 1":
+            built.append(single_training(name, s, st, trained_params=s.params if st.train_base else 0, gated=True))
+        elif name == "stage 2":
+            lora = st.trainable == "lora"
+            trained = s.recipe_params(st.trainable, kept_layers=s.layers, lora_rank=st.lora_rank)
+            built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora))
+        elif name == "heal":
+            kept = s.layers - n_drop
+            lora = heal_trainable == "lora"
+            trained = s.recipe_params(heal_trainable, kept_layers=kept, lora_rank=heal_lora_rank,
+                                      tail_layers=heal_tail_layers, maps=heal_maps)
+            # a tail heal's backward stops at its first trained layer (heal.output_side_only)
+            grad = heal_tail_layers if heal_trainable == TAIL_RECIPE else None
+            built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora, layers=kept,
+                                         grad_layers=grad))
+        elif name in registry.FORWARD_SELECTORS:
+            built.append(single_forward(name, s, st, batch=st.baseline_batch, seqlen=st.baseline_seqlen,
+                                        evaluation=False))
+        else:
+            built.append(single_forward(name, s, st, batch=st.eval_batch, seqlen=st.eval_seqlen, evaluation=True))
+    return SinglePlan(s, st, tuple(built))
+
+
+def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[str, ...] | None = None,
+                        shape: Shape | None = None) -> SinglePlan:
+    """The single-process plan of `cfg` (or of every method in `methods`) on one `device` of `memory_gb`."""
+    from trsp_ray.config import registry
+    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.method.stage1 import n_drop_for
+
+    s = shape or run_shape(cfg)
+    st = single_setup_for_run(cfg, device=device, memory_gb=memory_gb)
+    # a heal method heals with stage 2's weights setting (methods.method_heal, the benchmark's heal rows);
+    # heal.* sizes only an extra heal after another method
+    heals = any(registry.recipe(m)[1] == "heal" for m in (methods or (cfg.method,)))
+    trainable, rank = heal_recipe(cfg, heal_method=heals)
+    n_drop = n_drop_for(cfg.ratio, s.layers)
+    # the map recipe: the most folds any planned method's drop set can take
+    maps = max(planned_maps(registry.recipe(m)[0], n_drop=n_drop) for m in (methods or (cfg.method,)))
+    return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=n_drop, heal_trainable=trainable,
+                       heal_lora_rank=rank, heal_tail_layers=cfg.heal.tail_layers, heal_maps=maps,
+                       fit=fit_setup(cfg, methods=methods, layers=s.layers, hidden=s.hidden))
+
+
+def run_shape(cfg) -> Shape:
+    """The Shape of `cfg.model` (its config.json, no weights)."""
+    from trsp_ray.data import assets
+
+    return read_shape(assets.resolve_model(cfg.model))
+
+
+def single_hint(cfg, p: SinglePlan) -> str:
+    """What would make a single-process plan fit (cheapest first), or the Ray Train route."""
+    from trsp_ray.config.run_config import replace
+
+    st = p.setup
+    changes = [("distributed.activation_checkpointing", True), ("dtype", "bf16"), ("stage2.trainable", "lora")]
+    options = []
+    for key, value in changes:
+        section, _, name = key.rpartition(".")
+        now = getattr(getattr(cfg, section) if section else cfg, name)
+        if now == value:
+            continue
+        changed = single_plan_for_run(replace(cfg, **{key: value}), device=st.device, memory_gb=st.memory_gb,
+                                      shape=p.shape)
+        if changed.fits:
+            what = " (heal low-rank adapters, merged at the end)" if key == "stage2.trainable" else ""
+            options.append(f"set {key}={str(value).lower()}{what}: peak {changed.peak:.1f} GB")
+            break
+    if method_on_workers(cfg.method) and cfg.heal.steps == 0:
+        options.append("allow Ray Train workers (distributed.workers=N) so every weight heals under ZeRO-3")
+    return " or ".join(options) if options else "use a smaller data.batch_size or data.seqlen, or a larger device"

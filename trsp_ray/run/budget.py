@@ -1,0 +1,112 @@
+"""A total compute budget for `prune` (heal.compute_budget, in dense-forward tokens, SPEC section 5):
+a heal method's heal gets the steps that the budget leaves after its selection's and its
+compensation's planned cost, so a user asks for "this much compute" and gets the most heal it buys.
+
+The planned costs are the ones the comparison reports (compute.py, methods.select): ShortGPT's Block
+Influence is one forward over its windows, SLEB's the prefix-replay count of methods.sleb_cost, a
+random selection nothing, a compensation at most one whole forward over its calibration windows.
+TRSP's stage 1 spends an amount known only after it runs (its probes and refinement stop early),
+so a budget is refused for it rather than overrun. `resolve` turns the budget into stage2.steps
+(what a heal method heals with, methods.method_heal) before the route is planned, so the single
+process and the Ray Train workers run the same number of steps and the manifest records both.
+"""
+
+from __future__ import annotations
+
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
+from trsp_ray.plan import compute
+
+
+def planned_select_cost(cfg, *, num_layers: int) -> float | None:
+    """Dense-forward tokens the selection of `cfg.method` will spend; None when it is not known
+    before the selection runs (TRSP's stage 1)."""
+    from trsp_ray.method.stage1 import candidate_layers, n_drop_for
+    from trsp_ray.run.methods import shortgpt_windows, sleb_cost
+
+    spec = registry.method(cfg.method)
+    n_drop = n_drop_for(cfg.ratio, num_layers)
+    seqlen = cfg.data.seqlen
+    if spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # one forward of the windows
+        return float(shortgpt_windows(cfg, n_drop) * seqlen)
+    if spec.selector == registry.SLEB_SELECTOR:
+        g = cfg.gates
+        candidates = candidate_layers(num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+        return sleb_cost(num_layers=num_layers, candidates=candidates, n_drop=n_drop,
+                         tokens=cfg.baselines.sleb_windows * seqlen)
+    if spec.selector in (registry.RANDOM_SELECTOR, registry.TAIL_SELECTOR):
+        return 0.0
+    return None
+
+
+def planned_compensation_cost(cfg, *, num_layers: int) -> float:
+    """An upper bound of compensation.cost before the drop set is known: "dense" (and the scalar
+    fold) one pass over the calibration tokens, stopping after the last block; "sequential" per
+    block a dense pass to its end and a pruned pass to its boundary, each at most the whole depth,
+    for at most n_drop blocks."""
+    from trsp_ray.config.run_config import for_method
+    from trsp_ray.method.stage1 import n_drop_for
+
+    c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
+    if c.method == "none":
+        return 0.0
+    tokens = float(c.windows * cfg.data.seqlen)
+    if c.activations == "sequential" and c.method != "scalar":
+        return 2.0 * n_drop_for(cfg.ratio, num_layers) * tokens
+    return tokens
+
+
+def resolve(cfg, *, num_layers: int):
+    """`cfg` with heal.compute_budget turned into the heal's steps (stage2.steps; heal.steps 0), or
+    unchanged without a budget. One-line TrspError for a budget the selection cannot meet, or a
+    method it cannot apply to, before any work."""
+    budget = cfg.heal.compute_budget
+    if not budget:
+        return cfg
+    spec = registry.method(cfg.method)
+    if not spec.heal:
+        heals = ", ".join(m.name for m in registry.METHODS.values() if m.heal)
+        raise TrspError(f"heal.compute_budget={budget:g} is spent on a heal, and method={cfg.method!r} does not "
+                        f"heal; use one of {heals}")
+    select = planned_select_cost(cfg, num_layers=num_layers)
+    if select is None:
+        raise TrspError(f"heal.compute_budget={budget:g} cannot be planned for method={cfg.method!r}: its stage-1 "
+                        "selection's cost is known only after it runs; set stage2.steps instead, or use "
+                        f"{registry.DEFAULT_METHOD}")
+    comp = planned_compensation_cost(cfg, num_layers=num_layers)
+    return with_heal_steps(cfg, heal_steps(cfg, select=select, comp=comp))
+
+
+def step_cost(cfg) -> float:
+    """Dense-forward tokens of one heal step (a batch of data.batch_size x data.seqlen trained tokens)."""
+    return compute.TRAIN_TOKEN * cfg.data.batch_size * cfg.data.seqlen
+
+
+def heal_steps(cfg, *, select: float, comp: float) -> int:
+    """Heal steps heal.compute_budget leaves after a selection and a compensation costing `select` and
+    `comp` dense-forward tokens (the search calls it with a selection's measured cost); a one-line
+    TrspError when not even one step is left."""
+    budget, step = cfg.heal.compute_budget, step_cost(cfg)
+    steps = int((budget - select - comp) // step)
+    if steps < 1:
+        raise TrspError(f"heal.compute_budget={budget:g} dense-forward tokens cannot meet {cfg.method}: its selection "
+                        f"costs {select:g}, compensation {comp:g} and one heal step {step:g}; raise it to at least "
+                        f"{select + comp + step:g}")
+    return steps
+
+
+def with_heal_steps(cfg, steps: int):
+    """`cfg` whose heal method heals `steps` steps (stage2.steps, what methods.method_heal reads; heal.steps 0)."""
+    from trsp_ray.config.run_config import replace
+
+    return replace(cfg, **{"stage2.steps": steps, "heal.steps": 0})
+
+
+def describe(cfg, *, num_layers: int) -> str:
+    """One line for the log: where a resolved budget goes."""
+    select = planned_select_cost(cfg, num_layers=num_layers) or 0.0
+    comp = planned_compensation_cost(cfg, num_layers=num_layers)
+    heal = compute.TRAIN_TOKEN * cfg.stage2.steps * cfg.data.batch_size * cfg.data.seqlen
+    return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
+            + (f", compensation {comp / 1e3:.1f}k" if comp else "")
+            + f", heal {cfg.stage2.steps} steps ({heal / 1e3:.1f}k)")

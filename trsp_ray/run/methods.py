@@ -1,0 +1,382 @@
+"""Every method through one code path: select the drop set, recover (TRSP's stage 2 and/or a heal),
+remove. TRSP and its ablations, ShortGPT, SLEB and random differ only in `select` (see registry.py).
+
+Selection cost is counted in dense-forward tokens: a forward pass of the whole model over one token
+is 1; a backward pass that needs only activation gradients (frozen weights) counts as 1 more, one
+that also needs weight gradients as 2; a pass through a fraction of the layers counts that fraction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from trsp_ray.common.logs import log as _log
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import for_method, sized
+from trsp_ray.method import compensation
+from trsp_ray.method.boundaries import fold_layers
+from trsp_ray.method.gates import attach_gates
+from trsp_ray.method.heal import run_heal
+from trsp_ray.method.probes import RemovalScorer, common_tokens
+from trsp_ray.method.stage1 import Stage1Result, run_stage1
+from trsp_ray.method.stage2 import run_stage2
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.method.training import (
+    FIT_STREAM,
+    HEAL_STREAM,
+    SELECTION_STREAM,
+    STAGE1_STREAM,
+    STAGE2_STREAM,
+    Report,
+    null_report,
+)
+from trsp_ray.models import families
+
+
+@dataclass
+class Outcome:
+    method: str
+    model: object  # the pruned (and possibly trained) model, gates detached
+    drop: list[int]  # original indices, in drop order
+    kept: list[int]
+    info: dict = field(default_factory=dict)  # tokens, steps, seconds, stage-2 relative updates
+
+
+
+def stage1_settings(s1) -> dict:
+    """`run_stage1`'s keyword arguments from the `stage1` config section: one unpacking for the
+    single process and the Ray Train workers, so the two cannot drift apart."""
+    return {"lambda1": s1.lambda1, "lr": s1.lr, "first_round_steps": s1.first_round_steps,
+            "steps_per_round": s1.steps_per_round, "selection": s1.selection, "train_base": s1.train_base,
+            "base_lr": s1.base_lr, "probe": s1.probe, "refine": s1.refine, "refine_budget": s1.refine_budget,
+            "shortlist_bi": s1.shortlist_bi}
+
+
+def probes_removal(s1) -> bool:
+    """Whether stage 1 measures the removal cost of its smallest gates (iterative selection only)."""
+    return s1.probe > 1 and s1.selection == "iterative"
+
+
+def stage2_settings(s2) -> dict:
+    """`run_stage2`'s keyword arguments from the `stage2` config section."""
+    return {"lambda2": s2.lambda2, "steps": s2.steps, "lr": s2.lr, "p_lr_scale": s2.p_lr_scale, "mode": s2.mode,
+            "norm": s2.norm, "trainable": s2.trainable, "lora_rank": s2.lora_rank, "schedule": s2.schedule,
+            "anneal_fraction": s2.anneal_fraction}
+
+
+def heal_settings(heal) -> dict:
+    """`run_heal`'s budget and recipe from a `heal` config section (cfg.heal, or method_heal's for a
+    heal method): one process and the Ray Train workers heal with these."""
+    return {"steps": heal.steps, "lr": heal.lr, "trainable": heal.trainable, "lora_rank": heal.lora_rank,
+            "tail_layers": heal.tail_layers}
+
+
+def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Report = null_report,
+                   on_round=None, resume=None) -> Stage1Result:
+    """Stage 1 with the run's config on `model` (default: a fresh copy) for `n_drop` layers
+    (default: the run's ratio); gates are left attached."""
+    cfg = bench.cfg
+    model = model if model is not None else bench.fresh_model()
+    gates = attach_gates(model, gate_mode=cfg.gates.gate)
+    s1 = cfg.stage1
+    n_drop = bench.n_drop() if n_drop is None else n_drop
+    rounds = 1 if s1.selection == "oneshot" else n_drop
+
+    def progress(metrics: dict, step: int) -> None:
+        report(metrics, step)
+        if "stage1/loss" in metrics:
+            _log(f"  stage 1 step {step}: loss {metrics['stage1/loss']:.4f} (CE {metrics['stage1/ce']:.4f}, "
+                 f"sum|s| {metrics['stage1/penalty']:.2f})")
+        if "stage1/refine_calls_so_far" in metrics:
+            _log(f"  stage 1 refinement: {metrics['stage1/refine_calls_so_far']} of at most {s1.refine_budget} "
+                 f"scorer calls, {metrics['stage1/swaps_so_far']} swap(s) so far")
+        if "stage1/swaps" in metrics:
+            _log(f"  stage 1 refinement: {metrics['stage1/swaps']} swap(s) lowered the measured removal cost; "
+                 f"{metrics['stage1/refine_calls']} of {s1.refine_budget} scorer calls "
+                 f"({metrics['stage1/refine_cost']:,} dense-forward tokens)")
+        if "stage1/rounds_done" in metrics:
+            _log(f"  stage 1 round {metrics['stage1/rounds_done']}/{rounds}: drop layer {metrics['stage1/dropped']}")
+
+    scorer, influence, spent = None, None, 0
+    if probes_removal(s1):
+        windows = probe_windows(bench.calib_ids, s1=s1, data=cfg.data, seed=cfg.seed, bos=bench.bos,
+                                strata=bench.calib_strata)
+        scorer = RemovalScorer(model=model, gates=gates, windows=windows, criterion=s1.probe_criterion,
+                               common=common_tokens(bench.calib_ids) if s1.probe_criterion == "recall" else None)
+        if s1.shortlist_bi:
+            from trsp_ray.method.selectors import block_influence
+
+            influence, spent = block_influence(model, gates, windows), scorer.tokens
+    result = run_stage1(model=model, gates=gates, batches=bench.batches(STAGE1_STREAM), n_drop=n_drop,
+                        candidates=bench.candidates(), scorer=scorer, report=progress, on_round=on_round,
+                        resume=resume, influence=influence, **stage1_settings(s1))
+    result.probe_cost += spent  # Block Influence's dense forward of the probe windows
+    return result
+
+
+def probe_windows(ids, *, s1, data, seed: int, bos: int | None, strata=None) -> list:
+    """The removal probes' fixed calibration windows (stage1.probe_windows of stage1.probe_seqlen
+    tokens, default data.seqlen), as chunks of about data.batch_size x data.seqlen tokens: one
+    definition for the single process and the Ray Train workers."""
+    from trsp_ray.method.training import PROBE_STREAM, Batches
+
+    seqlen = s1.probe_seqlen or data.seqlen
+    chunk = max(1, data.batch_size * data.seqlen // seqlen)
+    stream = Batches(ids, seqlen=seqlen, batch_size=chunk, seed=seed + PROBE_STREAM, bos=bos, strata=strata)
+    return fixed_windows(stream, s1.probe_windows)
+
+
+def stage1_tokens_for(cfg, n_drop: int) -> int:
+    """Calibration tokens stage 1 sees with the run's config, probe windows included (what ShortGPT
+    is given by default)."""
+    s1, d = cfg.stage1, cfg.data
+    rounds = 1 if s1.selection == "oneshot" else n_drop
+    steps = s1.first_round_steps + (rounds - 1) * s1.steps_per_round
+    probes = s1.probe_windows * (s1.probe_seqlen or d.seqlen) if probes_removal(s1) else 0
+    return steps * d.batch_size * d.seqlen + probes
+
+
+def shortgpt_windows(cfg, n_drop: int) -> int:
+    """Calibration windows ShortGPT scores Block Influence on: baselines.calib_windows, else as many
+    tokens as stage 1 would see (one definition for the single process and the Ray Train workers)."""
+    return cfg.baselines.calib_windows or -(-stage1_tokens_for(cfg, n_drop) // cfg.data.seqlen)
+
+
+def _windows(bench, count: int, seed_offset: int = SELECTION_STREAM) -> list:
+    """Exactly `count` fixed calibration windows, as batches of at most data.batch_size."""
+    return fixed_windows(bench.batches(seed_offset), count)
+
+
+def fixed_windows(stream, count: int) -> list:
+    """The first `count` windows of a batch stream, as batches of at most its batch size (the
+    removal probes' windows; Ray Train workers take them from the same stream)."""
+    import torch
+
+    size = stream.batch_size
+    stacked = torch.cat([stream.next() for _ in range(-(-count // size))])[:count]
+    return list(stacked.split(size))
+
+
+def sleb_cost(*, num_layers: int, candidates: list[int], n_drop: int, tokens: int) -> float:
+    """Dense-forward tokens of SLEB with prefix replay (selectors.sleb_drop): per round one pass to
+    record every layer's input, then for each candidate j a replay of the active layers after j."""
+    drop: list[int] = []
+    cost = 0.0
+    for _ in range(n_drop):
+        active = [i for i in range(num_layers) if i not in drop]
+        cost += tokens * len(active) / num_layers
+        for j in (c for c in candidates if c not in drop):
+            cost += tokens * max(1, sum(1 for i in active if i > j)) / num_layers
+        # which layer goes does not change the count much; take the last candidate as a stand-in
+        drop.append([c for c in candidates if c not in drop][-1])
+    return cost
+
+
+def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> float:
+    """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model,
+    plus the removal probes."""
+    per_token = 1.0 + (2.0 if train_base else 1.0)
+    cost, start = 0.0, 0
+    for r, end in enumerate(result.round_ends):
+        active = (num_layers - r) / num_layers  # after round r, r layers are bypassed
+        cost += (end - start) * result.tokens_per_step * per_token * active
+        start = end
+    return cost + result.probe_cost
+
+
+def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = None,
+           report: Report = null_report) -> tuple[list[int], dict]:
+    """The drop list of `method` and what choosing it cost (calibration tokens, dense-forward tokens).
+
+    TRSP methods reuse a given stage-1 result (one stage-1 run serves every TRSP method and ratio)."""
+    from trsp_ray.method import selectors
+
+    spec = registry.method(method)
+    n_drop, candidates, cfg = bench.n_drop(), bench.candidates(), bench.cfg
+    seqlen = cfg.data.seqlen
+    if spec.uses_stage1:
+        if stage1 is None:
+            stage1 = run_stage1_for(bench, model=model, report=report)
+            gates.set_gated(False)
+            gates.set_bypass([])
+        drop = stage1.drop_for(method, n_drop)
+        return drop, {"calib_tokens": stage1.tokens + stage1.probe_tokens, "stage1_steps": stage1.steps,
+                      "select_cost": stage1_cost(stage1, num_layers=bench.num_layers,
+                                                 train_base=cfg.stage1.train_base)}
+    if spec.selector == "shortgpt":
+        windows = shortgpt_windows(cfg, n_drop)
+        drop = selectors.shortgpt_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates)
+        return drop, {"calib_tokens": windows * seqlen, "select_cost": float(windows * seqlen)}
+    if spec.selector == "sleb":
+        windows = cfg.baselines.sleb_windows
+        progress = lambda r, n, ppl: _log(f"  SLEB round {r}/{n}: calibration PPL {ppl:.2f}")
+        drop = selectors.sleb_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates,
+                                   progress=progress)
+        cost = sleb_cost(num_layers=bench.num_layers, candidates=candidates, n_drop=n_drop, tokens=windows * seqlen)
+        return drop, {"calib_tokens": windows * seqlen, "select_cost": cost}
+    if spec.selector == registry.ANGULAR_SELECTOR:  # ShortGPT's windows: one dense forward
+        windows = shortgpt_windows(cfg, n_drop)
+        drop = selectors.angular_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates)
+        return drop, {"calib_tokens": windows * seqlen, "select_cost": float(windows * seqlen)}
+    if spec.selector == registry.TAIL_SELECTOR:
+        return selectors.tail_drop(n_drop=n_drop, candidates=candidates), {"calib_tokens": 0, "select_cost": 0.0}
+    return selectors.random_drop(n_drop=n_drop, candidates=candidates, seed=cfg.seed), {
+        "calib_tokens": 0, "select_cost": 0.0}
+
+
+def recovery_stepper(bench):
+    """The stepper factory stage 2 and heal train with: next-token CE, or distillation from the
+    dense original (recovery.objective = kd), the same for every row that trains."""
+    import functools
+
+    from trsp_ray.method.training import TorchStepper, distill_loss
+
+    rec = bench.cfg.recovery
+    if rec.objective == "kd":
+        return functools.partial(TorchStepper, objective=distill_loss(bench.model, temperature=rec.kd_temperature))
+    return TorchStepper
+
+
+def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
+    def progress(metrics: dict, step: int) -> None:
+        report(metrics, step)
+        if step % 5 == 0 or step == s2.steps:
+            _log(f"  stage 2 step {step}/{s2.steps}: {bench.cfg.recovery.objective} {metrics['stage2/ce']:.4f}, "
+                 f"penalty {metrics['stage2/penalty']:.3f}, P-layer scale {metrics['stage2/residual_scale']:.2f}")
+
+    return run_stage2(model=model, gates=gates, batches=bench.batches(STAGE2_STREAM), drop=drop,
+                      make_stepper=recovery_stepper(bench), report=progress, **stage2_settings(s2))
+
+
+def _heal(bench, *, model, heal, report: Report, map_layers=()):
+    def progress(metrics: dict, step: int) -> None:
+        report(metrics, step)
+        if step % 5 == 0 or step == heal.steps:
+            _log(f"  heal step {step}/{heal.steps}: {bench.cfg.recovery.objective} {metrics['heal/ce']:.4f}")
+
+    return run_heal(model=model, batches=bench.batches(HEAL_STREAM), map_layers=map_layers,
+                    make_stepper=recovery_stepper(bench), report=progress, **heal_settings(heal))
+
+
+def method_heal(cfg):
+    """The heal a heal method (e.g. trsp+heal) runs: stage 2's weight-update budget (stage2.steps
+    batches at stage2.lr, stage2.trainable unless heal.trainable names another recipe: heal_recipe)
+    on the pruned model, then any heal.steps on top."""
+    from dataclasses import replace
+
+    from trsp_ray.config.sections import heal_recipe
+
+    trainable, rank = heal_recipe(cfg, heal_method=True)
+    return replace(cfg.heal, steps=cfg.stage2.steps + cfg.heal.steps, lr=cfg.stage2.lr, trainable=trainable,
+                   lora_rank=rank)
+
+
+@contextmanager
+def _dense_beside(bench, model, *, activations: str):
+    """The dense model a compensation of `model` (the pruned working copy) reads, where its passes
+    run at the device's speed without the device holding two models. On CPU: the original (both
+    live in host memory). On a GPU run the original waits in host memory, so for dense activations
+    (and the scalar fold, which reads only the dense model) the pruned copy steps out to host memory
+    while a transient dense copy on the device computes the sums; the fold lands in the pruned copy
+    there and it returns to the device. Sequential activations need both models in every pass: the
+    original's passes then run in host memory (slow for a large model; the dense fit is the default)."""
+    import gc
+
+    import torch
+
+    device = next(model.parameters()).device
+    here = next(bench.model.parameters()).device
+    if here == device or activations != "dense":
+        yield bench.model
+        return
+    model.to("cpu")
+    dense = bench.scoring_model()  # a transient copy on the run's device
+    try:
+        yield dense
+    finally:
+        del dense
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model.to(device)
+
+
+# fit_store(compute, apply) -> (the fit's info, its folded weights): see apply_method
+FitStore = Callable[[Callable[[], tuple[dict, dict]], Callable[[dict], None]], tuple[dict, dict]]
+
+
+def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,
+                 stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
+                 on_model: Callable[[object], None] | None = None, fit_store: FitStore | None = None) -> Outcome:
+    """Prune a fresh copy of the model with `method`; returns the pruned model and what it cost.
+
+    `drop` skips the selection (a drop set computed before, e.g. shared by several benchmark rows);
+    `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's;
+    `on_model` is handed the working copy before anything trains it (a search measures its
+    validation loss mid-training through `report`); `fit_store(compute, apply)` shares a least-squares
+    fit among runs of the same drop set and fit (a search's trials): it returns compute()'s result,
+    computed now or stored, and hands a stored one's weights to `apply` (compensation.folded_weights)."""
+    cfg = bench.cfg
+    s2 = stage2_cfg or cfg.stage2
+    heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
+    use_stage2 = (registry.method(method).stage2 and s2.enabled) if stage2 is None else stage2
+    # a compensating method fits least squares by default; a fit after stage 2 is refused here
+    comp = sized(for_method(cfg, method, stage2=bool(use_stage2) and s2.steps > 0),
+                 hidden=families.text_config(bench.model).hidden_size).compensation  # windows 0: auto
+    if comp.method != "none":  # a family or calibration size it cannot serve fails before any work
+        compensation.check_request(model=bench.model, method=comp.method, tokens=comp.windows * cfg.data.seqlen,
+                                   form=comp.form, rank=comp.rank, minimum=comp.min_tokens_per_column)
+    model = bench.fresh_model()
+    if on_model is not None:
+        on_model(model)
+    gates = attach_gates(model, gate_mode=cfg.gates.gate)
+    t0 = time.time()
+    if drop is None:
+        drop, info = select(bench, method, model=model, gates=gates, stage1=stage1, report=report)
+    else:
+        drop, info = list(drop), {}
+    info["select_seconds"] = time.time() - t0
+    _log(f"{method}: drop set {drop}")
+    if use_stage2 and s2.steps > 0:
+        t1 = time.time()
+        _log(f"{method}: stage 2 ({s2.steps} steps, schedule {s2.schedule}, lambda2 {s2.lambda2})")
+        result = _stage2(bench, model=model, gates=gates, drop=drop, s2=s2, report=report)
+        model = result.model
+        info.update(stage2_tokens=result.tokens, stage2_steps=result.steps, stage2_seconds=time.time() - t1,
+                    relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
+    kept = remove_layers(model, drop)
+    if comp.method != "none":
+        t3 = time.time()
+
+        def fit() -> tuple[dict, dict]:
+            windows = fixed_windows(bench.batches(FIT_STREAM), comp.windows)
+            with _dense_beside(bench, model, activations=comp.activations) as dense:
+                done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows,
+                                               method=comp.method, ridge=comp.ridge, activations=comp.activations,
+                                               form=comp.form, rank=comp.rank, weighting=comp.weighting,
+                                               objective=comp.objective)
+            return done, compensation.folded_weights(model, kept, done)
+
+        if fit_store is not None and comp.method == "lstsq":  # a scalar fold rescales many modules: not shared
+            done, _ = fit_store(fit, lambda weights: compensation.load_folded(model, weights))
+        else:
+            done, _ = fit()
+        info.update(**compensation.describe(comp, form=done.get("form")), compensation_tokens=done["tokens"],
+                    compensation_seconds=time.time() - t3,
+                    compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],
+                                                        activations=comp.activations))
+        _log(f"{method}: {comp.method} compensation of blocks {done['blocks']} on {done['tokens']} tokens")
+    if heal.steps > 0:
+        t2 = time.time()
+        _log(f"{method}: heal ({heal.steps} steps)")
+        # the map recipe trains the layers the fold reported writing into (pruned-model indices)
+        maps = [kept.index(i) for i in fold_layers(done["blocks"])] if comp.method == "lstsq" else []
+        healed = _heal(bench, model=model, heal=heal, report=report, map_layers=maps)
+        model = healed.model
+        info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_seconds=time.time() - t2)
+    info["weight_tokens"] = info.get("stage2_tokens", 0) + info.get("heal_tokens", 0)
+    info["seconds"] = time.time() - t0
+    return Outcome(method=method, model=model.eval(), drop=drop, kept=kept, info=info)
