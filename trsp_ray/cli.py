@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from trsp_ray.config.registry import GRAMMAR
-from trsp_ray.config.run_config import METHODS
+from trsp_ray.config.registry import GRAMMAR, METHOD_NAMES
 from trsp_ray.run.run_args import add_run_arguments, method_type, run_config
 
 
@@ -194,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "of each cut (compensation.*), then a heal with stage 2's budget (the best pipeline at "
                         "equal total compute, README); shortgpt+heal = the same without the fold; trsp+heal = "
                         "TRSP's stage-1 selection + the heal; trsp = the paper's stage 2. Registered: "
-                        f"{', '.join(METHODS)}; or any pipeline {GRAMMAR}; or a YAML file of "
+                        f"{', '.join(METHOD_NAMES)}; or any pipeline {GRAMMAR}; or a YAML file of "
                         "selector, fit, heal (README, pipelines)")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--compute-budget", type=_tokens, default=None, metavar="TOKENS",

@@ -15,7 +15,7 @@ from typing import Any
 
 from trsp_ray.common.errors import TrspError
 from trsp_ray.config import registry
-from trsp_ray.config.registry import DEFAULT_METHOD, METHOD_NAMES
+from trsp_ray.config.registry import DEFAULT_METHOD
 from trsp_ray.config.registry import method as method_spec
 from trsp_ray.config.sections import (
     BaselineConfig,
@@ -32,8 +32,6 @@ from trsp_ray.config.sections import (
     _positive,
     check_heal_recipe,
 )
-
-METHODS = METHOD_NAMES  # the registry names them; kept here for the CLI's choices
 
 
 @dataclass(frozen=True)
