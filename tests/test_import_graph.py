@@ -83,20 +83,21 @@ REPO = PACKAGE.parent
 
 
 @functools.cache
-def _top_level_names(path: Path) -> set[str]:
-    """What `from module import name` can take from the module: its top-level definitions,
-    assignments and imports (inside top-level if/try blocks too)."""
-    names: set[str] = set()
+def _top_level(path: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """(names the module defines, names it imports) at its top level, if/try blocks included: together,
+    what `from module import name` can take from it."""
+    defined: set[str] = set()
+    imported: set[str] = set()
 
     def take(body):
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
+                defined.add(node.name)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+                    defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+                imported.update((a.asname or a.name).split(".")[0] for a in node.names)
             elif isinstance(node, ast.If):
                 take(node.body), take(node.orelse)
             elif isinstance(node, ast.Try):
@@ -105,7 +106,7 @@ def _top_level_names(path: Path) -> set[str]:
                     take(handler.body)
 
     take(ast.parse(path.read_text()).body)
-    return names
+    return frozenset(defined), frozenset(imported - defined)
 
 
 def unresolved_imports(files) -> list[str]:
@@ -117,7 +118,7 @@ def unresolved_imports(files) -> list[str]:
             base.with_suffix(".py") if base.with_suffix(".py").exists() else None)
 
     def has(module: str, name: str) -> bool:
-        return name in _top_level_names(source(module)) or source(f"{module}.{name}") is not None
+        return any(name in names for names in _top_level(source(module))) or source(f"{module}.{name}") is not None
 
     bad = []
     for path in files:
@@ -166,3 +167,43 @@ def test_the_import_check_sees_a_missing_module_and_name(tmp_path):
     found = [line.split(" ", 1)[1] for line in unresolved_imports([script])]
     assert found == ["trsp_ray.nowhere", "trsp_ray.run.workbench.nothing_here", "trsp_ray.nope",
                      "trsp_ray.common.atomic.gone"]
+
+
+def second_import_paths(files, root: Path = PACKAGE) -> list[str]:
+    """`file:line module.name` for every `from module import name` where `module` does not define
+    `name` but imports it from elsewhere (a second path to one thing); a submodule of a package is fine."""
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and not node.level
+                    and (node.module or "").split(".")[0] == root.name):
+                continue
+            base = root.parent.joinpath(*node.module.split("."))
+            source = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
+            if not source.exists():
+                continue
+            imported = _top_level(source)[1]
+            for a in node.names:
+                submodule = (base / f"{a.name}.py").exists() or (base / a.name / "__init__.py").exists()
+                if a.name in imported and not submodule:
+                    bad.append(f"{path.name}:{node.lineno} {node.module}.{a.name}")
+    return bad
+
+
+def test_one_import_path_per_name():
+    """ARCHITECTURE.md: every name is imported from the module that defines it, never through a module
+    that re-exports it."""
+    folders = ("trsp_ray", "jobs", "benchmarks", "cluster", "tests")
+    files = [p for folder in folders for p in (REPO / folder).rglob("*.py")]
+    assert second_import_paths(files) == []
+
+
+def test_the_second_path_check_sees_a_re_exported_name(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "method").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "method" / "__init__.py").write_text("")
+    (root / "method" / "gates.py").write_text("import torch\nfrom pkg.method import heal\n\nSCALE = 2\n")
+    heal = "from pkg.method.gates import torch, SCALE\nfrom pkg.method import gates\n"
+    (root / "method" / "heal.py").write_text(heal)
+    assert second_import_paths(list(root.rglob("*.py")), root) == ["heal.py:1 pkg.method.gates.torch"]

@@ -1,7 +1,7 @@
 """The house of trsp_ray (ARCHITECTURE.md): packages on floors, each importing only the floors below
-it; the method free of ray/deepspeed/mlflow/lm_eval; one import path per name; a short top level and
-short modules; `import trsp_ray` cheap. Each rule is checked on the package and, on a small tree built
-here, shown to fail where it should."""
+it; the method free of ray/deepspeed/mlflow/lm_eval; a short top level and short modules; `import
+trsp_ray` cheap (one import path per name: tests/test_import_graph.py). Each rule is checked on the
+package and, on a small tree built here, shown to fail where it should."""
 
 import ast
 import subprocess
@@ -82,47 +82,6 @@ def method_imports(root: Path = PACKAGE) -> list[str]:
             if (bad := _imports(path, root)[1] & FORBIDDEN_IN_METHOD)]
 
 
-def _defined(path: Path) -> tuple[set[str], set[str]]:
-    """(names a module defines, names it only imports) at its top level, if/try blocks included."""
-    defined, imported = set(), set()
-
-    def take(body):
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                defined.add(node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                imported.update((a.asname or a.name).split(".")[0] for a in node.names)
-            elif isinstance(node, (ast.If, ast.Try)):
-                take(node.body), take(node.orelse), take(getattr(node, "finalbody", []))
-
-    take(ast.parse(path.read_text()).body)
-    return defined, imported - defined
-
-
-def second_import_paths(files, root: Path = PACKAGE) -> list[str]:
-    """`file:line module.name` for every `from module import name` where `module` does not define
-    `name` but imports it from elsewhere (a second path to one thing); a submodule of a package is fine."""
-    bad = []
-    for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.ImportFrom) and not node.level
-                    and (node.module or "").split(".")[0] == root.name):
-                continue
-            base = root.parent.joinpath(*node.module.split("."))
-            source = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
-            if not source.exists():
-                continue
-            defined, imported = _defined(source)
-            for a in node.names:
-                submodule = (base / f"{a.name}.py").exists() or (base / a.name / "__init__.py").exists()
-                if a.name in imported and not submodule:
-                    bad.append(f"{path.name}:{node.lineno} {node.module}.{a.name}")
-    return bad
-
-
 def test_every_package_imports_only_the_floors_below_it():
     assert layering_violations() == []
 
@@ -144,13 +103,6 @@ def test_ray_and_deepspeed_only_in_orchestration_packages():
             continue
         bad = _imports(path, PACKAGE)[1] & {"ray", "deepspeed"}
         assert not bad, f"{rel} imports {bad}"
-
-
-def test_one_import_path_per_name():
-    repo = PACKAGE.parent
-    folders = ("trsp_ray", "jobs", "benchmarks", "cluster", "tests")
-    files = [p for folder in folders for p in (repo / folder).rglob("*.py")]
-    assert second_import_paths(files) == []
 
 
 def test_a_short_top_level_short_modules_and_init_files_that_only_name_things():
@@ -175,7 +127,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def test_the_checks_see_an_arrow_up_a_sideways_one_a_method_import_and_a_second_path(tmp_path):
+def test_the_checks_see_an_arrow_up_a_sideways_one_and_a_method_import(tmp_path):
     root = _tree(tmp_path, {
         "__init__.py": "", "cli.py": "from pkg.method import gates\n",
         "method/__init__.py": "",
@@ -191,7 +143,6 @@ def test_the_checks_see_an_arrow_up_a_sideways_one_a_method_import_and_a_second_
                      "run/w.py:1 imports pkg.cli (run -> top level)",
                      "search/a.py:1 imports pkg.benchmark.b (search -> benchmark)"]
     assert method_imports(root) == ["method/gates.py imports ['ray']"]
-    assert second_import_paths(list(root.rglob("*.py")), root) == ["heal.py:1 pkg.method.gates.torch"]
     assert layering_violations(root, [("method",), ("run",), ("benchmark", "search"), ("",)])[0] == \
         "common/__init__.py is in package 'common', which is on no floor"
 
