@@ -6,8 +6,8 @@ Rows (registry.ROWS) fall into budget groups: *selection only* (a drop set, no t
 objective: TRSP spends them in stage 2, a baseline in a heal after its selection; '@compute' rows
 also get the TRSP selection's extra compute as heal steps, so they compare at equal total compute).
 Each selection is computed once per seed and shared by the rows that use it; trained rows run once
-per heal budget (`budgets`, multiples of stage2.steps). The work units are in comparison_jobs, the
-statistics and verdicts in comparison_stats, the tables in comparison_report.
+per heal budget (`budgets`, multiples of stage2.steps). The work units are in jobs.py, the
+statistics and verdicts in stats.py, the tables in report.py.
 """
 
 from __future__ import annotations
