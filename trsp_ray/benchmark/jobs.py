@@ -41,7 +41,7 @@ def selection_job(cfg_dict: dict, selector: str, seed: int) -> dict:
         stage1 = run_stage1_for(bench, model=model, report=lambda m, s: history.append((dict(m), s)))
     drop, info = select(bench, method, model=model, gates=gates, stage1=stage1)
     out = {"selector": selector, "seed": seed, "seconds": time.time() - t0, "info": info, "history": history,
-           "drops": {m.name: (stage1.drop_for(m.name, bench.n_drop()) if stage1 else drop)
+           "drops": {m.name: (stage1.drop_for(m.ranking, bench.n_drop()) if stage1 else drop)
                      for m in registry.METHODS.values() if m.selector == selector}}
     if stage1 is not None:
         out["stage1"] = dataclasses.asdict(stage1)

@@ -68,9 +68,9 @@ def train_loop(config: dict) -> None:
     fault = FaultInjector(config.get("fault"), rank, config.get("records"))
     if config.get("stage1") is not None:  # a stage 1 computed elsewhere (distributed/handoff.py)
         from trsp_ray.method.stage1 import n_drop_for
-        from trsp_ray.run.stage1_store import result_from
+        from trsp_ray.run.stage1_store import handed_over_drop
 
-        drop = result_from(config["stage1"]).drop_for(cfg.method, n_drop_for(cfg.ratio, bench.num_layers))
+        drop = handed_over_drop(config["stage1"], method=cfg.method, n_drop=n_drop_for(cfg.ratio, bench.num_layers))
         s1_state = {"handed_over": True}
         events.write("stage1_done", drop_order=drop, handed_over=True, rounds_computed=0)
     elif config.get("drop") is not None:  # a heal method's drop set chosen in one process (SLEB's)
@@ -157,6 +157,7 @@ def _batches(cfg, bench, seed_offset: int):
 
 def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
     """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
+    from trsp_ray.config import registry
     from trsp_ray.data.perplexity import bos_token
     from trsp_ray.distributed import engine as eng
     from trsp_ray.method.probes import RemovalScorer, common_tokens
@@ -201,7 +202,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                         resume=last["state"], on_round=on_round, scorer=scorer, influence=influence,
                         **stage1_settings(s1))
     result.probe_cost += spent
-    drop = result.drop_for(cfg.method, n_drop)
+    drop = result.drop_for(registry.method(cfg.method).ranking, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history, probe_cost=result.probe_cost,
                  refine_calls=result.refine_calls, refine_budget=s1.refine_budget, refine_cost=result.refine_cost)

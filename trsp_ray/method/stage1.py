@@ -17,6 +17,10 @@ from trsp_ray.common.errors import TrspError
 from trsp_ray.method.probes import RemovalScorer
 from trsp_ray.method.training import Batches, MakeStepper, Report, TorchStepper, freeze, null_report
 
+# how a TRSP method reads a stage-1 result: "order" = the greedy drop order (iterative), "round1" =
+# the candidates by |s| after round 1 (one-shot)
+RANKINGS = ("order", "round1")
+
 
 @dataclass
 class Stage1Result:
@@ -37,8 +41,12 @@ class Stage1Result:
 
     def drop_for(self, ranking: str, n_drop: int) -> list[int]:
         """The first `n_drop` layers of this run's order for a TRSP method's `ranking` (its registry
-        entry's): "round1" (one-shot) takes the round-1 ranking, "order" (the iterative methods) the
-        greedy drop order (a prefix serves any smaller ratio)."""
+        entry's, registry.Method.ranking): "round1" (one-shot) takes the round-1 ranking, "order" (the
+        iterative methods) the greedy drop order (a prefix serves any smaller ratio). Anything else is
+        refused: a method name passed here once made `trsp-oneshot` run the iterative order."""
+        if ranking not in RANKINGS:
+            raise ValueError(f"drop_for takes a ranking, one of {', '.join(RANKINGS)}; got {ranking!r} "
+                             f"(a method's ranking is registry.method(name).ranking)")
         return (self.round1_ranking if ranking == "round1" else self.drop_order)[:n_drop]
 
 

@@ -98,13 +98,14 @@ def _selection(bench, cfg_dict: dict, config: dict, *, key: str, log, trial: str
     from trsp_ray.search.pipeline import selection_content
 
     cfg, n_drop = bench.cfg, bench.n_drop()
-    if registry.method(cfg.method).uses_stage1:
+    spec = registry.method(cfg.method)
+    if spec.uses_stage1:
         stage1 = stage1_for_trial(need=n_drop, compute=lambda n: compute_stage1(bench, n),
                                   content=stage1_content(cfg_dict), store=trial_store(config), key=key,
                                   plan_n_drop=planned_n_drop(config, key), log=log, trial=trial)
         info = {"calib_tokens": stage1.tokens + stage1.probe_tokens, "stage1_steps": stage1.steps,
                 "select_cost": stage1_cost(stage1, num_layers=bench.num_layers, train_base=cfg.stage1.train_base)}
-        return stage1.drop_for(cfg.method, n_drop), info, stage1
+        return stage1.drop_for(spec.ranking, n_drop), info, stage1
 
     def compute() -> tuple[list[int], dict]:
         model = bench.fresh_model()
