@@ -128,7 +128,7 @@ def run_plan(args: argparse.Namespace) -> int:
     probes = probe_plan(result.shape, result.setup, ProbeSetup.from_config(cfg))
     after = format_probe_plan(probes, result.setup) if registry.method(cfg.method).uses_stage1 else \
         _shortgpt_lines(cfg, result)
-    comp_fits = True
+    comp_fits, fit_host = True, 0.0
     if cfg.compensation.method == "scalar":
         after += ["  compensation (scalar, after the selection): six float64 sums per block and one layer's output "
                   "projections gathered at a time to scale: within stage 1's memory"]
@@ -141,9 +141,9 @@ def run_plan(args: argparse.Namespace) -> int:
         line = calibration_line(windows=c.windows, seqlen=cfg.data.seqlen, hidden=shape.hidden,
                                 tokens_per_column=c.tokens_per_column, floor=c.min_tokens_per_column)
         after += format_compensation_plan(comp, result.setup, calibration=line)
-        comp_fits = comp.memory.total <= result.setup.gpu_memory_gb
+        comp_fits, fit_host = comp.memory.total <= result.setup.gpu_memory_gb, comp.host_gb
     print(pipe.describe())
-    print(plan_format.format_plan(result, after_stages=tuple(after)))
+    print(plan_format.format_plan(result, after_stages=tuple(after), fit_host_gb=fit_host))
     return 0 if result.fits and probes.memory.total <= result.setup.gpu_memory_gb and comp_fits else 1
 
 

@@ -91,8 +91,9 @@ class Plan(Peaks):
     def suggestion(self) -> str:
         return "what would fit: " + "; ".join(alternatives(self.shape, self.setup))
 
-    def host(self) -> HostPlan:
-        return host_and_disk(self.shape, self.setup, self.stages)
+    def host(self, *, fit_host_gb: float = 0.0) -> HostPlan:
+        """`fit_host_gb`: a worker's host memory while the pipeline's fit holds its maps (host_and_disk)."""
+        return host_and_disk(self.shape, self.setup, self.stages, fit_host_gb=fit_host_gb)
 
     def disk_problem(self) -> str | None:
         """A one-line refusal when the kept checkpoints exceed `disk_budget_gb`, else None."""
