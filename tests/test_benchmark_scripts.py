@@ -4,6 +4,7 @@ config. Each runs with its smallest flags; the test checks the figures it prints
 the machine's load (counts, which path needs more memory, stage names), not its speed targets.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -73,14 +74,18 @@ def test_planner_check_estimates_both_zero3_stages_within_half(own_ray_tmpdir):
         assert 0.5 < planned / measured < 1.5, (stage, planned, measured)
 
 
-def test_gpu_check_on_cpu_passes_its_three_parts(tmp_path, own_ray_tmpdir):
-    out = run_script("gpu_check.py", "--device", "cpu", "--skip-pytest", "--out", str(tmp_path), timeout=1200)
-    summary = out[out.index("=== summary"):]
-    assert summary.count("[ok]") == 3 and "[FAILED]" not in summary, summary
-    # the single-process export's logits match the pruned model's on the device, within its tolerance
-    found = re.search(r"max \|dlogit\| ([\d.e+-]+) <= ([\d.e+-]+)", summary)
-    assert found and float(found.group(1)) <= float(found.group(2)), summary
-    assert re.search(r"ZeRO-3 worker.*drop \[\d+, \d+\]", summary), summary  # ratio 0.07 of 30 layers: 2
+def test_gpu_check_smoke_mode_passes_every_part_a_cpu_can_run(tmp_path, own_ray_tmpdir):
+    """benchmarks/gpu_check.py --device cpu: the one-process prunes, the speed part, and on one gloo ZeRO-3
+    worker the default pipeline, trsp with its streaming export, jobs/prune_70b.py and a worker killed
+    mid-heal that resumes (the fast tier, tests/test_gpu_check.py, runs one prune and the statuses)."""
+    parts = "prune-default,prune-trsp,speed,zero3-default,zero3-trsp,export,job,fault"
+    out = run_script("gpu_check.py", "--device", "cpu", "--parts", parts, "--out", str(tmp_path / "out"),
+                     "--work", str(tmp_path / "work"), timeout=1500)
+    summary = out[out.index("=== gpu_check summary"):]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    statuses = {r["part"]: r["status"] for r in report["parts"]}
+    assert statuses == {"model": "ok", **dict.fromkeys(parts.split(","), "ok")}, summary
+    assert re.search(r"fault .*resumed from stage2-step2", summary), summary
 
 
 def test_probe_kl_the_in_place_sum_equals_kl_div_to_the_bit():

@@ -1,0 +1,121 @@
+"""The GPU check (benchmarks/gpu_check.py) and its wheels (benchmarks/gpu_wheels.py), on CPU in CI: the check's
+smoke mode runs a real part, says SKIP with a reason for the parts that need CUDA or two GPUs, and reports a
+part that outlives its limit as TIMEOUT; the wheel script asks pip for the project's pins and joins a wheel
+cut across two calls only when every part has come, unchanged."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_wheels  # noqa: E402 (benchmarks/ is not a package)
+
+
+def check(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work"), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    report = tmp_path / "out" / "gpu_check.json"
+    assert report.exists(), f"no {report}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done, {r["part"]: r for r in json.loads(report.read_text())["parts"]}
+
+
+def test_smoke_mode_runs_a_prune_skips_the_cuda_parts_and_times_out_a_part(tmp_path):
+    done, parts = check(tmp_path, "--device", "cpu", "--shape", "tiny",
+                        "--parts", "prune-default,memory,speed,zero3-2w", "--limit", "speed=1")
+    out = done.stdout
+    statuses = {name: r["status"] for name, r in parts.items()}
+    assert statuses == {"model": "ok", "prune-default": "ok", "memory": "SKIP", "speed": "TIMEOUT",
+                        "zero3-2w": "SKIP"}, out[-4000:]
+    assert "CUDA" in parts["memory"]["figure"] and "two GPUs" in parts["zero3-2w"]["figure"]
+    # the one-process prune really ran: a 6-of-8-layer export whose reload check passed on the CPU
+    assert "kept 6/8" in parts["prune-default"]["figure"]
+    check_ = parts["prune-default"]["record"]["export_check"]
+    assert check_["max_abs_logit_diff"] <= check_["atol"] and check_["device"].startswith("cpu")
+    assert "killed at its 1s limit" in parts["speed"]["figure"]
+    table = out[out.index("=== gpu_check summary"):]
+    assert "prune-default  ok" in table and "speed          TIMEOUT" in table, table
+    assert done.returncode == 1  # a part timed out
+
+
+def test_without_cuda_every_part_of_the_gpu_run_is_skipped_with_why(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the parts would run")
+    done, parts = check(tmp_path, "--parts", "pytest,prune-trsp,fault")
+    assert set(parts) == {"model", "pytest", "prune-trsp", "fault"}
+    assert all(r["status"] == "SKIP" and "no CUDA device" in r["figure"] for r in parts.values()), parts
+    assert done.returncode == 0
+
+
+def test_an_unknown_part_is_refused_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--parts", "prune,zero9"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown part(s) ['prune', 'zero9']" in done.stderr
+
+
+def test_wheels_are_asked_for_at_the_project_pins_for_the_target_python(tmp_path):
+    reqs = {r["name"]: r for r in gpu_wheels.requirements()}
+    assert reqs["ray"]["version"] == gpu_wheels.pins()["ray"] and reqs["ray"]["pinned"]
+    assert reqs["deepspeed"]["pinned"] and reqs["transformers"]["pinned"] and not reqs["pydantic"]["pinned"]
+    cmd = gpu_wheels.download_command(reqs["ray"], python_version="3.12", platforms=["manylinux2014_x86_64"],
+                                      dest=tmp_path)
+    assert cmd[1:4] == ["-m", "pip", "download"] and cmd[-1] == f"ray=={reqs['ray']['version']}"
+    for flag in ("--only-binary=:all:", "--no-deps"):
+        assert flag in cmd
+    for flag, value in (("--python-version", "3.12"), ("--platform", "manylinux2014_x86_64"), ("-d", str(tmp_path))):
+        assert cmd[cmd.index(flag) + 1] == value
+
+
+def _fake_wheels(folder: Path) -> dict:
+    folder.mkdir()
+    wheels = []
+    for name, size, pinned in (("transformers", 300, True), ("ray", 1000, True), ("hjson", 50, False)):
+        data = bytes((i * 7 + len(name)) % 251 for i in range(size))
+        file = f"{name}-1.0-py3-none-any.whl"
+        (folder / file).write_bytes(data)
+        wheels.append({"name": name, "version": "1.0", "pinned": pinned, "file": file, "bytes": size,
+                       "sha256": hashlib.sha256(data).hexdigest()})
+    manifest = {"python": "3.12", "wheels": wheels}
+    (folder / gpu_wheels.MANIFEST).write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_a_wheel_cut_across_two_calls_installs_only_when_whole(tmp_path):
+    _fake_wheels(tmp_path / "dl")
+    carries = [tmp_path / "carry1", tmp_path / "carry2"]
+    sizes = gpu_wheels.pack(tmp_path / "dl", carries, limit=800)
+    assert sizes == [800, 550]  # transformers 300 + hjson 50 + ray's first 450 bytes; ray's other 550
+    assert (carries[0] / "transformers-1.0-py3-none-any.whl").exists()
+    stage = tmp_path / "stage"
+    ready, waiting = gpu_wheels.stage_wheels([carries[0]], stage=stage)  # call 1
+    assert [w["name"] for w in ready] == ["transformers", "hjson"] and waiting[0].startswith("ray-1.0")
+    ready, waiting = gpu_wheels.stage_wheels([carries[1]], stage=stage)  # call 2
+    assert "ray" in [w["name"] for w in ready] and not waiting
+    wheel = "ray-1.0-py3-none-any.whl"
+    assert (stage / wheel).read_bytes() == (tmp_path / "dl" / wheel).read_bytes()
+    assert not list(stage.glob("*.part*"))
+
+
+def test_a_part_from_another_build_is_refused(tmp_path):
+    _fake_wheels(tmp_path / "dl")
+    carries = [tmp_path / "carry1", tmp_path / "carry2"]
+    gpu_wheels.pack(tmp_path / "dl", carries, limit=800)
+    part = next(carries[1].glob("ray-*.part2of2"))
+    part.write_bytes(b"x" + part.read_bytes()[1:])
+    with pytest.raises(SystemExit, match="does not match its sha256"):
+        gpu_wheels.stage_wheels(carries, stage=tmp_path / "stage")
+
+
+def test_a_pinned_wheel_replaces_another_version_a_dependency_only_an_older_one():
+    pin, dep = {"pinned": True, "version": "5.24.0"}, {"pinned": False, "version": "4.16.0"}
+    assert gpu_wheels.needed(pin, None) and gpu_wheels.needed(pin, "5.25.0") and not gpu_wheels.needed(pin, "5.24.0")
+    assert gpu_wheels.needed(dep, "4.15.2") and not gpu_wheels.needed(dep, "4.16.0")
+    assert not gpu_wheels.needed(dep, "4.17.1")
