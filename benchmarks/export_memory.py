@@ -41,9 +41,9 @@ def _status_kb(field: str) -> int:
 def _old_export(model, *, model_path: str, tokenizer, drop: list[int], output: str, rank: int) -> None:
     """The pre-issue-10 export path, kept here only to be measured (commit c8f7704's worker._export)."""
     import torch
-    import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trsp_ray.distributed.collectives import barrier
     from trsp_ray.distributed.engine import gather_state_dict
     from trsp_ray.distributed.export import plain_state_dict
     from trsp_ray.method.surgery import remove_layers
@@ -55,16 +55,16 @@ def _old_export(model, *, model_path: str, tokenizer, drop: list[int], output: s
         plain.load_state_dict(plain_state_dict(state, "model.layers"), strict=False)
         remove_layers(plain, drop)
         export_model(plain.eval(), tokenizer, output, manifest={"path": "old"}, overwrite=True)
-    dist.barrier()
+    barrier()
 
 
 def worker(args) -> None:
     import torch
-    import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from trsp_ray.config.sections import DistributedConfig
     from trsp_ray.distributed import engine as eng
+    from trsp_ray.distributed.collectives import barrier
     from trsp_ray.distributed.deepspeed_config import build_ds_config
     from trsp_ray.distributed.export import export_streaming, export_units, gathered, plan_shards
     from trsp_ray.method.gates import attach_gates
@@ -82,7 +82,7 @@ def worker(args) -> None:
     units = export_units(model, drop)[0]
     shards = plan_shards(model, units, max_shard_bytes=int(args.shard_mb * 10**6))
     largest_unit = max(units, key=lambda u: sum(p.ds_numel for p in u.params()))
-    dist.barrier()
+    barrier()
     base = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
     t0 = time.time()

@@ -51,7 +51,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, args) -> None:
     import torch
     import torch.distributed as dist
 
-    from trsp_ray.distributed.ranks import sum_over_ranks
+    from trsp_ray.distributed.collectives import sum_over_ranks
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

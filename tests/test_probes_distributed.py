@@ -54,7 +54,7 @@ def _probe(rank: int, world: int, all_reduce=None) -> dict:
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from trsp_ray.distributed.ranks import sum_over_ranks
+    from trsp_ray.distributed.collectives import sum_over_ranks
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -88,7 +88,7 @@ def _uneven_main(rank: int, world: int, port: int, out: str) -> None:
     """3 windows over 2 ranks in chunks of 1: rank 1 has one chunk fewer and runs a padding forward."""
     import torch.distributed as dist
 
-    from trsp_ray.distributed.ranks import sum_over_ranks
+    from trsp_ray.distributed.collectives import sum_over_ranks
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -197,7 +197,7 @@ import json, os, sys, torch
 from trsp_ray.config.run_config import DistributedConfig
 from trsp_ray.distributed import engine as eng
 from trsp_ray.distributed.deepspeed_config import build_ds_config
-from trsp_ray.distributed.worker import sum_over_ranks
+from trsp_ray.distributed.collectives import sum_over_ranks
 from trsp_ray.method.gates import attach_gates
 from trsp_ray.method.stage1 import RemovalScorer
 torch.set_num_threads(1)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from trsp_ray.distributed.collectives import broadcast_object
+
 STATE = "state-rank{rank}.pt"  # stage-1 state (+ this rank's optimizer partition)
 ENGINE_DIR = "engine"  # stage-2 DeepSpeed checkpoint (model + optimizer partitions)
 
@@ -74,14 +76,6 @@ def discard_download(meta: dict | None) -> None:
         shutil.rmtree(meta["downloaded"], ignore_errors=True)
 
 
-def _same_on_all_ranks(value):
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str = "async") -> str:
     """One Ray checkpoint from every rank: meta (rank 0), its own state file, its engine shards.
     Returns "committed" (written in place, or uploaded while the ranks waited) or "uploading" (a
@@ -96,7 +90,7 @@ def save(meta: dict, stage1_state: dict, *, rank: int, engine=None, upload: str 
     from ray.train import Checkpoint, CheckpointUploadMode
 
     storage, local = _storage()
-    name = _same_on_all_ranks(f"checkpoint-{meta['label']}-{uuid.uuid4().hex[:8]}")
+    name = broadcast_object(f"checkpoint-{meta['label']}-{uuid.uuid4().hex[:8]}")
     if not local:
         waited = flush_uploads()  # at most two saves on local disk: the one uploading and this one
         if waited > 30:

@@ -35,7 +35,7 @@ import time
 import torch
 
 from trsp_ray.common.errors import TrspError
-from trsp_ray.distributed.ranks import all_reduce_sum
+from trsp_ray.distributed.collectives import all_reduce_sum
 from trsp_ray.method import compensation, compensation_scalar
 from trsp_ray.method.boundaries import forward_pass
 from trsp_ray.method.training import split_over_ranks

@@ -77,15 +77,16 @@ def gather_gates(params: list[nn.Parameter]):
     if not any(hasattr(p, "ds_id") for p in params):
         yield
         return
-    import torch.distributed as dist
     from deepspeed.utils import safe_set_local_fp32_param
+
+    from trsp_ray.distributed.collectives import max_over_ranks
 
     with gather_context(params):
         before = [p.detach().clone() for p in params]
         yield
-        changed = torch.tensor([float(not torch.equal(p.detach(), b)) for p, b in zip(params, before)])
-    dist.all_reduce(changed, op=dist.ReduceOp.MAX)  # rank 0 is the modifier; every rank must agree
-    for p, c in zip(params, changed.tolist()):
+        changed = [float(not torch.equal(p.detach(), b)) for p, b in zip(params, before)]
+    changed = max_over_ranks(changed)  # rank 0 is the modifier; every rank must agree
+    for p, c in zip(params, changed):
         if c and p.requires_grad and getattr(p, "_z3_optimizer", None) is not None:
             safe_set_local_fp32_param(p, p.ds_tensor.detach())
 
@@ -176,11 +177,10 @@ class DeepSpeedStepper:
         ranks is the single-process value (the EMA is linear; the batch splits evenly)."""
         if self.world < 2 or not self.gated_layers:
             return
-        import torch.distributed as dist
+        from trsp_ray.distributed.collectives import sum_over_ranks
 
-        values = torch.tensor([m.grad_ema for m in self.gated_layers], dtype=torch.float64)
-        dist.all_reduce(values)
-        for m, v in zip(self.gated_layers, (values / self.world).tolist()):
+        values = sum_over_ranks([float(m.grad_ema) for m in self.gated_layers])
+        for m, v in zip(self.gated_layers, (v / self.world for v in values)):
             m.grad_ema = v
 
     def _clear_grad_partitions(self) -> None:

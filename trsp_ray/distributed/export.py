@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 from dataclasses import dataclass, field
 
 import torch
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.distributed.collectives import broadcast_object, close_group, host_group, rank_and_world
 
 SLOW_STORAGE_BYTES_PER_S = 50e6  # a slow network filesystem; local NVMe is 20-100x faster
 
@@ -214,21 +214,8 @@ def logit_atol(dtype: torch.dtype, reference: torch.Tensor) -> float:
 
 
 def _broadcast(value, group):
-    import torch.distributed as dist
-
-    if group is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """Rank 0's `value` on every rank of the export's host group (None: one rank, nothing to send)."""
+    return value if group is None else broadcast_object(value, group=group)
 
 
 def export_streaming(model, *, tokenizer, drop: list[int], output: str, manifest: dict, max_shard_mb: float = 5000,
@@ -239,18 +226,16 @@ def export_streaming(model, *, tokenizer, drop: list[int], output: str, manifest
     are added. Returns {"path", "export_check"} on every rank; if anything failed on rank 0, every
     rank raises and nothing exists at `output` (an old directory there is kept).
     """
-    import torch.distributed as dist
-
     from trsp_ray.models import families
 
-    rank, world = _world()
+    rank, world = rank_and_world()
     units, kept, total = export_units(model, list(drop))
     shards = plan_shards(model, units, max_shard_bytes=int(max_shard_mb * 10**6))
     nbytes = sum(s.nbytes for s in shards)
     dtype = next(t.dtype for s in shards for t in s.tensors if t.dtype.is_floating_point)
     device = _compute_device(model)
     timeout = timeout_s or timeout_for(nbytes, reload=True)
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if world > 1 else None
+    group = host_group(timeout) if world > 1 else None
     try:
         fits, note = _broadcast(reload_fits(nbytes, max_gb=reload_max_gb, device=device) if rank == 0 else None, group)
         vocab = families.text_config(model).vocab_size
@@ -267,8 +252,7 @@ def export_streaming(model, *, tokenizer, drop: list[int], output: str, manifest
         # Every rank learns rank 0's outcome here, waiting at most `timeout` (see the module doc).
         outcome = _broadcast(job.outcome() if job is not None else None, group)
     finally:
-        if group is not None:
-            dist.destroy_process_group(group)
+        close_group(group)
     if job is not None and job.error is not None:
         raise job.error
     if "error" in outcome:

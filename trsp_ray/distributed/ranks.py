@@ -1,6 +1,6 @@
-"""Data-parallel sums on the Ray Train ranks: the removal probes' all-reduce and ShortGPT's Block
-Influence scored over every rank's share of the selection windows (the default method's
-selection on the workers, and stage 1's Block-Influence shortlist)."""
+"""Data-parallel scoring on the Ray Train ranks: ShortGPT's Block Influence over every rank's share
+of the selection windows (the default method's selection on the workers, and stage 1's
+Block-Influence shortlist); the sums go through `collectives`."""
 
 from __future__ import annotations
 
@@ -8,32 +8,14 @@ import socket
 
 import torch
 
+from trsp_ray.distributed.collectives import sum_over_ranks
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (a gloo rendezvous for local ranks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of `t` over the data-parallel ranks in float64 (a copy; identity in one process): the one
-    all-reduce of the workers' sums (the probes', Block Influence's, the compensation's). NCCL
-    reduces on this rank's GPU, gloo on the host; the result comes back on `t`'s device."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return t.double().clone()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    out = t.to(device=device, dtype=torch.float64, copy=True)
-    dist.all_reduce(out)
-    return out.to(t.device)
-
-
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """Element-wise sum over the data-parallel ranks of a few numbers, in float64 (identity in one
-    process): the removal probes' per-rank [score sum, token count]."""
-    return all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
 def forward_engine(bench, *, fresh: bool = False) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from trsp_ray.distributed.checkpoints import discard_download, restore_point, save
+from trsp_ray.distributed.collectives import gather_objects, sum_over_ranks
 from trsp_ray.distributed.events import EventLog, FaultInjector
-from trsp_ray.distributed.ranks import block_influence_on_ranks, forward_engine, sum_over_ranks
+from trsp_ray.distributed.ranks import block_influence_on_ranks, forward_engine
 from trsp_ray.method.training import FIT_STREAM, HEAL_STREAM, SELECTION_STREAM, STAGE1_STREAM, STAGE2_STREAM
 
 
@@ -62,7 +63,7 @@ def train_loop(config: dict) -> None:
     eng.init_deepspeed(backend="nccl" if cfg.distributed.use_gpu else "gloo")
     events = EventLog(config.get("records"), rank)
     meta, engine_dir = restore_point(rank)
-    events.write("start", world=world, resumed_from=None if meta is None else meta["label"], nodes=_nodes(world),
+    events.write("start", world=world, resumed_from=None if meta is None else meta["label"], nodes=_nodes(),
                  threads=torch.get_num_threads(), downloaded=None if meta is None else meta.get("downloaded"))
     bench = _load(config, cfg, rank=rank, world=world)
     fault = FaultInjector(config.get("fault"), rank, config.get("records"))
@@ -106,14 +107,11 @@ def train_loop(config: dict) -> None:
     ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
 
 
-def _nodes(world: int) -> list[str]:
+def _nodes() -> list[str]:
     """The Ray node id of every rank, in rank order (collective)."""
     import ray
-    import torch.distributed as dist
 
-    out: list = [None] * world
-    dist.all_gather_object(out, ray.get_runtime_context().get_node_id())
-    return out
+    return gather_objects(ray.get_runtime_context().get_node_id())
 
 
 def _load(config: dict, cfg, *, rank: int, world: int):

@@ -31,12 +31,23 @@ def influence_sums(model, gates, batches: list[torch.Tensor], *, masks: list[tor
     per window of each batch) leave padding windows out of both (data-parallel ranks must all run
     as many forwards). `head=True` runs the whole model (ZeRO-3 ranks: the engine's hooks on the
     root module expect every forward to start there)."""
-    sums = {w.index: 0.0 for w in gates.wrappers}
+    sums, count = influence_tensors(model, gates, batches, masks=masks, head=head)
+    return {i: float(v) for i, v in sums.items()}, count
+
+
+def influence_tensors(model, gates, batches: list[torch.Tensor], *, masks: list[torch.Tensor] | None = None,
+                      head: bool = False) -> tuple[dict[int, torch.Tensor | float], float]:
+    """`influence_sums` with each layer's sum left as a float64 tensor on the activations' device."""
+    # The sums stay on the activations' device (float64) and are read once at the end: a host
+    # sync per layer and batch would stall the GPU; a host mask times GPU activations would fail.
+    sums: dict[int, torch.Tensor | float] = {w.index: 0.0 for w in gates.wrappers}
     count, now = 0.0, {"mask": None}
 
     def probe(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
         cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).sum(dim=-1)
-        sums[index] += (cos if now["mask"] is None else cos * now["mask"]).sum().item()
+        if now["mask"] is not None:
+            cos = cos * now["mask"].to(device=cos.device, dtype=cos.dtype)
+        sums[index] = sums[index] + cos.sum().double()
 
     for w in gates.wrappers:
         w.probe = probe
@@ -44,7 +55,7 @@ def influence_sums(model, gates, batches: list[torch.Tensor], *, masks: list[tor
         for k, batch in enumerate(batches):
             now["mask"] = None if masks is None else masks[k].to(torch.float32)
             causal_lm_loss(model, batch) if head else decoder_forward(model, batch)
-            rows = batch.shape[0] if masks is None else masks[k].sum().item()
+            rows = batch.shape[0] if masks is None else float(masks[k].sum())
             count += rows * batch.shape[-1]
     finally:
         for w in gates.wrappers:
@@ -88,13 +99,17 @@ def angular_distances(model, gates, batches: list[torch.Tensor], *, n_drop: int,
     """{a: mean over tokens of arccos(cos(x_a, x_{a+n})) / pi} for every start a: the angular
     distance between the stream entering layer a and the stream leaving layer a + n - 1 (Gromov et
     al.'s block score; we average over every token, not only the last, as a layer sees them all)."""
-    sums = dict.fromkeys(starts, 0.0)
+    sums: dict[int, torch.Tensor | float] = dict.fromkeys(starts, 0.0)
     count = 0
     states: dict[int, torch.Tensor] = {}
+    # only the streams a block score reads (not every layer's: at 70B that is 80 activations)
+    wanted = set(starts) | {a + n_drop for a in starts}
 
     def probe(index: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        states[index] = x
-        states[index + 1] = y
+        if index in wanted:
+            states[index] = x
+        if index + 1 in wanted:
+            states[index + 1] = y
 
     for w in gates.wrappers:
         w.probe = probe
@@ -104,13 +119,13 @@ def angular_distances(model, gates, batches: list[torch.Tensor], *, n_drop: int,
             decoder_forward(model, batch)
             for a in starts:
                 cos = torch.nn.functional.cosine_similarity(states[a].float(), states[a + n_drop].float(), dim=-1)
-                sums[a] += (torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi).sum().item()
+                sums[a] = sums[a] + (torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi).sum().double()
             count += batch.numel()
     finally:
         for w in gates.wrappers:
             w.probe = None
         states.clear()
-    return {a: v / count for a, v in sums.items()}
+    return {a: float(v) / count for a, v in sums.items()}
 
 
 @torch.no_grad()
