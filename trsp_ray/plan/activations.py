@@ -55,5 +55,21 @@ def training_activations_gb(s: Shape, *, dtype_bytes: int, tokens: int, layers: 
 
 
 def forward_layer_bytes(s: Shape, e: int) -> int:
-    """Bytes per token of one decoder layer's intermediates in a no-grad forward (one at a time)."""
-    return e * (3 * s.hidden + 3 * s.intermediate)
+    """Bytes per token of a no-grad forward at its largest inside one decoder layer, the larger of
+    the MLP, where SwiGLU's gate activation, up projection and their product (3eI) sit beside the
+    layer's input, the attention residual and the normed stream (3eh), and the rotary embedding of
+    the queries (q, q cos, its rotated half, that times sin: 4eq) beside k, v (2e kv) and the layer's
+    input and normed stream; both beside the embedding output, which a Hugging Face forward holds to
+    its end (eh). Counted on a CPU Llama by tests/test_forward_memory.py; on one H200 the Block
+    Influence pass of a 1B (d 2048, I 8192: the MLP) measured 63-66 KiB per token above the weights,
+    this 64."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return e * max(4 * s.hidden + 3 * s.intermediate, 3 * s.hidden + 4 * q + 2 * kv)
+
+
+def probe_bytes(s: Shape, e: int) -> int:
+    """Bytes per token while Block Influence's probe scores one layer (selectors.influence_sums):
+    the layer's input and output and the embedding output (3eh) beside cos(x, y) taken in float32:
+    the two upcasts (none in fp32) and cosine_similarity's two normalised rows and their product
+    (12h). On one H200 a 3B (d 3072) measured 74-79 KiB per token above the weights, this 78."""
+    return 3 * e * s.hidden + (8 * s.hidden if e != 4 else 0) + 12 * s.hidden

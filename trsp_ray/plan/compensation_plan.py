@@ -9,12 +9,13 @@ in batches of the run's batch size; one process all of them). The fit holds
     sums    B x 2 x d^2 x 8   M^T M and M^T Y of every block in float64, from the first batch to the
                               block's solve (512 MiB each at d = 8192)
 and, beside them, the largest of its phases:
-    pass    n x (2de + max(F, 2de + 2 x 8d))   one layer's forward intermediates F = e(3d + 3I) per
+    pass    n x (2de + max(F, 3de + 2 x 8d))   one layer's forward at its largest F = e(4d + 3I) per
                               token (activations.forward_layer_bytes) beside layer a-1's output and MLP
                               output, which the hooks hold until the block's last layer b has run; there
                               the block's rows are summed in float64 (Y built in place, and M: two
-                              [n, d], beside layer b's input and output) and dropped. Only the last
-                              position's logits are computed (boundaries.forward_pass).
+                              [n, d], beside layer b's input and output and the embedding output) and
+                              dropped. Only the last position's logits are computed (boundaries.forward_pass).
+                              Counted on a CPU Llama by tests/test_forward_memory.py.
     solve   4 x d^2 x 8       the ridge's two copies, the LU factors and T (the block's all-reduced sums
                               replace its own); the residuals after it hold as many
     fold    d x I x (e + 16) + d^2 x 8   the gathered output projection, W in float64 and T^T W, and T;
@@ -79,7 +80,7 @@ def fit_phases(s: Shape, *, dtype_bytes: int, tokens: int, blocks: int, sharded:
     with `cosine_share` (this rank's calibration tokens), "cosine"."""
     d, e = s.hidden, dtype_bytes
     sums = blocks * 2 * d * d * F64
-    per_token = 2 * d * e + max(forward_layer_bytes(s, e), 2 * d * e + 2 * d * F64)
+    per_token = 2 * d * e + max(forward_layer_bytes(s, e), 3 * d * e + 2 * d * F64)
     out = {"pass": sums + tokens * per_token, "solve": sums + 4 * d * d * F64}
     if fold_here:
         out["fold"] = d * s.intermediate * (e + 2 * F64) + d * d * F64 if sharded else \

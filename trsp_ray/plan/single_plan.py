@@ -6,10 +6,13 @@ memory, so on CPU both count), then per stage: a training stage's activations (a
 per parameter, Adam's two fp32 moments (8) and, for bf16/fp16, an fp32 master copy (4):
 training.TorchStepper. The step's fp32 gradients (4 per parameter) appear after backward freed
 the activations, so the stage peaks at the larger of the two. A no-grad forward holds one layer's
-intermediates and its logits (bytes per token, e = dtype bytes, V vocab): SLEB / ShortGPT the
-model-dtype logits, their fp32 upcast and the log-softmax (eV + 4V + 4V; fp32 skips the upcast);
-evaluation (perplexity.py) fp32 logits, their shifted copy and the log-softmax (12V); SLEB also
-the inputs of every layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squares
+intermediates and its logits (bytes per token, e = dtype bytes, V vocab): SLEB the model-dtype
+logits, their fp32 upcast and the log-softmax (eV + 4V + 4V; fp32 skips the upcast); evaluation
+(perplexity.py) fp32 logits, their shifted copy and the log-softmax (12V); ShortGPT's Block
+Influence and the angular block run the decoder stack alone (selectors.decoder_forward: no logits)
+and hold the larger of one layer and Block Influence's fp32 probe (activations.probe_bytes; counting
+the logits put Block Influence 59-80% over on one H200); SLEB and angular also the inputs of every
+layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squares
 fit ("compensation", after the removal): on a GPU a transient dense copy on the device (the pruned copy
 steps out to host memory, methods._dense_beside; the fold lands there), on CPU the pruned copy and the
 original; beside it the fit's sums and its largest phase over min(data.batch_size, windows) windows per
@@ -22,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trsp_ray.method.recipes import TAIL_RECIPE
-from trsp_ray.plan.activations import forward_layer_bytes, training_activations_gb
+from trsp_ray.plan.activations import forward_layer_bytes, probe_bytes, training_activations_gb
 from trsp_ray.plan.compensation_plan import WORKING_SET, cosine_host_gb, fit_phases, fit_rows, max_blocks
 from trsp_ray.plan.memory import GB, SINGLE_OVERHEAD_GB, Peaks, StagePlan
 from trsp_ray.plan.shape import Shape, read_shape
@@ -108,8 +111,12 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     e, tokens = st.dtype_bytes, batch * seqlen
     plan = StagePlan(name)
     _single_weights(plan, s, st, s.params)
-    logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
-    plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
+    if name in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # selectors.decoder_forward: no LM head
+        plan.parts["one layer | the fp32 probe (no logits)"] = tokens * max(forward_layer_bytes(s, e),
+                                                                           probe_bytes(s, e)) / GB
+    else:
+        logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
+        plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
     if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
     return plan
