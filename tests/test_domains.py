@@ -73,11 +73,11 @@ def _fake_sources(monkeypatch, lengths: dict):
     """Source s's token k is 1000 * index(s) + k % 1000: the id says which source a token came from."""
     names = list(lengths)
 
-    def source_ids(tokenizer, source):
+    def source_stream(tokenizer, source):  # one document per source: its tail is cut by tokens
         i = names.index(source)
-        return torch.arange(lengths[source]) % 1000 + 1000 * i
+        return torch.arange(lengths[source]) % 1000 + 1000 * i, [0]
 
-    monkeypatch.setattr(calibration, "_source_ids", source_ids)
+    monkeypatch.setattr(calibration, "_source_stream", source_stream)
     monkeypatch.setattr(domains, "parse_mix", lambda spec: {s: w for s, w in zip(names, (0.5, 0.3, 0.2))})
     return names
 
@@ -123,10 +123,10 @@ def test_any_number_of_drawn_windows_holds_the_proportions(monkeypatch):
 
 
 def test_a_calibration_file_too_short_for_the_windows_or_the_fit_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "_source_ids", lambda tokenizer, source: torch.arange(100))
+    monkeypatch.setattr(calibration, "_source_stream", lambda tokenizer, source: (torch.arange(100), [0]))
     with pytest.raises(TrspError, match="at least 5 are needed"):
         calibration.load(None, calib_text=str(tmp_path / "f.txt"), calib_mix="", seqlen=32, bos=None)
-    monkeypatch.setattr(calibration, "_source_ids", lambda tokenizer, source: torch.arange(32 * 20))
+    monkeypatch.setattr(calibration, "_source_stream", lambda tokenizer, source: (torch.arange(32 * 20), [0]))
     cal = calibration.load(None, calib_text=str(tmp_path / "f.txt"), calib_mix="", seqlen=32, bos=None)
     assert cal.strata is None and cal.ids.numel() == 16 * 32  # 4 chunks of the 20 validate
     calibration.check_windows(cal, windows=16, what="compensation.windows=16")
@@ -144,3 +144,60 @@ def test_an_empty_or_binary_calibration_file_is_refused(tmp_path, content, words
     path.write_bytes(content)
     with pytest.raises(TrspError, match=words):
         read_text_file(str(path), "calibration text")
+
+
+def test_no_calibration_document_is_both_trained_on_and_validated_on(monkeypatch):
+    """Issue 41: the validation tail was cut by tokens, so the document it cut through was in both the
+    trained windows and the tuning split. Token k of source i is 1000 * i + its document's index."""
+    import random
+
+    rng = random.Random(0)
+    streams = {}
+    for i, name in enumerate("abc"):
+        lengths = [rng.randint(40, 400) for _ in range(200)]
+        ids = torch.cat([torch.full((n,), 1000 * i + d) for d, n in enumerate(lengths)])
+        streams[name] = ids, [sum(lengths[:d]) for d in range(len(lengths))]
+    monkeypatch.setattr(calibration, "_source_stream", lambda tokenizer, s: streams[s], raising=False)
+    monkeypatch.setattr(calibration, "_source_ids", lambda tokenizer, s: streams[s][0], raising=False)  # before
+    monkeypatch.setattr(domains, "parse_mix", lambda spec: {"a": 0.5, "b": 0.3, "c": 0.2})
+    cal = calibration.load(None, calib_text=None, calib_mix="mix", seqlen=33, bos=7)
+    trained, validated = set(cal.ids.tolist()), set(cal.val_ids.tolist())
+    assert cal.val_ids.numel() == 128 * 32 and {t // 1000 for t in validated} == {0, 1, 2}
+    assert not trained & validated, sorted(trained & validated)
+    # the proportions hold on both sides
+    val_sources = collections.Counter((cal.val_ids.view(-1, 32)[:, 0] // 1000).tolist())
+    assert [val_sources[i] for i in range(3)] == [pytest.approx(w * 128, abs=1) for w in (0.5, 0.3, 0.2)]
+    assert cal.shares == pytest.approx({"a": 0.5, "b": 0.3, "c": 0.2}, abs=2e-3)
+
+
+def test_a_calibration_files_documents_are_its_blank_line_separated_parts(tmp_path):
+    from transformers import AutoTokenizer
+
+    from trsp_ray.data.assets import smollm2_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    paragraphs = [f"Paragraph {i} says {'something ' * (i % 7 + 3)}." for i in range(12)]
+    path = tmp_path / "mine.txt"
+    path.write_text("\n\n".join(paragraphs) + "\n")
+    ids, starts = calibration._source_stream(tok, str(path))
+    assert torch.equal(ids, calibration.encode(tok, path.read_text()))  # the file's own token stream
+    assert len(starts) == 12
+    ends = starts[1:] + [ids.numel()]
+    assert [tok.decode(ids[a:b]).strip() for a, b in zip(starts, ends)] == paragraphs
+
+
+def test_the_text_cache_is_keyed_on_the_source_content(monkeypatch, tmp_path):
+    """Issue 41: the text cache was keyed by the domain's name, so new source data read the old text."""
+    monkeypatch.setenv("TRSP_RAY_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "source.txt"
+    source.write_text("\n".join(f"first version, document {i}" for i in range(10)))
+
+    def documents():
+        return source.read_text().splitlines()
+
+    monkeypatch.setitem(domains.DOMAINS, "fake", domains.Domain("fake", "a test file", documents, lambda: [source]))
+    key = domains.text_key("fake")
+    assert domains.texts("fake")[1] == "first version, document 4\n\nfirst version, document 9"
+    source.write_text("\n".join(f"second version, document {i}" for i in range(10)))
+    assert domains.text_key("fake") != key
+    assert domains.texts("fake")[1] == "second version, document 4\n\nsecond version, document 9"

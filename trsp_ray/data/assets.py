@@ -93,13 +93,19 @@ def _clean_wiki(markup: str) -> str:
     return text.strip()
 
 
+def wiki_file() -> Path:
+    """gensim's Wikipedia excerpt (a bz2 XML dump)."""
+    path = package_dir("gensim", "pip install gensim") / _WIKI_FILE
+    if not path.exists():
+        raise TrspError(f"gensim's Wikipedia excerpt is missing at {path}; reinstall gensim==4.4.0")
+    return path
+
+
 def wiki_articles(min_chars: int = 2000) -> list[str]:
     """Usable articles of the gensim Wikipedia excerpt, in dump order (redirects and stubs dropped)."""
     from gensim.corpora.wikicorpus import extract_pages
 
-    path = package_dir("gensim", "pip install gensim") / _WIKI_FILE
-    if not path.exists():
-        raise TrspError(f"gensim's Wikipedia excerpt is missing at {path}; reinstall gensim==4.4.0")
+    path = wiki_file()
     articles = []
     with bz2.open(path) as fh:
         for _title, markup, _pageid in extract_pages(fh, filter_namespaces=("0",)):

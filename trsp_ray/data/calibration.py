@@ -6,9 +6,9 @@ A mixture is built in window-sized chunks (the training window's text part: data
 token when the tokenizer adds a BOS), interleaved so that every prefix of the stream holds each
 source's share within one window; `strata` labels each chunk with its source, and
 training.Batches draws its shuffled windows stratified by that label, so any number of windows a
-consumer takes (the fit's 128, a probe's 8) holds the proportions within one window too. The last
-chunks (VALIDATION_TOKENS, a mixture as well) are the calibration tail: never trained on, what
-settings are tuned on.
+consumer takes (the fit's 128, a probe's 8) holds the proportions within one window too. The
+calibration tail (VALIDATION_TOKENS, a mixture as well) is cut from each source's last documents,
+never from a document that is trained on: never trained on, what settings are tuned on.
 """
 
 from __future__ import annotations
@@ -36,21 +36,57 @@ class Calibration:
     shares: dict  # {source: share of the training chunks}
 
 
-def encode_cached(tokenizer, text: str) -> torch.Tensor:
-    """`encode`, cached on disk by tokenizer and text hash (a 700k-token text takes seconds to
-    tokenize, and every Ray worker of a benchmark would redo it)."""
+def _token_key(tokenizer, text: str, *extra) -> str:
     import hashlib
 
     vocab = tokenizer.get_vocab()
     key = hashlib.sha256(text.encode("utf-8", "replace"))
     key.update(str(sorted(vocab.items())[:: max(1, len(vocab) // 997)]).encode())
     key.update(type(tokenizer).__name__.encode())
-    path = assets.cache_dir() / "tokens" / f"{key.hexdigest()[:32]}.pt"
+    for part in extra:
+        key.update(str(part).encode())
+    return key.hexdigest()[:32]
+
+
+def encode_cached(tokenizer, text: str) -> torch.Tensor:
+    """`encode`, cached on disk by tokenizer and text hash (a 700k-token text takes seconds to
+    tokenize, and every Ray worker of a benchmark would redo it)."""
+    path = assets.cache_dir() / "tokens" / f"{_token_key(tokenizer, text)}.pt"
     if path.exists():
         return torch.load(path)
     ids = encode(tokenizer, text)
     atomic.save_torch(path, ids)
     return ids
+
+
+def encode_documents_cached(tokenizer, text: str, char_starts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """(ids [N], starts): `encode` of `text` and the index of each document's first token, for
+    documents starting at `char_starts` (ascending, the first 0). A start is the first token that
+    begins at or after the document's first character (the fast tokenizer's offsets); a tokenizer
+    without offsets gives [0]: one document. Cached on disk like `encode_cached`."""
+    path = assets.cache_dir() / "tokens" / f"{_token_key(tokenizer, text, 'starts', char_starts)}.pt"
+    if path.exists():
+        saved = torch.load(path)
+        return saved["ids"], saved["starts"]
+    if not getattr(tokenizer, "is_fast", False):
+        ids, starts = encode(tokenizer, text), [0]
+    else:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+        token_begins = torch.tensor([b for b, _ in enc["offset_mapping"]] or [0], dtype=torch.long)
+        found = torch.searchsorted(token_begins, torch.tensor(char_starts, dtype=torch.long)).tolist()
+        starts = sorted({k for k in found if k < ids.numel()} | {0})
+    atomic.save_torch(path, {"ids": ids, "starts": starts})
+    return ids, starts
+
+
+def document_text(docs: list[str]) -> tuple[str, list[int]]:
+    """(documents joined with blank lines, the character where each starts)."""
+    starts, at = [], 0
+    for d in docs:
+        starts.append(at)
+        at += len(d) + 2
+    return "\n\n".join(docs), starts
 
 
 
@@ -62,52 +98,94 @@ def interleave(counts: list[int]) -> list[int]:
     return [i for _, i in sorted(keyed)]
 
 
-def _source_ids(tokenizer, source: str) -> torch.Tensor:
+def _source_stream(tokenizer, source: str) -> tuple[torch.Tensor, list[int]]:
+    """(ids, document starts) of a calibration source: a domain's calibration documents, or a text
+    file whose documents are its blank-line-separated parts (a plain file marks no other)."""
+    import re
+
     from trsp_ray.data.assets import read_text_file
 
-    text = domains.texts(source)[0] if source in domains.DOMAINS else read_text_file(source, "calibration text")
-    return encode_cached(tokenizer, text)
+    if source in domains.DOMAINS:
+        text, starts = document_text(domains.split_texts(source)[0])
+    else:
+        text = read_text_file(source, "calibration text")
+        starts = [0] + [m.end() for m in re.finditer(r"\n[ \t]*\n\s*", text) if m.end() < len(text)]
+    return encode_documents_cached(tokenizer, text, starts)
 
 
-def mixture(tokenizer, mix: dict[str, float], *, chunk: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(ids [n * chunk], strata [n], shares) of a mixture {source: weight summing to 1}: as many
-    chunks as the scarcest source allows at its weight, each source's chunks in its text's order."""
-    pieces = {s: _source_ids(tokenizer, s) for s in mix}
+def _counts(avail: dict[str, int], mix: dict[str, float]) -> list[int]:
+    """Chunks of each source: as many as the scarcest source allows at its weight."""
+    total = min(avail[s] / w for s, w in mix.items())
+    return [max(1, math.floor(w * total + 1e-9)) for s, w in mix.items()]
+
+
+def _interleaved(pieces: dict[str, torch.Tensor], counts: list[int], chunk: int) -> tuple[torch.Tensor, list[int]]:
+    """(ids, source index of each chunk): counts[i] chunks of source i from the start of its
+    piece, spread by `interleave`."""
+    chunks = [ids[: n * chunk].view(n, chunk) for ids, n in zip(pieces.values(), counts)]
+    order = interleave(counts)
+    taken = [0] * len(chunks)
+    rows = []
+    for i in order:
+        rows.append(chunks[i][taken[i]])
+        taken[i] += 1
+    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)), order
+
+
+def mixture(pieces: dict[str, torch.Tensor], mix: dict[str, float], *, chunk: int) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor, dict]:
+    """(ids [n * chunk], strata [n], shares) of a mixture {source: weight summing to 1} of token
+    streams `pieces`: as many chunks as the scarcest source allows at its weight, each source's
+    chunks in its text's order."""
     avail = {s: ids.numel() // chunk for s, ids in pieces.items()}
     for s, n in avail.items():
         if n == 0:
             instead = " or leave it out of data.calib_mix" if len(mix) > 1 else ""
             raise TrspError(f"calibration source {s!r} has {pieces[s].numel()} tokens, fewer than one window of "
                             f"{chunk}; pass a longer text{instead}")
-    total = min(avail[s] / w for s, w in mix.items())
-    counts = [max(1, math.floor(w * total + 1e-9)) for s, w in mix.items()]
-    names = list(mix)
-    chunks = [pieces[s][: n * chunk].view(n, chunk) for s, n in zip(names, counts)]
-    order = interleave(counts)
-    taken = [0] * len(names)
-    rows = []
-    for i in order:
-        rows.append(chunks[i][taken[i]])
-        taken[i] += 1
-    strata = torch.tensor(order, dtype=torch.long)
-    return torch.cat(rows), strata, {s: n / len(order) for s, n in zip(names, counts)}
+    counts = _counts(avail, mix)
+    ids, order = _interleaved(pieces, counts, chunk)
+    return ids, torch.tensor(order, dtype=torch.long), {s: n / len(order) for s, n in zip(mix, counts)}
+
+
+def split_by_document(ids: torch.Tensor, starts: list[int], *, chunks: int, chunk: int) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """(training ids, validation ids [chunks * chunk]) of one source: the validation chunks are cut from
+    its last documents and training reads only the documents before them, so no document is on both
+    sides. The validation chunks start at the first chunk boundary of the stream at or after a
+    document's start (the tokens before it are on neither side), so they are chunks of the source's
+    own stream. A source of one document (no start to cut at) is cut by tokens."""
+    need = chunks * chunk
+    if need == 0:
+        return ids, ids[:0]
+    cuts = [k for k in starts if chunk <= k and -(-k // chunk) * chunk + need <= ids.numel()]
+    cut = max(cuts) if cuts else (ids.numel() // chunk - chunks) * chunk
+    begin = -(-cut // chunk) * chunk
+    return ids[:cut], ids[begin: begin + need]
 
 
 def load(tokenizer, *, calib_text: str | None, calib_mix: str, seqlen: int, bos: int | None) -> Calibration:
-    """The run's calibration: `calib_text` (a file) when given, else the mixture `calib_mix`."""
+    """The run's calibration: `calib_text` (a file) when given, else the mixture `calib_mix`; its
+    tail (VALIDATION_TOKENS, in the mixture's shares) is cut from each source's last documents."""
     chunk = seqlen - (1 if bos is not None else 0)
     if chunk < 1:
         raise TrspError(f"data.seqlen={seqlen} leaves no text after the BOS token; use data.seqlen >= 2")
     mix = {calib_text: 1.0} if calib_text else domains.parse_mix(calib_mix)
-    ids, strata, shares = mixture(tokenizer, mix, chunk=chunk)
-    n_chunks = strata.numel()
+    streams = {s: _source_stream(tokenizer, s) for s in mix}
+    full = mixture({s: ids for s, (ids, _) in streams.items()}, mix, chunk=chunk)[1]
+    n_chunks = full.numel()
     n_val = min(max(1, VALIDATION_TOKENS // chunk), n_chunks // 5)
     if n_chunks - n_val < 1 or n_val < 1:
-        raise TrspError(f"calibration data has {ids.numel()} tokens, {n_chunks} window(s) of {chunk}; at least 5 "
-                        "are needed (4 to train on, 1 to validate); pass a longer text")
-    cut = (n_chunks - n_val) * chunk
+        raise TrspError(f"calibration data has {n_chunks * chunk} tokens, {n_chunks} window(s) of {chunk}; at least "
+                        "5 are needed (4 to train on, 1 to validate); pass a longer text")
+    # each source validates on as many chunks as it has in the full stream's last n_val
+    val_counts = [int((full[-n_val:] == i).sum()) for i in range(len(mix))]
+    parts = {s: split_by_document(ids, starts, chunks=v, chunk=chunk)
+             for (s, (ids, starts)), v in zip(streams.items(), val_counts)}
+    ids, strata, shares = mixture({s: train for s, (train, _) in parts.items()}, mix, chunk=chunk)
+    val_ids, _ = _interleaved({s: val for s, (_, val) in parts.items()}, val_counts, chunk)
     source = calib_text or domains.describe(shares)
-    return Calibration(ids=ids[:cut], val_ids=ids[cut:], strata=strata[: n_chunks - n_val] if len(mix) > 1 else None,
+    return Calibration(ids=ids, val_ids=val_ids, strata=strata if len(mix) > 1 else None,
                        chunk=chunk, source=source, shares=shares)
 
 

