@@ -9,8 +9,9 @@ import time
 from trsp_ray.common.logs import log
 from trsp_ray.config import registry
 from trsp_ray.config.run_config import RunConfig
-from trsp_ray.data import calibration, domains
-from trsp_ray.data.perplexity import bos_token, perplexity
+from trsp_ray.data import domains
+from trsp_ray.data.heldout import text_windows
+from trsp_ray.data.perplexity import bos_token, nlls_of, ppl_of
 from trsp_ray.run import pipeline, workbench
 
 
@@ -88,6 +89,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
                    "num_layers_kept": len(outcome.kept), "dense_ppl": dense_ppl, "heldout_ppl": ppl,
                    "kept_parameters": workbench.kept_parameters(outcome.model), "dense_parameters": dense_params,
                    "heldout_source": bench.texts.heldout_source, "calibration_source": bench.calibration.source,
+                   "heldout_windows": bench.heldout.coverage() if bench.heldout else None,
                    "calibration_shares": bench.calibration.shares, "pipeline": pipe.to_dict(),
                    **{k: v for k, v in outcome.info.items()}}
         if stage1 is not None:
@@ -112,7 +114,8 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     print(render([{"method": "dense", "layers": bench.num_layers, "held-out PPL": dense_ppl},
                   {"method": label, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),
                    "held-out PPL": ppl}], ["method", "layers", "dropped", "held-out PPL"]))
-    print(f"(held-out text: {bench.texts.heldout_source}; calibration: {bench.calibration.source})")
+    held = f", {bench.heldout.describe()}" if bench.heldout else ""
+    print(f"(held-out text: {bench.texts.heldout_source}{held}; calibration: {bench.calibration.source})")
     return results
 
 
@@ -152,9 +155,9 @@ def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
     texts = domains.load_texts(cfg.data.eval_text)
     for key, name in (("dense_ppl", cfg.model), ("heldout_ppl", result.output)):
         model, tokenizer = workbench.load_model(name, device=cfg.device, dtype=workbench.run_dtype(cfg))
-        results[key] = perplexity(model, calibration.encode_cached(tokenizer, texts.heldout),
-                                  seqlen=cfg.data.eval_seqlen, batch_size=4,
-                                  max_windows=cfg.data.eval_max_windows, bos=bos_token(tokenizer))
+        held = text_windows(tokenizer, texts, seqlen=cfg.data.eval_seqlen, max_windows=cfg.data.eval_max_windows,
+                            bos=bos_token(tokenizer))  # spread over the held-out documents, as the one-process path
+        results[key] = ppl_of(nlls_of(model, held.windows, batch_size=4))
         del model
         log(f"{key.replace('_', ' ')} {results[key]:.2f}")
     return results

@@ -109,41 +109,42 @@ def lambada(bench, model, *, limit: int) -> dict:
     return {"acc": acc, "se": math.sqrt(acc * (1 - acc) / n), "n": n, "items": entry["items"]["acc"]}
 
 
-def domain_ids(bench, name: str):
-    """Token ids of a domain's held-out documents (trsp_ray.data.domains), cached on disk: as far as the
-    scored windows reach (a text prefix of 12 characters per token needed; math's held-out part is
-    720k characters), the whole text when no window cap is set or the prefix falls short."""
-    from trsp_ray.data import domains
-    from trsp_ray.data.calibration import encode_cached
+def domain_windows(bench, name: str):
+    """A domain's held-out windows (trsp_ray.data.heldout): one per held-out document (short ones
+    joined until they fill a window), up to data.eval_max_windows, each with its document."""
+    from trsp_ray.data.heldout import domain_windows as windows_of
 
-    text, d = domains.texts(name)[1], bench.cfg.data
-    if d.eval_max_windows:
-        need = d.eval_max_windows * d.eval_seqlen
-        ids = encode_cached(bench.tokenizer, text[: need * 12])
-        if ids.numel() >= need + 64 or len(text) <= need * 12:  # 64: clear of the cut's last token
-            return ids
-    return encode_cached(bench.tokenizer, text)
+    d = bench.cfg.data
+    return windows_of(bench.tokenizer, name, seqlen=d.eval_seqlen, max_windows=d.eval_max_windows, bos=bench.bos)
+
+
+def domain_coverage(bench) -> dict[str, dict]:
+    """{domain: its held-out windows' documents, tokens and the document of each window} of every
+    scored domain: what the report prints beside each column and what paired SEs cluster on."""
+    from trsp_ray.data.domains import eval_domain_names
+
+    out = {}
+    for name in eval_domain_names(bench.cfg.data.eval_domains):
+        w = domain_windows(bench, name)
+        out[name] = {**w.coverage(), "docs": list(w.docs)}
+    return out
 
 
 def domain_nlls(bench, model) -> dict[str, list[float]]:
-    """{domain: per-window mean NLL} of `model` on every scored domain's held-out documents
-    (data.eval_domains), with the held-out text's windows and conventions (BOS per window)."""
+    """{domain: per-window mean NLL} of `model` on every scored domain's held-out windows
+    (data.eval_domains; `domain_windows`, BOS per window)."""
     from trsp_ray.data.domains import eval_domain_names
-    from trsp_ray.data.perplexity import window_nlls
+    from trsp_ray.data.perplexity import nlls_of
 
-    d = bench.cfg.data
-    return {name: window_nlls(model, domain_ids(bench, name), seqlen=d.eval_seqlen, batch_size=4,
-                              max_windows=d.eval_max_windows, bos=bench.bos)
-            for name in eval_domain_names(d.eval_domains)}
+    return {name: nlls_of(model, domain_windows(bench, name).windows, batch_size=4)
+            for name in eval_domain_names(bench.cfg.data.eval_domains)}
 
 
 def domain_ppl(bench, model, name: str) -> float:
     """One domain's held-out PPL, with `domain_nlls`' windows."""
-    from trsp_ray.data.perplexity import perplexity
+    from trsp_ray.data.perplexity import nlls_of, ppl_of
 
-    d = bench.cfg.data
-    return perplexity(model, domain_ids(bench, name), seqlen=d.eval_seqlen, batch_size=4,
-                      max_windows=d.eval_max_windows, bos=bench.bos)
+    return ppl_of(nlls_of(model, domain_windows(bench, name).windows, batch_size=4))
 
 
 def _dense_cached(bench, what: dict, compute):
@@ -170,8 +171,10 @@ def dense_nlls(bench) -> dict[str, list[float]]:
     from trsp_ray.data import domains
 
     d = bench.cfg.data
-    what = {"domains": [domains.DOMAINS[n].source for n in domains.eval_domain_names(d.eval_domains)],
-            "split": domains.HELDOUT_EVERY, "seqlen": d.eval_seqlen, "windows": d.eval_max_windows, "bos": bench.bos}
+    names = domains.eval_domain_names(d.eval_domains)
+    what = {"domains": [domains.DOMAINS[n].source for n in names], "texts": [domains.text_key(n) for n in names],
+            "split": domains.HELDOUT_EVERY, "seqlen": d.eval_seqlen, "windows": d.eval_max_windows, "bos": bench.bos,
+            "spread": "a window per document"}
     return _dense_cached(bench, what, lambda: domain_nlls(bench, bench.scoring_model()))
 
 
@@ -232,7 +235,8 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
 
     nlls = dense_nlls(bench) if row.method is None else domain_nlls(bench, model)
     result = {"row": row_name, "seed": seed, "budget": budget, "drop": drop, "params": kept_parameters(model),
-              "info": info, "nll": nlls, "ppl": {name: ppl_of(v) for name, v in nlls.items()}, "history": history}
+              "info": info, "nll": nlls, "ppl": {name: ppl_of(v) for name, v in nlls.items()}, "history": history,
+              "coverage": domain_coverage(bench)}
     if options.get("lambada"):
         limit = options["lambada"]
         result["lambada"] = dense_lambada(bench, limit=limit) if row.method is None else lambada(bench, model,

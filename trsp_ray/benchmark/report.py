@@ -106,12 +106,15 @@ def render_report(summary: list[dict], *, calibration_source: str, left_out: lis
     parts.append(
         f"\nseeds {seeds} (mean [min-max]; '*' = the drop set changed across seeds).\n"
         f"calibration: {calibration_source}; {out_note}.\n"
-        f"held-out PPL per domain over {d.eval_max_windows or 'all'} windows of {d.eval_seqlen} tokens of its "
-        f"held-out documents (every {domains.HELDOUT_EVERY}th, none calibrated on): {scored}.\n"
+        f"held-out PPL per domain over up to {d.eval_max_windows or 'all'} windows of {d.eval_seqlen} tokens of its "
+        f"held-out documents (every {domains.HELDOUT_EVERY}th, none calibrated on), each window starting where a "
+        f"document starts (shorter documents joined with the next until the window fills), one per document "
+        f"before any second: {scored}.\n"
         f"{stats.GEO}: the geometric mean over the domains of PPL / dense PPL (1.000 = dense).\n"
         f"trained rows: {cfg.stage2.steps} batches of {d.batch_size}x{d.seqlen} tokens ({tokens:,}) of weight updates "
         f"per budget unit, objective {cfg.recovery.objective}; '@compute' rows also heal with the TRSP selection's "
-        "extra compute.\ncompute in thousands of dense-forward tokens (a forward token 1, a trained token 3): "
+        "extra compute.\ncompute in thousands of dense-forward tokens (a forward token 1, a trained token what its "
+        "recipe runs: 3 for all weights, less for tail, map or LoRA, + 1 with a KD teacher; plan/compute.py): "
         "select = choosing the drop set, recover = stage 2 / heal / compensation, total = both.")
     if any(registry.ROWS[s["row"]].method and registry.recipe(s["row"])[0] == registry.SLEB_SELECTOR
            for s in summary):
@@ -136,8 +139,50 @@ def render_report(summary: list[dict], *, calibration_source: str, left_out: lis
                      "with what that compensation of their drop set costs as extra steps.")
     if cut:
         parts.append(cut)
+    parts += coverage(summary, cols, lambada_limit=lambada_limit, zeroshot_limit=zeroshot_limit)
     parts += _verdicts(summary, cols)
     return "\n".join(parts)
+
+
+def column_coverage(summary: list[dict], cols: list[tuple[str, bool]], *, lambada_limit: int = 0,
+                    zeroshot_limit: int = 0) -> list[dict]:
+    """One dict per judged column: the held-out documents, windows and tokens it averages over (a
+    task column: its items), and a note where a domain has too few documents for one window each."""
+    from trsp_ray.evaluation.tasks import PAPER_TASKS
+
+    cov = summary[0].get("coverage", {}) if summary else {}
+    clusters = summary[0].get("clusters", {}) if summary else {}
+    out = []
+    for col, _ in cols:
+        if col in dict(stats.TASK_COLUMNS):
+            n = lambada_limit if col == "LAMBADA acc" else zeroshot_limit * len(PAPER_TASKS)
+            if n:
+                out.append({"column": col, "documents": n, "windows": "-", "tokens": "-",
+                            "note": "passages" if col == "LAMBADA acc" else "items (5 tasks)"})
+            continue
+        doms = [d for d in clusters.get(col, {}) if d in cov]
+        if not doms:
+            continue
+        few = [d for d in doms if cov[d]["too_few"]]
+        note = "; ".join(f"{d}: TOO FEW held-out documents ({cov[d]['held_out']}) for one window each, "
+                         f"{cov[d]['windows']} windows share {cov[d]['clusters']}" for d in few)
+        out.append({"column": col, "documents": sum(cov[d]["documents"] for d in doms),
+                    "windows": sum(cov[d]["windows"] for d in doms), "tokens": sum(cov[d]["tokens"] for d in doms),
+                    "note": note or ", ".join(f"{d} {cov[d]['documents']} of {cov[d]['held_out']}" for d in doms)})
+    return out
+
+
+def coverage(summary: list[dict], cols: list[tuple[str, bool]], *, lambada_limit: int = 0,
+             zeroshot_limit: int = 0) -> list[str]:
+    """The lines that say what every column covers (printed above the verdicts)."""
+    from trsp_ray.common.table import render
+
+    rows = column_coverage(summary, cols, lambada_limit=lambada_limit, zeroshot_limit=zeroshot_limit)
+    if not rows:
+        return []
+    return ["\nWhat each column covers (held-out documents, or a task's items; a document shorter than a window "
+            "shares one with the next; paired SEs of a PPL column are clustered on documents):",
+            render(rows, ["column", "documents", "windows", "tokens", "note"], trim=True)]
 
 
 def _verdicts(summary: list[dict], cols: list[tuple[str, bool]]) -> list[str]:

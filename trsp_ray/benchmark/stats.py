@@ -3,7 +3,9 @@
 Two rows scored on the same items differ by far less noise than two independent samples (LAMBADA,
 500 passages: paired SE 0.013 vs unpaired 0.023), so every verdict compares two rows item by item:
 per-window log-perplexity differences for a text domain (their mean over the domains for the
-geometric mean), per-item 0/1 differences for a task. With seeds, each item's difference is
+geometric mean), per-item 0/1 differences for a task. Windows of one held-out document are
+correlated, so a domain's SE is clustered on documents (trsp_ray.data.heldout gives each window
+its document): sum the differences per document, then the SE across documents. With seeds, each item's difference is
 averaged over the seeds both rows ran, and the verdict also needs the difference to exceed the
 spread (max - min) of the per-seed differences; one seed has no spread, so its verdicts say
 "no spread" and count as no win. A row wins a column only beyond 2 paired standard errors.
@@ -33,24 +35,36 @@ def stats(values: list[float]) -> dict:
             "spread": max(values) - min(values), "n": len(values)}
 
 
-def paired_se(a: list[float], b: list[float]) -> tuple[float, float]:
-    """(mean of a_i - b_i, its standard error sd(d) / sqrt(n), sd with n - 1) for items scored by
-    both; with one item the error is infinite (nothing can be decided)."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired items differ in number ({len(a)} vs {len(b)}) or are empty")
+def paired_se(a: list[float], b: list[float], clusters: list | None = None) -> tuple[float, float]:
+    """(mean of d_i = a_i - b_i, its standard error) for items scored by both.
+
+    Without `clusters` the items are independent: sd(d) / sqrt(n), sd with n - 1. With `clusters`
+    (the document of each item: windows of one document are correlated), the cluster-robust SE of
+    the mean: sqrt(G / (G - 1) * sum over clusters g of (sum_{i in g} (d_i - mean))^2) / n, G the
+    number of clusters; with one item per cluster it is the plain SE. With one item, or one
+    cluster, the error is infinite (nothing can be decided)."""
+    if len(a) != len(b) or not a or (clusters is not None and len(clusters) != len(a)):
+        raise ValueError(f"paired items differ in number ({len(a)} vs {len(b)}"
+                         f"{'' if clusters is None else f' vs {len(clusters)} clusters'}) or are empty")
     d = [x - y for x, y in zip(a, b)]
     n = len(d)
     mean = sum(d) / n
-    if n < 2:
+    sums: dict = {}
+    for i, x in enumerate(d):
+        g = i if clusters is None else clusters[i]
+        sums[g] = sums.get(g, 0.0) + (x - mean)
+    g = len(sums)
+    if g < 2:
         return mean, math.inf
-    var = sum((x - mean) ** 2 for x in d) / (n - 1)
-    return mean, math.sqrt(var / n)
+    return mean, math.sqrt(g / (g - 1) * sum(v * v for v in sums.values())) / n
 
 
-def paired(a_runs: dict, b_runs: dict) -> dict | None:
+def paired(a_runs: dict, b_runs: dict, clusters: dict | None = None) -> dict | None:
     """The paired difference a - b of one column. `*_runs`: {seed: {group: [per-item values]}}; the
     column is the mean over groups of each group's item mean (one group for a domain or a task, every
-    domain for the geometric mean, every task for the zero-shot mean).
+    domain for the geometric mean, every task for the zero-shot mean). `clusters`: {group: the
+    document of each item} where items of one document are correlated (a domain's windows); the
+    SE of such a group is clustered on documents (`paired_se`).
 
     Returns {"diff", "se", "spread", "seeds"} on the seeds both rows ran, or None when they share none."""
     seeds = sorted(set(a_runs) & set(b_runs))
@@ -64,7 +78,7 @@ def paired(a_runs: dict, b_runs: dict) -> dict | None:
         n = len(a_runs[seeds[0]][g])
         avg_a = [statistics.fmean(a_runs[s][g][i] for s in seeds) for i in range(n)]
         avg_b = [statistics.fmean(b_runs[s][g][i] for s in seeds) for i in range(n)]
-        d, se = paired_se(avg_a, avg_b)
+        d, se = paired_se(avg_a, avg_b, (clusters or {}).get(g))
         diffs.append(d)
         ses.append(se)
     return {"diff": statistics.fmean(diffs), "se": math.sqrt(sum(x * x for x in ses)) / len(ses),
@@ -133,19 +147,25 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int, dense_n
          "total cost": statistics.fmean(r["info"].get("total_cost", 0.0) for r in runs),
          "weight tokens": first["info"].get("weight_tokens", 0),
          "seconds": statistics.fmean(r["seconds"] for r in runs), "is_baseline": row.is_baseline,
-         "equal_compute": row.equal_compute, "comp_compute": row.comp_compute, "items": {}, "domains": doms}
+         "equal_compute": row.equal_compute, "comp_compute": row.comp_compute, "items": {}, "domains": doms,
+         # every row is scored on the same windows: the first run's coverage is every run's
+         "coverage": first.get("coverage", {}), "clusters": {}}
+    docs = {d: c["docs"] for d, c in s["coverage"].items() if "docs" in c}
     dense_logppl = {d: statistics.fmean(dense_nll[d]) for d in doms}
     for d in doms:
         s[f"{d} PPL"] = stats([r["ppl"][d] for r in runs])
         s["items"][f"{d} PPL"] = {r["seed"]: {d: r["nll"][d]} for r in runs}
+        s["clusters"][f"{d} PPL"] = {d: docs[d]} if d in docs else {}
     s[GEO] = stats([math.exp(statistics.fmean(statistics.fmean(r["nll"][d]) - dense_logppl[d] for d in doms))
                     for r in runs])
     s["items"][GEO] = {r["seed"]: dict(r["nll"]) for r in runs}
+    s["clusters"][GEO] = docs
     scored_out = [d for d in left_out if d in doms]
     if scored_out:
         s[LEFT_OUT] = stats([math.exp(statistics.fmean(statistics.fmean(r["nll"][d]) for d in scored_out))
                              for r in runs])
         s["items"][LEFT_OUT] = {r["seed"]: {d: r["nll"][d] for d in scored_out} for r in runs}
+        s["clusters"][LEFT_OUT] = {d: docs[d] for d in scored_out if d in docs}
     if all("lambada" in r for r in runs):
         s["LAMBADA acc"] = _with_se([(r["lambada"]["acc"], r["lambada"]["se"]) for r in runs])
         if all("items" in r["lambada"] for r in runs):
@@ -160,12 +180,13 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int, dense_n
 
 
 def compare(a: dict, b: dict, cols: list[tuple[str, bool]]) -> dict:
-    """{column: {"verdict", "diff", "se", "spread", "seeds"}} of summary row `a` against `b`, paired;
-    a PPL column's diff is in log-perplexity (nats per token), an accuracy's in accuracy."""
+    """{column: {"verdict", "diff", "se", "spread", "seeds"}} of summary row `a` against `b`, paired
+    (a PPL column's SE clustered on held-out documents); a PPL column's diff is in log-perplexity
+    (nats per token), an accuracy's in accuracy."""
     out = {}
     for col, higher in cols:
         if col in a["items"] and col in b["items"]:
-            p = paired(a["items"][col], b["items"][col])
+            p = paired(a["items"][col], b["items"][col], a.get("clusters", {}).get(col))
             if p is not None:
                 out[col] = {**p, "verdict": verdict(p, higher_is_better=higher)}
     return out

@@ -69,7 +69,14 @@ def window_nlls(
 ) -> list[float]:
     """Mean next-token NLL (nats) of each window of `ids`, in window order: what paired comparisons
     of two models on the same windows read (every window predicts seqlen - 1 tokens)."""
-    chunks = windows(ids, seqlen, max_windows, bos=bos)
+    return nlls_of(model, windows(ids, seqlen, max_windows, bos=bos), batch_size=batch_size, progress=progress)
+
+
+@torch.no_grad()
+def nlls_of(model, chunks: torch.Tensor, *, batch_size: int = 1,
+            progress: Callable[[int, int], None] | None = None) -> list[float]:
+    """Mean next-token NLL (nats) of each window of `chunks` [n, seqlen] (as `windows` or
+    trsp_ray.data.heldout cut them), in order."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

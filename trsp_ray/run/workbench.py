@@ -13,7 +13,8 @@ from trsp_ray.common.errors import TrspError
 from trsp_ray.common.logs import log
 from trsp_ray.config.run_config import RunConfig
 from trsp_ray.data import assets, calibration, domains
-from trsp_ray.data.perplexity import bos_token, perplexity
+from trsp_ray.data.heldout import HeldoutWindows, text_windows
+from trsp_ray.data.perplexity import bos_token, nlls_of, perplexity, ppl_of
 from trsp_ray.method.stage1 import candidate_layers, check_drop_count, n_drop_for
 from trsp_ray.method.training import Batches, set_checkpointing
 from trsp_ray.models import families
@@ -75,6 +76,7 @@ class Workbench:
     bos: int | None = None  # the BOS id every evaluation window starts with (perplexity.bos_token)
     calib_strata: torch.Tensor | None = None  # source of each calibration window (calibration.Calibration)
     calibration: calibration.Calibration | None = None  # the stream calib_ids, val_ids and calib_strata come from
+    heldout: HeldoutWindows | None = None  # what heldout_ppl scores: windows spread over held-out documents
 
     @property
     def num_layers(self) -> int:
@@ -98,6 +100,8 @@ class Workbench:
     def heldout_ppl(self, model=None) -> float:
         d = self.cfg.data
         progress = _progress_printer("held-out PPL")
+        if self.heldout is not None:
+            return ppl_of(nlls_of(self.scoring_model(model), self.heldout.windows, batch_size=4, progress=progress))
         return perplexity(self.scoring_model(model), self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
                           max_windows=d.eval_max_windows, bos=self.bos, progress=progress)
 
@@ -214,9 +218,11 @@ def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbe
     if cfg.compensation.method == "lstsq":  # a d x d fit needs that many distinct windows
         calibration.check_windows(cal, windows=cfg.compensation.windows,
                                   what=f"compensation.windows={cfg.compensation.windows}")
+    heldout = text_windows(tokenizer, texts, seqlen=cfg.data.eval_seqlen, max_windows=cfg.data.eval_max_windows,
+                           bos=bos)
     return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=cal.ids, heldout_ids=heldout_ids,
                      texts=texts, val_ids=cal.val_ids, device=str(device), bos=bos, calib_strata=cal.strata,
-                     calibration=cal)
+                     calibration=cal, heldout=heldout)
 
 
 def calibration_of(cfg: RunConfig, tokenizer, *, bos: int | None) -> calibration.Calibration:
