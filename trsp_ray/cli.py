@@ -16,6 +16,11 @@ def _prune(args) -> int:
         from trsp_ray.config.run_config import replace
 
         cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
+    if cfg.output:  # a path no export can use: one line before anything logs, --dry-run included (the
+        # free disk the planned export needs is checked in driver.run, once the route is known)
+        from trsp_ray.run.export import check_output_dir
+
+        check_output_dir(cfg.output, overwrite=args.overwrite)
     if args.dry_run:
         from trsp_ray.run.pipeline import resolve
 
