@@ -14,7 +14,7 @@ from trsp_ray.common.errors import TrspError
 from trsp_ray.config.run_config import load_config, replace
 from trsp_ray.method.heal import run_heal
 from trsp_ray.method.surgery import remove_layers
-from trsp_ray.method.training import Batches, TorchStepper, distill_loss
+from trsp_ray.method.training import Batches, TorchStepper, DistillLoss
 from trsp_ray.models import families
 from trsp_ray.models.tiny import tiny_config, tiny_model
 
@@ -73,7 +73,7 @@ def _state_ids(stepper) -> set[int]:
 @pytest.mark.parametrize("objective", ["ce", "kd"])
 def test_a_tail_heal_moves_only_lm_head_and_the_last_k_layers(objective):
     dense, model, kept = _pruned([2, 3])  # 4 kept layers: original 0, 1, 4, 5
-    spy = Spy(objective=distill_loss(dense) if objective == "kd" else None)
+    spy = Spy(objective=DistillLoss(dense) if objective == "kd" else None)
     before = _snapshot(model)
     run_heal(model=model, batches=_batches(), steps=3, lr=1e-2, trainable="tail", tail_layers=2, make_stepper=spy)
     inside = {n for n in before if n.startswith(("lm_head.", "model.layers.2.", "model.layers.3."))}
@@ -142,7 +142,7 @@ def test_a_map_heal_moves_only_the_folded_down_projections(objective):
     done = compensation.compensate(model=model, dense=dense, drop=drop, windows=windows, method="lstsq")
     maps = [kept.index(i) for i in fold_layers(done["blocks"])]
     assert maps == [0, 1]
-    spy = Spy(objective=distill_loss(dense) if objective == "kd" else None)
+    spy = Spy(objective=DistillLoss(dense) if objective == "kd" else None)
     before = _snapshot(model)
     run_heal(model=model, batches=_batches(), steps=3, lr=1e-2, trainable="map", map_layers=maps, make_stepper=spy)
     targets = {"model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"}

@@ -277,12 +277,12 @@ def test_distillation_heal_moves_the_pruned_model_toward_the_dense_one(trained):
     import copy
 
     from trsp_ray.method.heal import run_heal
-    from trsp_ray.method.training import TorchStepper, distill_loss
+    from trsp_ray.method.training import TorchStepper, DistillLoss
 
     teacher, ids = _useful_copy(trained)
     student = copy.deepcopy(teacher)
     remove_layers(student, [1, 3])
-    objective = distill_loss(teacher)
+    objective = DistillLoss(teacher)
     held = ids[-256:].view(8, 32)
     with torch.no_grad():
         lt = torch.log_softmax(teacher(input_ids=held).logits.float(), -1)

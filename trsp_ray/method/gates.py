@@ -72,7 +72,7 @@ class GatedLayer(nn.Module):
         if self.probe is not None:
             self.probe(self.index, x.detach(), y.detach())
         if self.gated:
-            s = self.gate.to(y.dtype)
+            s = self.gate.to(device=y.device, dtype=y.dtype)  # a gate left on the host: no device mix
             if s.requires_grad:
                 # The hook goes on a non-leaf alias that lives and dies with this step's graph: on the
                 # Parameter itself (what `.to` returns when the dtype already matches) hooks would
@@ -168,10 +168,14 @@ class GateStack:
     def bypassed(self) -> list[int]:
         return [w.index for w in self.wrappers if w.bypass]
 
-    def l1(self, indices) -> torch.Tensor:
-        """Sum of |s_i| over `indices`, from the terms recorded in the last forward."""
+    def l1(self, indices, *, like: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of |s_i| over `indices`, from the terms recorded in the last forward, on the device of
+        `like` (the loss it is added to; the terms' own device without it)."""
         terms = [self.wrappers[i].l1_term for i in indices if self.wrappers[i].l1_term is not None]
-        return torch.stack(terms).sum() if terms else torch.zeros(())
+        device = like.device if like is not None else (terms[0].device if terms else None)
+        if not terms:
+            return torch.zeros((), device=device)
+        return torch.stack([t.reshape(()).to(device) for t in terms]).sum()
 
 
 def attach_gates(model, *, gate_mode: str = "delta") -> GateStack:

@@ -119,7 +119,7 @@ def run_stage1(*, model, gates, batches: Batches, n_drop: int, candidates: list[
         active = [c for c in candidates if c not in result.drop_order]
         for _ in range(first_round_steps if r == 0 else steps_per_round):
             ce = stepper.forward(batches.next())
-            penalty = gates.l1(active)
+            penalty = gates.l1(active, like=ce)
             loss = ce + lambda1 * penalty
             stepper.backward(loss)
             stepper.step()

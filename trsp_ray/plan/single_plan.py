@@ -49,6 +49,7 @@ class SingleSetup:
     baseline_seqlen: int = 2048
     eval_batch: int = 4  # windows per perplexity forward
     eval_seqlen: int = 2048
+    kd: bool = False  # recovery.objective == "kd": stage 2 and the heal read a dense teacher
 
 
 @dataclass
@@ -101,7 +102,23 @@ def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int
         plan.parts["optimizer state"] = _optimizer_gb(trained_params, 4 if lora else st.dtype_bytes)
     # The step's fp32 gradients appear once backward has freed the activations.
     plan.parts["activations + logits | step gradients"] = max(acts, trained_params * 4 / GB)
+    if st.kd and not gated:
+        _teacher(plan, s, st)
     return plan
+
+
+# Per token, beside the student's logits: the teacher's logits (e) and their fp32 copy, the two
+# fp32 log-softmaxes, the teacher's probabilities and the KL's product (training.DistillLoss).
+KD_LOGIT_BYTES = 4 * 5
+
+
+def _teacher(plan: StagePlan, s: Shape, st: SingleSetup) -> None:
+    """A distillation step's dense teacher (methods.recovery_stepper): on a GPU a device copy beside
+    the student (on CPU the original already counts), and its logits while the loss is formed."""
+    if st.device == "gpu":
+        plan.parts["dense teacher (device copy)"] = s.params * st.dtype_bytes / GB
+    tokens = st.batch * st.seqlen
+    plan.parts["teacher logits + KL terms"] = tokens * s.vocab * (st.dtype_bytes + KD_LOGIT_BYTES) / GB
 
 
 def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: int, evaluation: bool) -> StagePlan:
@@ -210,7 +227,7 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
                        activation_checkpointing=cfg.distributed.activation_checkpointing,
                        trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank,
                        train_base=cfg.stage1.train_base, baseline_batch=d.batch_size, baseline_seqlen=d.seqlen,
-                       eval_batch=4, eval_seqlen=d.eval_seqlen)
+                       eval_batch=4, eval_seqlen=d.eval_seqlen, kd=cfg.recovery.objective == "kd")
 
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
@@ -283,7 +300,9 @@ def single_hint(cfg, p: SinglePlan) -> str:
     from trsp_ray.config.run_config import replace
 
     st = p.setup
-    changes = [("distributed.activation_checkpointing", True), ("dtype", "bf16"), ("stage2.trainable", "lora")]
+    # a kd run's teacher is a whole second model on the device: without it is the nearest run
+    teacher = [("recovery.objective", "ce")] if st.kd else []
+    changes = [("distributed.activation_checkpointing", True), ("dtype", "bf16"), *teacher, ("stage2.trainable", "lora")]
     options = []
     for key, value in changes:
         section, _, name = key.rpartition(".")
@@ -293,7 +312,8 @@ def single_hint(cfg, p: SinglePlan) -> str:
         changed = single_plan_for_run(replace(cfg, **{key: value}), device=st.device, memory_gb=st.memory_gb,
                                       shape=p.shape)
         if changed.fits:
-            what = " (heal low-rank adapters, merged at the end)" if key == "stage2.trainable" else ""
+            what = {"stage2.trainable": " (heal low-rank adapters, merged at the end)",
+                    "recovery.objective": " (no dense teacher beside the student)"}.get(key, "")
             options.append(f"set {key}={str(value).lower()}{what}: peak {changed.peak:.1f} GB")
             break
     if method_on_workers(cfg.method) and cfg.heal.steps == 0:

@@ -232,11 +232,15 @@ def recovery_stepper(bench):
     dense original (recovery.objective = kd), the same for every row that trains."""
     import functools
 
-    from trsp_ray.method.training import TorchStepper, distill_loss
+    from trsp_ray.method.training import DistillLoss, TorchStepper
 
     rec = bench.cfg.recovery
     if rec.objective == "kd":
-        return functools.partial(TorchStepper, objective=distill_loss(bench.model, temperature=rec.kd_temperature))
+        # the teacher runs where the student trains: the original when it lives there (CPU), else a
+        # device copy beside the student (the single-process plan counts both models and the
+        # teacher's logits, so a run that cannot hold them was refused before any work)
+        teacher = bench.scoring_model().eval()
+        return functools.partial(TorchStepper, objective=DistillLoss(teacher, temperature=rec.kd_temperature))
     return TorchStepper
 
 

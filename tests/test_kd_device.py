@@ -1,0 +1,90 @@
+"""A KD heal's dense teacher runs where the student trains, and the plan holds both models.
+
+The first GPU run healed a 3B with recovery.objective=kd at ~20x the time of a CE step: the teacher
+(the dense original) stayed in host memory beside a student on the GPU. The run's "device" is
+played here by the meta device (no GPU needed): the teacher must be a copy made there."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from trsp_ray.method.training import DistillLoss
+from trsp_ray.models.tiny import tiny_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GB = 1024**3
+
+
+def _bench(model, device: str, **overrides):
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.workbench import Workbench
+
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
+    return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10), heldout_ids=torch.arange(10),
+                     texts=None, device=device)
+
+
+def test_the_kd_teacher_is_a_copy_on_the_run_device_not_the_host_original():
+    from trsp_ray.run.methods import recovery_stepper
+
+    original = tiny_model("llama", layers=3)
+    bench = _bench(original, "meta", **{"recovery.objective": "kd"})
+    objective = recovery_stepper(bench).keywords["objective"]
+    assert isinstance(objective, DistillLoss)
+    assert objective.teacher is not original
+    assert {p.device.type for p in objective.teacher.parameters()} == {"meta"}
+    assert not objective.teacher.training
+    assert {p.device.type for p in original.parameters()} == {"cpu"}  # the original stays where it was
+
+
+def test_on_the_host_the_teacher_is_the_original_itself():
+    from trsp_ray.run.methods import recovery_stepper
+
+    original = tiny_model("llama", layers=3)
+    objective = recovery_stepper(_bench(original, "cpu", **{"recovery.objective": "kd"})).keywords["objective"]
+    assert objective.teacher is original  # no second copy in host memory
+
+
+def test_a_teacher_on_another_device_than_the_student_is_refused():
+    student = tiny_model("llama", layers=2)
+    teacher = tiny_model("llama", layers=2).to("meta")
+    with pytest.raises(ValueError, match="teacher is on meta and the student on cpu"):
+        DistillLoss(teacher)(student, torch.zeros(1, 8, dtype=torch.long))
+
+
+def _plan(objective: str, memory_gb: float = 4000.0):
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.plan.shape import read_shape
+    from trsp_ray.plan.single_plan import single_plan_for_run
+
+    cfg = load_config(overrides=[f"recovery.objective={objective}", "method=shortgpt+heal", "dtype=bf16",
+                                 "data.batch_size=4", "data.seqlen=2048"])
+    shape = read_shape(str(ROOT / "cluster" / "models" / "llama-2-70b.json"))
+    return cfg, shape, single_plan_for_run(cfg, device="gpu", memory_gb=memory_gb, shape=shape)
+
+
+def test_the_gpu_plan_of_a_kd_heal_holds_the_teacher_and_its_logits():
+    _, shape, ce = _plan("ce")
+    _, _, kd = _plan("kd")
+    heal_ce = next(p for p in ce.stages if p.name == "heal")
+    heal_kd = next(p for p in kd.stages if p.name == "heal")
+    teacher = shape.params * 2 / GB
+    assert heal_kd.parts["dense teacher (device copy)"] == pytest.approx(teacher, rel=1e-6)
+    logits = 4 * 2048 * shape.vocab * (2 + 20) / GB
+    assert heal_kd.parts["teacher logits + KL terms"] == pytest.approx(logits, rel=1e-6)
+    assert heal_kd.total == pytest.approx(heal_ce.total + teacher + logits, rel=1e-6)
+    assert "dense teacher (device copy)" not in heal_ce.parts
+
+
+def test_a_kd_heal_that_only_fits_without_its_teacher_says_so_in_one_line():
+    from trsp_ray.plan.single_plan import single_hint
+
+    _, _, ce = _plan("ce")
+    between = ce.peak + 5.0  # the CE run fits, the teacher's 126 GB do not
+    cfg, _, kd = _plan("kd", memory_gb=between)
+    assert ce.peak <= between < kd.peak and not kd.fits
+    hint = single_hint(cfg, kd)
+    assert "recovery.objective=ce" in hint and "\n" not in hint
