@@ -81,7 +81,8 @@ def test_bad_candidates_and_settings_fail_on_one_line(tmp_path, candidates):
 
 def test_evaluator_measures_ppl_tasks_and_speed(candidates):
     from trsp_ray.data.domains import load_texts
-    from trsp_ray.data.perplexity import encode, perplexity
+    from trsp_ray.data.heldout import text_windows
+    from trsp_ray.data.perplexity import nlls_of, ppl_of
 
     settings = EvalSettings(tasks=("piqa", "arc_easy"), limit=3, ppl_windows=2, ppl_seqlen=64,
                             speed=FAST_SPEED, dense=candidates["dense"])
@@ -90,7 +91,9 @@ def test_evaluator_measures_ppl_tasks_and_speed(candidates):
     assert result["status"] == "ok" and result["layers"] == 3 and result["layers_original"] == 4
     assert result["manifest"]["dropped_layers"] == [2]
     model, tok = load_candidate(candidates["pruned"])
-    expected = perplexity(model, encode(tok, load_texts().heldout), seqlen=64, max_windows=2)
+    held = text_windows(tok, load_texts(), seqlen=64, max_windows=2, bos=None)  # two held-out articles
+    assert held.clusters == 2
+    expected = ppl_of(nlls_of(model, held.windows))
     assert result["ppl"] == pytest.approx(expected, rel=1e-6)
     assert result["ppl"] > 1000  # a random model: the number is real, not a placeholder
     assert set(result["tasks"]) == {"piqa", "arc_easy"}

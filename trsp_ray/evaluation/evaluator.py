@@ -128,13 +128,16 @@ class Evaluator:
     def where(self) -> str:
         return f"{socket.gethostname()}:{os.getpid()} ({self.threads} threads)"
 
-    def _heldout_ids(self, tokenizer):
+    def _heldout_windows(self, tokenizer):
+        """The held-out windows (spread over the held-out documents, as `prune` scores them)."""
         from trsp_ray.data.domains import load_texts
-        from trsp_ray.data.perplexity import encode
+        from trsp_ray.data.heldout import text_windows
 
         key = (len(tokenizer), tuple(tokenizer("Held-out text, 2024.").input_ids))
         if key not in self._text_ids:
-            self._text_ids[key] = encode(tokenizer, load_texts(eval_text=self.settings.eval_text).heldout)
+            s = self.settings
+            self._text_ids[key] = text_windows(tokenizer, load_texts(eval_text=s.eval_text), seqlen=s.ppl_seqlen,
+                                               max_windows=s.ppl_windows, bos=None).windows
         return self._text_ids[key]
 
     def _speed(self, model) -> dict:
@@ -149,7 +152,7 @@ class Evaluator:
 
     def evaluate(self, path: str) -> dict:
         """Everything measured for one candidate, as a plain dict (see report.py for the columns)."""
-        from trsp_ray.data.perplexity import perplexity
+        from trsp_ray.data.perplexity import nlls_of, ppl_of
         from trsp_ray.evaluation.harness import lm_eval_version, run_tasks
 
         s, start = self.settings, time.perf_counter()
@@ -162,8 +165,7 @@ class Evaluator:
         if manifest and manifest.get("num_layers_original"):
             out["layers_original"] = int(manifest["num_layers_original"])
         if s.ppl:
-            ids = self._heldout_ids(tokenizer)
-            out["ppl"] = perplexity(model, ids, seqlen=s.ppl_seqlen, max_windows=s.ppl_windows)
+            out["ppl"] = ppl_of(nlls_of(model, self._heldout_windows(tokenizer)))
             log(f"{name}: held-out PPL {out['ppl']:.2f} ({time.perf_counter() - start:.1f} s)")
         if s.tasks:
             scored = run_tasks(model, tokenizer, tasks=list(s.tasks), limit=s.limit,
