@@ -24,10 +24,15 @@ def _prune(args) -> int:
     if args.dry_run:
         from trsp_ray.run.pipeline import resolve
 
+        from trsp_ray.run.workbench import resolve_device
+
         pipe = resolve(cfg)  # as driver.run resolves it: the fit that runs, then the heal
         cfg = pipe.cfg
+        chosen = route_for(cfg)
+        if not chosen.workers:  # as driver.run: the one process's device must exist here
+            resolve_device(cfg.device)
         print(pipe.describe())
-        print(_describe(route_for(cfg)))
+        print(_describe(chosen))
         print(_fit_line(cfg))
         return 0
     run(cfg, overwrite=args.overwrite)

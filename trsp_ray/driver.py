@@ -54,8 +54,10 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     # the pipeline on this model, decided once: the fit it runs on this family, the heal a budget buys
     pipe = pipeline.resolve(cfg)
     cfg = pipe.cfg
-    log(pipe.describe())
     chosen = route_for(cfg)  # config.json only: no weights are read before the output is checked
+    if not chosen.workers:  # one process runs here: device=cuda without a GPU is one line, before any log
+        workbench.resolve_device(cfg.device)
+    log(pipe.describe())
     check_export_target(cfg.output, overwrite=overwrite, plan=chosen.plan, ratio=cfg.ratio)
     log(f"route: {chosen.describe()}")
     if chosen.workers:
