@@ -202,7 +202,7 @@ def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = No
             stage1 = run_stage1_for(bench, model=model, report=report)
             gates.set_gated(False)
             gates.set_bypass([])
-        drop = stage1.drop_for(method, n_drop)
+        drop = stage1.drop_for(spec.ranking, n_drop)
         return drop, {"calib_tokens": stage1.tokens + stage1.probe_tokens, "stage1_steps": stage1.steps,
                       "select_cost": stage1_cost(stage1, num_layers=bench.num_layers,
                                                  train_base=cfg.stage1.train_base)}
