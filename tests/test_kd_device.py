@@ -88,3 +88,14 @@ def test_a_kd_heal_that_only_fits_without_its_teacher_says_so_in_one_line():
     assert ce.peak <= between < kd.peak and not kd.fits
     hint = single_hint(cfg, kd)
     assert "recovery.objective=ce" in hint and "\n" not in hint
+
+
+def test_kd_on_ray_train_workers_is_refused_in_one_line():
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config.run_config import load_config
+
+    with pytest.raises(TrspError) as err:
+        load_config(overrides=["recovery.objective=kd", "distributed.workers=2"])
+    message = str(err.value)
+    assert "recovery.objective='kd'" in message and "distributed.workers=2" in message and "\n" not in message
+    assert load_config(overrides=["recovery.objective=kd"]).recovery.objective == "kd"  # one process: allowed
