@@ -229,13 +229,13 @@ def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
     cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "stage2.steps=20"])
     # TRSP's selection spent 126k dense-forward tokens, ShortGPT's 20k: 106k / (3 x 512) = 69 steps
     steps = equal_compute_steps(cfg, {"info": {"select_cost": 20_480.0}}, {"info": {"select_cost": 126_464.0}})
-    assert steps == 69 == extra_heal_steps(106_000, tokens_per_step=512)
+    assert steps == 69 == extra_heal_steps(106_000, step_cost=3 * 512)  # a full heal's step (compute.step_cost)
     assert equal_compute_steps(cfg, {"info": {"select_cost": 9e9}}, {"info": {"select_cost": 1.0}}) == 0
     _, heal = budget_configs(registry.ROWS["shortgpt+heal@compute"], cfg, budget=4, extra_steps=steps)
     assert heal.steps == 20 * 4 + 69 and heal.lr == cfg.stage2.lr
     s2, heal = budget_configs(registry.ROWS["trsp"], cfg, budget=4)
     assert s2.steps == 80 and s2.enabled and heal.steps == 0
-    info = {"select_cost": 100.0, "weight_tokens": 10, "compensation_cost": 7.0}
+    info = {"select_cost": 100.0, "weight_tokens": 10, "heal_cost": 30.0, "compensation_cost": 7.0}
     assert recovery_cost(info) == 37.0 and total_cost(info) == 137.0
 
 
@@ -245,9 +245,11 @@ def test_comp_compute_rows_get_the_compensations_cost_as_heal_steps():
 
     drop = [12, 13, 14, 15, 16, 17, 25, 26]
     cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "compensation.windows=32"])
-    # dense activations: one pass to layer 26, 4096 x 27/30 = 3686 tokens, 3686 / 1536 = 2.4 steps
-    assert compensation_steps(cfg, drop, num_layers=30) == 2
-    # sequential: per block a dense pass to b and a pruned one to a-1: 4096 x (18 + 12 + 27 + 19) / 30 = 6.8
+    # dense activations: one pass to layer 26, 4096 x 27/30 = 3686 tokens, and the 2 blocks' float64
+    # sums and solves, 700 (compute.fit_solve_cost): 4386 / 1536 = 2.9 steps
+    assert compensation_steps(cfg, drop, num_layers=30) == 3
+    # sequential: per block a dense pass to b and a pruned one to a-1: 4096 x (18 + 12 + 27 + 19) / 30 +
+    # 700 = 11076 tokens, 7.2 steps
     seq = load_config(None, ["data.batch_size=4", "data.seqlen=128", "compensation.windows=32",
                              "compensation.activations=sequential"])
     assert compensation_steps(seq, drop, num_layers=30) == 7

@@ -82,7 +82,10 @@ def test_prune_reads_a_pipeline_yaml_and_refuses_a_bad_one_on_one_line(ws, tmp_p
 def test_resolve_sizes_the_fit_and_splits_a_budget_within_one_heal_step(ws):
     """The resolved pipeline carries the fit's calibration sized from the hidden size (28 tokens per map
     column by default: ceil(28 x 64 / 32) = 56 windows on the tiny model) and the heal steps a compute
-    budget buys after the selection's and the fit's planned cost."""
+    budget buys after the selection's and the fit's planned cost (one pass and, for each of 2 blocks at
+    most, the float64 sums and solve: compute.fit_solve_cost)."""
+    from trsp_ray.plan import compute
+
     budget = 40000.0
     pipe = pipeline.resolve(load_config(overrides=_overrides(ws, f"heal.compute_budget={budget}")))
     c = pipe.cfg.compensation
@@ -91,7 +94,9 @@ def test_resolve_sizes_the_fit_and_splits_a_budget_within_one_heal_step(ws):
     assert c.windows == math.ceil(28 * 64 / 32) == 56
     split = pipe.compute()
     step = 3 * pipe.cfg.data.batch_size * 32
-    assert split["fit"] == 56 * 32 and split["heal_steps"] == pipe.cfg.stage2.steps >= 1
+    solve = compute.fit_solve_cost(compute.model_shape(pipe.cfg.model), tokens=56 * 32, blocks=2)
+    assert split["fit"] == pytest.approx(56 * 32 + solve) and solve > 0
+    assert split["heal_steps"] == pipe.cfg.stage2.steps >= 1
     assert split["total"] == split["select"] + split["fit"] + split["heal_steps"] * step
     assert budget - step < split["total"] <= budget
     record = pipe.to_dict()

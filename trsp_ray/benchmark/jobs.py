@@ -78,22 +78,22 @@ def budget_configs(row: registry.Row, cfg: RunConfig, *, budget: int = 1, extra_
     return replace(cfg.stage2, enabled=False), no_heal
 
 
-def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None) -> int:
-    """Extra heal steps that bring a baseline's selection compute up to TRSP's (the reference)."""
+def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None, *, drop=None) -> int:
+    """Extra heal steps that bring a baseline's selection compute up to TRSP's (the reference), at the
+    cost of one step of the row's own recipe (`cfg` the row's config, `drop` its drop set)."""
     if reference is None:
         return 0
     extra = reference["info"]["select_cost"] - selection["info"]["select_cost"]
-    return compute.extra_heal_steps(extra, tokens_per_step=cfg.data.batch_size * cfg.data.seqlen)
+    return compute.extra_heal_steps(extra, step_cost=compute.step_cost(cfg, drop=drop))
 
 
-def compensation_steps(cfg: RunConfig, drop, *, num_layers: int) -> int:
-    """Heal steps that spend what a +comp row's compensation of `drop` costs (an '@comp' row's extra)."""
-    from trsp_ray.method import compensation
+def compensation_steps(cfg: RunConfig, drop, *, num_layers: int, row_cfg: RunConfig | None = None) -> int:
+    """Heal steps of the row's recipe (`row_cfg`, default `cfg`) that spend what a +comp row's fit of
+    `drop` costs (its passes and float64 solve: an '@comp' row's extra)."""
+    from trsp_ray.run import budget
 
-    c = compensated(cfg).compensation
-    cost = compensation.cost(drop=drop, num_layers=num_layers, tokens=c.windows * cfg.data.seqlen,
-                             activations=c.activations)
-    return compute.extra_heal_steps(cost, tokens_per_step=cfg.data.batch_size * cfg.data.seqlen)
+    cost = budget.fit_cost(compensated(cfg), drop=drop, num_layers=num_layers)
+    return compute.extra_heal_steps(cost, step_cost=compute.step_cost(row_cfg or cfg, drop=drop))
 
 
 def lambada(bench, model, *, limit: int) -> dict:
@@ -223,9 +223,10 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     if row.method is None:  # the original on the run's device (it waits in host memory on a GPU run)
         model, drop, info = bench.scoring_model(), [], {}
     else:
-        extra = equal_compute_steps(bench.cfg, selection, reference) if row.equal_compute else 0
+        drop = selection["drops"][row.method]
+        extra = equal_compute_steps(bench.cfg, selection, reference, drop=drop) if row.equal_compute else 0
         if row.comp_compute:
-            extra += compensation_steps(run_cfg, selection["drops"][row.method], num_layers=bench.num_layers)
+            extra += compensation_steps(run_cfg, drop, num_layers=bench.num_layers, row_cfg=bench.cfg)
         s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
         out = apply_method(bench, row.method, drop=selection["drops"][row.method], stage2=row.recovery == "stage2",
                            stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))

@@ -1,21 +1,168 @@
 """Compute in dense-forward tokens (SPEC section 5), one formula per quantity.
 
-A forward pass of the whole model over one token is 1; a backward pass that needs only activation
-gradients (frozen weights, e.g. stage 1's gates) 1 more; one that also needs weight gradients 2
-more, so a token of stage 2 or of a heal costs 3. What each selection spends is counted where it
-runs (methods.stage1_cost, methods.sleb_cost); this module adds recovery to it and turns a
-compute difference into heal steps, so every table, plot and equal-compute row uses one rule.
+A forward pass of the whole model over one token is 1. A training step's cost follows from what it
+runs (`train_token_cost`): the forward; activation gradients from the loss down to the first trained
+layer (about one forward over that depth: lm_head and the decoder layers at or above it); weight
+gradients for the trained parameters (about one forward over their share of the forward's matmul
+weights); and, for distillation, the dense teacher's forward. The shares come from the model's own
+parameter counts (plan/shape.py), so a full-weight step is 3 (SPEC's heal token), a tail heal of
+lm_head + 3 layers about 1.7 on SmolLM2-135M, LoRA about 2. The least-squares fit's float64 sums and
+solves and the cosine fit's Gauss-Newton steps are counted from their FLOPs (`fit_solve_cost`).
+
+What each selection spends is counted where it runs (methods.stage1_cost, methods.sleb_cost); this
+module adds recovery to it and turns a compute difference into heal steps, so every table, plot and
+equal-compute row uses one rule.
 """
 
 from __future__ import annotations
 
-TRAIN_TOKEN = 3.0  # forward + backward with weight gradients, per token
+import functools
+
+from trsp_ray.config import registry
+from trsp_ray.method.recipes import MAP_RECIPE, TAIL_RECIPE
+from trsp_ray.plan.shape import Shape
+
+# A float64 FLOP against the forward's (bf16) FLOP on the data-centre GPUs the fits run on at scale:
+# A100 19.5 vs 312 TFLOP/s, H100/H200 67 vs 989 (tensor cores, dense). The fits' sums, solves and
+# Gauss-Newton steps run in float64 on the map's device, so their FLOPs count 16 times a forward's.
+FLOAT64_SLOWDOWN = 16.0
+# The dense original's forward per token of a distillation step: the teacher runs the whole depth.
+KD_TEACHER = 1.0
+# The cosine fit per block (compensation_cosine.py), FLOPs per token in units of hidden^2: its
+# curvature pass 2 matmuls (x T0, w^T w), each step 4 (the gradient's x T and x^T(.), the ladder's
+# x T and x step); per block in hidden^3: a Cholesky 1/3, each step's cholesky_solve 2.
+COSINE_CURVATURE, COSINE_STEP = 4.0, 8.0
+COSINE_FACTOR, COSINE_SOLVE = 1.0 / 3.0, 2.0
+# The least-squares sums per block (compensation._add: M^T M and M^T Y), 2 matmuls per token, and its
+# solve (a Cholesky and two triangular solves of hidden columns) per block in hidden^3.
+LSTSQ_SUMS, LSTSQ_SOLVE = 4.0, 1.0 / 3.0 + 2.0
+
+
+def forward_weights(shape: Shape, *, kept_layers: int | None = None) -> float:
+    """Matmul weights one token's forward multiplies by (FLOPs / 2): the decoder layers and lm_head
+    (the input embedding is a lookup). Attention's score FLOPs are left out (about 4% of a layer at
+    SmolLM2's 256-token windows and Llama-2-70B's 4k)."""
+    c = shape.counts
+    return (shape.layers if kept_layers is None else kept_layers) * c.layer + c.head
+
+
+def train_token_cost(shape: Shape, *, recipe: str, kept_layers: int, first_trained: int = 0, tail_layers: int = 3,
+                     lora_rank: int = 8, maps: int = 0, kd: bool = False) -> float:
+    """Dense-forward tokens of one trained token of a model of `kept_layers` decoder layers (shape's
+    sizes) training `recipe` (heal.py's: all | lora | tail | map; `maps` the map recipe's layers, the
+    lowest at kept index `first_trained`; `kd`: distillation from the dense original).
+
+    The trained model's forward counts as a whole dense forward (an upper bound for a pruned model;
+    SPEC's heal token stays 3); the backward's shares are of that forward's matmul weights."""
+    c = shape.counts
+    forward = forward_weights(shape, kept_layers=kept_layers)
+    if recipe == TAIL_RECIPE:
+        depth, trained = tail_layers, shape.recipe_params(recipe, kept_layers=kept_layers, tail_layers=tail_layers)
+    elif recipe == MAP_RECIPE:
+        depth, trained = kept_layers - first_trained, maps * c.mlp_out
+    elif recipe == "lora":
+        depth, trained = kept_layers, shape.recipe_params(recipe, kept_layers=kept_layers, lora_rank=lora_rank)
+    else:  # all: every matmul weight (the embedding's gradient is a scatter, not a matmul)
+        depth, trained = kept_layers, forward
+    activations = (c.head + depth * c.layer) / forward
+    return 1.0 + activations + trained / forward + (KD_TEACHER if kd else 0.0)
+
+
+def fit_solve_cost(shape: Shape, *, tokens: float, blocks: int, cosine_steps: int | list[int] | None = None) -> float:
+    """Dense-forward tokens of a least-squares fit's float64 work besides its forward passes (which
+    compensation.cost counts): per block its sums over `tokens` calibration tokens and its solve, and
+    for the cosine objective (`cosine_steps`: Gauss-Newton steps per block, one int for every block)
+    the curvature pass and the steps over the cached rows; FLOPs x FLOAT64_SLOWDOWN over a dense
+    forward's FLOPs per token."""
+    d = float(shape.hidden)
+    flops = blocks * (LSTSQ_SUMS * d * d * tokens + LSTSQ_SOLVE * d ** 3)
+    if cosine_steps is not None:
+        steps = [cosine_steps] * blocks if isinstance(cosine_steps, int) else list(cosine_steps)
+        flops += sum(COSINE_CURVATURE * d * d * tokens + COSINE_FACTOR * d ** 3
+                     + s * (COSINE_STEP * d * d * tokens + COSINE_SOLVE * d ** 3) for s in steps)
+    return flops * FLOAT64_SLOWDOWN / (2.0 * forward_weights(shape))
+
+
+@functools.lru_cache(maxsize=16)
+def model_shape(model: str) -> Shape:
+    """plan/shape.py's Shape of `model` (a --model value), from its config.json; cached per name."""
+    from trsp_ray.data import assets
+    from trsp_ray.plan.shape import read_shape
+
+    return read_shape(assets.resolve_model(model))
+
+
+def token_cost(cfg, *, drop: list[int] | None = None, trainable: str | None = None, lora_rank: int | None = None,
+               stage2: bool | None = None, map_layers: list[int] | None = None) -> float:
+    """Dense-forward tokens of one token `cfg`'s pipeline trains (train_token_cost on cfg.model's
+    shape): stage 2's on the whole gated model when it runs (`stage2` overrides), else its heal's on
+    the model pruned of `drop` (n_drop layers when None), with recovery.objective's teacher. A map heal
+    trains the maps of `drop`'s blocks (`map_layers`: their kept indices, as the fold reported them),
+    n_drop maps from the bottom when neither is known. `trainable` / `lora_rank` override the recipe
+    (a heal config given to methods.apply_method)."""
+    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.method.boundaries import blocks, fold_layers
+    from trsp_ray.method.stage1 import n_drop_for
+
+    shape = model_shape(cfg.model)
+    spec = registry.method(cfg.method)
+    kd = cfg.recovery.objective == "kd"
+    if (spec.stage2 and cfg.stage2.enabled) if stage2 is None else stage2:
+        return train_token_cost(shape, recipe=trainable or cfg.stage2.trainable, kept_layers=shape.layers,
+                                lora_rank=lora_rank or cfg.stage2.lora_rank, kd=kd)
+    recipe, rank = heal_recipe(cfg, heal_method=spec.heal)
+    n_drop = len(drop) if drop is not None else n_drop_for(cfg.ratio, shape.layers)
+    if map_layers is None and drop is not None:
+        kept = [i for i in range(shape.layers) if i not in set(drop)]
+        map_layers = [kept.index(i) for i in fold_layers(blocks(drop, shape.layers))]
+    maps = map_layers if map_layers is not None else [0] * n_drop
+    return train_token_cost(shape, recipe=trainable or recipe, kept_layers=shape.layers - n_drop,
+                            first_trained=min(maps, default=0), tail_layers=cfg.heal.tail_layers,
+                            lora_rank=lora_rank or rank, maps=len(maps), kd=kd)
+
+
+def step_cost(cfg, *, drop: list[int] | None = None) -> float:
+    """Dense-forward tokens of one training step of `cfg`'s pipeline: data.batch_size x data.seqlen
+    trained tokens at token_cost each (what a --compute-budget buys steps with)."""
+    return token_cost(cfg, drop=drop) * cfg.data.batch_size * cfg.data.seqlen
+
+
+def solve_cost(cfg, comp, *, tokens: float, blocks: int, cosine_steps: list[int] | None = None) -> float:
+    """fit_solve_cost of the fit `comp` (a resolved CompensationConfig) on cfg.model: least squares
+    over `blocks` blocks, the cosine objective at `cosine_steps` per block (COSINE_STEPS, the fit's
+    bound, when None); 0 for the scalar fold (six float64 sums per token of hidden length) and none."""
+    if comp.method != "lstsq" or not blocks:
+        return 0.0
+    if comp.objective == "cosine" and cosine_steps is None:
+        from trsp_ray.method.compensation_cosine import COSINE_STEPS
+
+        cosine_steps = [COSINE_STEPS] * blocks
+    return fit_solve_cost(model_shape(cfg.model), tokens=tokens, blocks=blocks,
+                          cosine_steps=cosine_steps if comp.objective == "cosine" else None)
+
+
+def measured_solve_cost(cfg, comp, done: dict) -> float:
+    """solve_cost of a fit that ran (compensation.compensate's result `done`): every block's
+    Gauss-Newton steps as taken plus the pass that found no further gain, at most the bound."""
+    from trsp_ray.method.compensation_cosine import COSINE_STEPS
+
+    steps = [min(s + 1, COSINE_STEPS) for s in done["cosine_steps"]] if "cosine_steps" in done else None
+    return solve_cost(cfg, comp, tokens=done["tokens"], blocks=len(done["blocks"]), cosine_steps=steps)
+
+
+def train_spent(info: dict) -> float:
+    """Dense-forward tokens a row's training spent: stage 2's and the heal's (methods.apply_method)."""
+    return info.get("stage2_cost", 0.0) + info.get("heal_cost", 0.0)
+
+
+def fit_spent(info: dict) -> float:
+    """Dense-forward tokens a row's fit spent: its passes (compensation_cost) and its float64 solve."""
+    return info.get("compensation_cost", 0.0) + info.get("compensation_solve_cost", 0.0)
 
 
 def recovery_cost(info: dict) -> float:
-    """Dense-forward tokens a row spent after its selection: every weight-update token (stage 2 or
-    heal) at TRAIN_TOKEN, plus a closed-form compensation's calibration forward."""
-    return TRAIN_TOKEN * info.get("weight_tokens", 0) + info.get("compensation_cost", 0.0)
+    """Dense-forward tokens a row spent after its selection: training and fit."""
+    return train_spent(info) + fit_spent(info)
 
 
 def total_cost(info: dict) -> float:
@@ -23,9 +170,9 @@ def total_cost(info: dict) -> float:
     return info.get("select_cost", 0.0) + recovery_cost(info)
 
 
-def extra_heal_steps(extra_cost: float, *, tokens_per_step: int) -> int:
-    """Heal steps that spend `extra_cost` dense-forward tokens (rounded to the nearest step, never
-    negative): what a cheaper selection gets to reach another row's total compute."""
-    if tokens_per_step < 1:
-        raise ValueError(f"tokens_per_step={tokens_per_step} must be >= 1")
-    return max(0, round(extra_cost / (TRAIN_TOKEN * tokens_per_step)))
+def extra_heal_steps(extra_cost: float, *, step_cost: float) -> int:
+    """Heal steps of `step_cost` dense-forward tokens each that spend `extra_cost` (rounded to the
+    nearest step, never negative): what a cheaper selection gets to reach another row's total compute."""
+    if step_cost <= 0:
+        raise ValueError(f"step_cost={step_cost} must be > 0")
+    return max(0, round(extra_cost / step_cost))

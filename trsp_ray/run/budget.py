@@ -6,9 +6,11 @@ The planned costs are the ones the comparison reports (compute.py, methods.selec
 Influence is one forward over its windows, SLEB's the prefix-replay count of methods.sleb_cost, a
 random selection nothing, a compensation at most one whole forward over its calibration windows.
 TRSP's stage 1 spends an amount known only after it runs (its probes and refinement stop early),
-so a budget is refused for it rather than overrun. `resolve` turns the budget into stage2.steps
-(what a heal method heals with, methods.method_heal) before the route is planned, so the single
-process and the Ray Train workers run the same number of steps and the manifest records both.
+so a budget is refused for it rather than overrun. A heal step costs what its recipe runs
+(compute.train_token_cost: a tail or map heal, LoRA and a distillation's teacher priced apart) and a
+fit its float64 solve besides its passes (compute.fit_solve_cost). `resolve` turns the budget into
+stage2.steps (what a heal method heals with, methods.method_heal) before the route is planned, so
+the single process and the Ray Train workers run the same number of steps and the manifest records both.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ def planned_select_cost(cfg, *, num_layers: int) -> float | None:
 
 
 def planned_compensation_cost(cfg, *, num_layers: int) -> float:
-    """An upper bound of compensation.cost before the drop set is known: "dense" (and the scalar
-    fold) one pass over the calibration tokens, stopping after the last block; "sequential" per
-    block a dense pass to its end and a pruned pass to its boundary, each at most the whole depth,
-    for at most n_drop blocks."""
+    """An upper bound of a fit's cost before the drop set is known: its passes ("dense" and the scalar
+    fold one pass over the calibration tokens, stopping after the last block; "sequential" per block
+    a dense pass to its end and a pruned pass to its boundary, each at most the whole depth, for at
+    most n_drop blocks) and a least-squares fit's float64 solve for n_drop blocks, the cosine
+    objective's at every Gauss-Newton step it may take (compute.fit_solve_cost)."""
     from trsp_ray.config.run_config import for_method
     from trsp_ray.method.stage1 import n_drop_for
 
@@ -51,9 +54,23 @@ def planned_compensation_cost(cfg, *, num_layers: int) -> float:
     if c.method == "none":
         return 0.0
     tokens = float(c.windows * cfg.data.seqlen)
-    if c.activations == "sequential" and c.method != "scalar":
-        return 2.0 * n_drop_for(cfg.ratio, num_layers) * tokens
-    return tokens
+    n_drop = n_drop_for(cfg.ratio, num_layers)
+    passes = 2.0 * n_drop * tokens if c.activations == "sequential" and c.method != "scalar" else tokens
+    return passes + compute.solve_cost(cfg, c, tokens=tokens, blocks=n_drop)
+
+
+def fit_cost(cfg, *, drop: list[int], num_layers: int) -> float:
+    """Dense-forward tokens the fit `cfg` runs (compensation resolved, windows sized) spends on `drop`:
+    its passes (compensation.cost) and its float64 solve (the cosine objective's at every step it may
+    take); 0 without a fit."""
+    from trsp_ray.method import compensation
+
+    c = cfg.compensation
+    if c.method == "none":
+        return 0.0
+    tokens = c.windows * cfg.data.seqlen
+    passes = compensation.cost(drop=drop, num_layers=num_layers, tokens=tokens, activations=c.activations)
+    return passes + compute.solve_cost(cfg, c, tokens=tokens, blocks=len(compensation.blocks(drop, num_layers)))
 
 
 def resolve(cfg, *, num_layers: int):
@@ -77,16 +94,11 @@ def resolve(cfg, *, num_layers: int):
     return with_heal_steps(cfg, heal_steps(cfg, select=select, comp=comp))
 
 
-def step_cost(cfg) -> float:
-    """Dense-forward tokens of one heal step (a batch of data.batch_size x data.seqlen trained tokens)."""
-    return compute.TRAIN_TOKEN * cfg.data.batch_size * cfg.data.seqlen
-
-
-def heal_steps(cfg, *, select: float, comp: float) -> int:
+def heal_steps(cfg, *, select: float, comp: float, drop: list[int] | None = None) -> int:
     """Heal steps heal.compute_budget leaves after a selection and a compensation costing `select` and
-    `comp` dense-forward tokens (the search calls it with a selection's measured cost); a one-line
-    TrspError when not even one step is left."""
-    budget, step = cfg.heal.compute_budget, step_cost(cfg)
+    `comp` dense-forward tokens (the search calls it with a selection's measured cost and its `drop`),
+    each step at its recipe's cost (compute.step_cost); a one-line TrspError when not even one step is left."""
+    budget, step = cfg.heal.compute_budget, compute.step_cost(cfg, drop=drop)
     steps = int((budget - select - comp) // step)
     if steps < 1:
         raise TrspError(f"heal.compute_budget={budget:g} dense-forward tokens cannot meet {cfg.method}: its selection "
@@ -106,7 +118,7 @@ def describe(cfg, *, num_layers: int) -> str:
     """One line for the log: where a resolved budget goes."""
     select = planned_select_cost(cfg, num_layers=num_layers) or 0.0
     comp = planned_compensation_cost(cfg, num_layers=num_layers)
-    heal = compute.TRAIN_TOKEN * cfg.stage2.steps * cfg.data.batch_size * cfg.data.seqlen
+    heal = compute.step_cost(cfg) * cfg.stage2.steps
     return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
             + (f", compensation {comp / 1e3:.1f}k" if comp else "")
             + f", heal {cfg.stage2.steps} steps ({heal / 1e3:.1f}k)")

@@ -34,6 +34,7 @@ from trsp_ray.method.training import (
     null_report,
 )
 from trsp_ray.models import families
+from trsp_ray.plan import compute
 
 
 @dataclass
@@ -350,6 +351,8 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         result = _stage2(bench, model=model, gates=gates, drop=drop, s2=s2, report=report)
         model = result.model
         info.update(stage2_tokens=result.tokens, stage2_steps=result.steps, stage2_seconds=time.time() - t1,
+                    stage2_cost=result.tokens * compute.token_cost(cfg, stage2=True, trainable=s2.trainable,
+                                                                   lora_rank=s2.lora_rank),
                     relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
     kept = remove_layers(model, drop)
     # the gate stack still holds every layer's wrapper: the removed layers would stay on the device through
@@ -377,7 +380,8 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         info.update(**compensation.describe(comp, form=done.get("form")), compensation_tokens=done["tokens"],
                     compensation_seconds=time.time() - t3,
                     compensation_cost=compensation.cost(drop=drop, num_layers=bench.num_layers, tokens=done["tokens"],
-                                                        activations=comp.activations))
+                                                        activations=comp.activations),
+                    compensation_solve_cost=compute.measured_solve_cost(cfg, comp, done))
         _log(f"{method}: {comp.method} compensation of blocks {done['blocks']} on {done['tokens']} tokens")
     if heal.steps > 0:
         t2 = time.time()
@@ -386,7 +390,10 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
         maps = [kept.index(i) for i in fold_layers(done["blocks"])] if comp.method == "lstsq" else []
         healed = _heal(bench, model=model, heal=heal, report=report, map_layers=maps)
         model = healed.model
-        info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_seconds=time.time() - t2)
+        info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_seconds=time.time() - t2,
+                    heal_cost=healed.tokens * compute.token_cost(cfg, drop=drop, stage2=False,
+                                                                 trainable=heal.trainable, lora_rank=heal.lora_rank,
+                                                                 map_layers=maps))
     info["weight_tokens"] = info.get("stage2_tokens", 0) + info.get("heal_tokens", 0)
     info["seconds"] = time.time() - t0
     return Outcome(method=method, model=model.eval(), drop=drop, kept=kept, info=info)

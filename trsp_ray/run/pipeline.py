@@ -69,15 +69,17 @@ class Pipeline:
 
     def compute(self) -> dict:
         """The planned compute split in dense-forward tokens (budget.py): select (None for TRSP's
-        stage 1, known only after it runs), fit, heal (its steps x one step's cost) and total."""
+        stage 1, known only after it runs), fit, heal (its steps x one step of its recipe,
+        compute.step_cost) and total; None where the model's layers are unknown."""
+        from trsp_ray.plan import compute
         from trsp_ray.run import budget
 
         layers = self.num_layers or 0
         select = budget.planned_select_cost(self.cfg, num_layers=layers) if layers else None
         fit = budget.planned_compensation_cost(self.cfg, num_layers=layers) if layers else None
         steps = training_steps(self.cfg)
-        heal = budget.step_cost(self.cfg) * steps
-        total = None if select is None or fit is None else select + fit + heal
+        heal = compute.step_cost(self.cfg) * steps if layers else None
+        total = None if select is None or fit is None or heal is None else select + fit + heal
         return {"select": select, "fit": fit, "heal_steps": steps, "heal": heal, "total": total,
                 "budget": self.cfg.heal.compute_budget or None}
 
@@ -86,7 +88,7 @@ class Pipeline:
         c = self.cfg.compensation
         fit = "no fit" if self.fit is None else f"fit {self.fit}" + (
             f" on {c.windows} x {self.cfg.data.seqlen} tokens" if c.windows else "")
-        steps = self.compute()["heal_steps"]
+        steps = training_steps(self.cfg)
         train = "no training" if self.recipe is None else f"{'heal' if self.spec.heal else 'stage 2'} " \
                                                           f"{self.recipe} {steps} steps"
         said = f" (asked for {self.requested}: {self.fallback})" if self.fallback else ""

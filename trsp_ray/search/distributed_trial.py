@@ -66,13 +66,14 @@ def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
 def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tuple:
     """(cfg with a budgeted heal's steps, the planned compute record): from stage 1's measured cost
     when this trial holds it, else budget.py's plan (the workers select; they report no cost here)."""
+    from trsp_ray.plan import compute
     from trsp_ray.run import budget
     from trsp_ray.run.methods import stage1_cost
     from trsp_ray.run.pipeline import training_steps
     from trsp_ray.run.workbench import model_hidden
     from trsp_ray.search.pipeline import budgeted
 
-    select, fit = budget.planned_select_cost(cfg, num_layers=num_layers), None
+    select, fit, drop = budget.planned_select_cost(cfg, num_layers=num_layers), None, None
     if stage1 is not None:
         s1 = result_from(stage1)
         select = stage1_cost(s1, num_layers=num_layers, train_base=cfg.stage1.train_base)
@@ -82,7 +83,7 @@ def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tupl
     elif cfg.heal.compute_budget:
         cfg = budget.resolve(cfg, num_layers=num_layers)
     fit = budget.planned_compensation_cost(cfg, num_layers=num_layers) if fit is None else fit
-    heal = budget.step_cost(cfg) * training_steps(cfg)
+    heal = compute.step_cost(cfg, drop=drop) * training_steps(cfg)
     select = select or 0.0
     return cfg, {"select": select, "fit": fit, "heal": heal, "total": select + fit + heal,
                  "budget": cfg.heal.compute_budget or None, "heal_steps": training_steps(cfg), "planned": True}

@@ -278,12 +278,9 @@ def budgeted(cfg, *, drop: list[int], select_cost: float, num_layers: int, hidde
     selection's measured cost and the fit's exact cost for this drop set, so every trial's total lies
     within one heal step below the budget (budget.heal_steps). Without a budget: cfg unchanged."""
     from trsp_ray.config.run_config import for_method, sized
-    from trsp_ray.method import compensation
     from trsp_ray.run import budget
 
-    comp = sized(for_method(cfg), hidden=hidden).compensation
-    fit = 0.0 if comp.method == "none" else compensation.cost(
-        drop=drop, num_layers=num_layers, tokens=comp.windows * cfg.data.seqlen, activations=comp.activations)
+    fit = budget.fit_cost(sized(for_method(cfg), hidden=hidden), drop=drop, num_layers=num_layers)
     if not (cfg.heal.compute_budget and registry.method(cfg.method).heal):
         return cfg, fit
-    return budget.with_heal_steps(cfg, budget.heal_steps(cfg, select=select_cost, comp=fit)), fit
+    return budget.with_heal_steps(cfg, budget.heal_steps(cfg, select=select_cost, comp=fit, drop=drop)), fit

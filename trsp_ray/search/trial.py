@@ -123,8 +123,8 @@ def compute_record(info: dict, *, budget: float) -> dict:
     """A trial's compute in dense-forward tokens (SPEC section 5): selection, fit, heal, total."""
     from trsp_ray.plan import compute
 
-    heal = compute.TRAIN_TOKEN * info.get("weight_tokens", 0)
-    return {"select": info.get("select_cost", 0.0), "fit": info.get("compensation_cost", 0.0), "heal": heal,
+    heal = compute.train_spent(info)
+    return {"select": info.get("select_cost", 0.0), "fit": compute.fit_spent(info), "heal": heal,
             "total": compute.total_cost(info), "budget": budget or None,
             "heal_steps": info.get("heal_steps", 0) + info.get("stage2_steps", 0)}
 
