@@ -19,7 +19,7 @@ server). Figures for the default, from `trsp-ray plan --model-config cluster/mod
 and the fit are forward-only (19.9 GB per GPU with stage 1's state); the fit's calibration is
 sized from the hidden size, 28 tokens per column of the 8192 x 8192 map (112 windows x 2048 tokens
 = 229k tokens), and its sums (two float64 8192 x 8192 matrices per removed block, at most 20
-blocks) with one forward's rows held to each block's end need 36.6 GB per GPU before the heal's
+blocks) with one forward's rows held to each block's end need 36.8 GB per GPU before the heal's
 optimizer exists, and 10.0 GB of host memory per worker for the maps (128.0 GB of host memory per
 node while the fit holds them); the heal trains the kept ~52B weights, ~16 bytes per parameter
 of model state: 60.7 GB per GPU on 16 GPUs. On one 8-GPU node the heal needs 111 GB per GPU and

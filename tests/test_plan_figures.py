@@ -48,9 +48,10 @@ def _figures(text: str, patterns: dict[str, str]) -> dict[str, float]:
 
 def test_the_70b_job_quotes_the_plans_figures(plan_out):
     doc = ast.get_docstring(ast.parse((REPO / "jobs/prune_70b.py").read_text()))
-    # the superseded 41.0 GB counted the fit's sums differently; the plan prints 36.6
+    # the superseded 41.0 GB counted the fit's sums differently, 36.6 left out the embedding output a
+    # forward holds to its end (issue 40); the plan prints 36.8
     assert _figures(doc, {"fit": r"need ([\d.]+) GB per GPU before the heal's optimizer exists"}) \
-        == {"fit": plan_out["fit"]} == {"fit": 36.6}
+        == {"fit": plan_out["fit"]} == {"fit": 36.8}
     quoted = _figures(doc, {"stage1": r"forward-only \(([\d.]+) GB per GPU with stage 1's state\)",
                             "fit": r"need ([\d.]+) GB per GPU before the heal's optimizer exists",
                             "fit_host": r"([\d.]+) GB of host memory per worker for the maps",
