@@ -301,7 +301,8 @@ def describe(comp, *, form: str | None = None) -> dict:
 def cost(*, drop, num_layers: int, tokens: int, activations: str = "dense", stops: bool = True) -> float:
     """Dense-forward tokens of `compensate` over `tokens` calibration tokens: passes stop after the
     last layer they need and count the fraction of the dense depth they run (`stops=False`: whole
-    dense passes, as on ZeRO-3 workers); the solves are free."""
+    dense passes, as on ZeRO-3 workers). The float64 sums, solves and cosine steps are counted apart
+    (plan/compute.py's fit_solve_cost)."""
     spans = blocks(drop, num_layers)
     if not spans:
         return 0.0
