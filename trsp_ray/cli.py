@@ -23,7 +23,6 @@ def _prune(args) -> int:
         check_output_dir(cfg.output, overwrite=args.overwrite)
     if args.dry_run:
         from trsp_ray.run.pipeline import resolve
-
         from trsp_ray.run.workbench import resolve_device
 
         pipe = resolve(cfg)  # as driver.run resolves it: the fit that runs, then the heal

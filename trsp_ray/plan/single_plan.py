@@ -302,7 +302,8 @@ def single_hint(cfg, p: SinglePlan) -> str:
     st = p.setup
     # a kd run's teacher is a whole second model on the device: without it is the nearest run
     teacher = [("recovery.objective", "ce")] if st.kd else []
-    changes = [("distributed.activation_checkpointing", True), ("dtype", "bf16"), *teacher, ("stage2.trainable", "lora")]
+    changes = [("distributed.activation_checkpointing", True), ("dtype", "bf16"), *teacher,
+               ("stage2.trainable", "lora")]
     options = []
     for key, value in changes:
         section, _, name = key.rpartition(".")
