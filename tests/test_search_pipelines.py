@@ -246,15 +246,20 @@ def test_pipelines_at_one_budget_share_selections_and_score_the_calibration_tail
 
     # the objective: the mixture's held-out tail, recomputed on one trial's export with plain transformers
     one = next(r for r in records if r["method"] == "shortgpt+heal")
-    ppl, seen = _independent_val_ppl(one["model_dir"], root=assets, windows=2)
+    ppl, seen = _independent_val_ppl(one["model_dir"], root=assets, windows=one["objective"]["windows"])
     assert one["val_ppl"] == pytest.approx(ppl, rel=1e-4) and seen == {"a", "b"}
     assert one["heldout_ppl"] != pytest.approx(one["val_ppl"], rel=1e-3)  # eval.txt is scored, not tuned on
 
     client = MlflowClient(tracking_uri=base.tracking.tracking_uri)
-    assert "pareto.png" in {a.path for a in client.list_artifacts(summary["parent_run"])}
+    assert {"pareto.png", "ranking.json"} <= {a.path for a in client.list_artifacts(summary["parent_run"])}
     assert summary["model_version"] is not None
     best = min(records, key=lambda r: r["val_ppl"])
     assert summary["best_trial"] == best["trial_key"]
+    # every trial scored on the same windows: the ranking pairs each with the best
+    ranking = json.loads((tmp_path / "search" / "ranking.json").read_text())
+    assert len(ranking) == 6 and ranking[0]["trials"] == [best["trial_key"]]
+    assert all(r["se"] is not None and r["se"] > 0 for r in ranking[1:])
+    assert summary["tied_with_best"] == [k for r in ranking[1:] if abs(r["diff"]) <= 2 * r["se"] for k in r["trials"]]
 
 
 def test_selector_fit_and_heal_recipe_are_dimensions_that_compose_the_pipeline(config_dir):

@@ -1,9 +1,10 @@
 """Stage-1 results stored under the content of what produced them: the one stage-1 store that the
 search and the reproduction both use.
 
-Stage 1 depends on the model (its files), the calibration text (its bytes), the windows it is cut
-into (data.seqlen, data.batch_size), the seed, the precision (device, dtype), the gates and the
-stage1 settings - and on nothing else. Not on the ratio, as long as the drop order for a smaller
+Stage 1 depends on the model (its files), the calibration text (a file's bytes, or the mixture:
+data.calib_mix by name and its sources' text through the fingerprint), the windows it is cut into
+(data.seqlen, data.batch_size), the seed, the precision (device, dtype), the gates and the stage1
+settings - and on nothing else. Not on the ratio, as long as the drop order for a smaller
 ratio is a prefix of the order for a larger one (SPEC section 1): then a stored result serves every
 ratio up to its length, and a longer one replaces it. Swap refinement (`stage1.refine` with probes)
 breaks that rule: it can change any position of the order, and a smaller ratio refines its own
@@ -38,10 +39,10 @@ from trsp_ray.common import atomic
 if TYPE_CHECKING:
     from trsp_ray.method.stage1 import Stage1Result
 
-# Config fields stage 1 reads (data: only what shapes the calibration windows; the text itself
-# enters through the fingerprint).
+# Config fields stage 1 reads (data: what names the calibration text and shapes its windows; the
+# text's bytes enter through the fingerprint, which the caller computes from the same config).
 STAGE1_TOP = ("model", "seed", "device", "dtype")
-STAGE1_DATA = ("calib_text", "seqlen", "batch_size")  # the mixture enters through the fingerprint
+STAGE1_DATA = ("calib_text", "calib_mix", "seqlen", "batch_size")
 STAGE1_SECTIONS = ("gates", "stage1")
 
 
@@ -92,9 +93,18 @@ def data_fingerprint(*, model: str, calib_text: str | None, calib_mix: str | Non
     return content_key({"model": model_fingerprint(model), "calib": text_fingerprint(calib_text, calib_mix)})
 
 
+def calibration_content(data: dict) -> dict:
+    """The data settings that make the calibration windows (STAGE1_DATA): a calibration file
+    replaces the mixture, so the mixture is left out beside one."""
+    out = {k: data[k] for k in STAGE1_DATA}
+    if data.get("calib_text"):
+        out["calib_mix"] = None
+    return out
+
+
 def stage1_content(cfg: dict) -> dict:
     """The part of a run-config dict stage 1 depends on."""
-    return {**{k: cfg.get(k) for k in STAGE1_TOP}, "data": {k: cfg["data"][k] for k in STAGE1_DATA},
+    return {**{k: cfg.get(k) for k in STAGE1_TOP}, "data": calibration_content(cfg["data"]),
             **{k: cfg[k] for k in STAGE1_SECTIONS}}
 
 
@@ -128,14 +138,12 @@ def result_from(data: dict) -> Stage1Result:
     return Stage1Result(**{f.name: data[f.name] for f in dataclasses.fields(Stage1Result) if f.name in data})
 
 
-def handed_over_drop(data: dict, *, method: str, n_drop: int) -> list[int]:
-    """The drop set a TRSP `method` takes from a stage-1 result handed over as plain data
-    (`result_dict`): the first `n_drop` of the ranking its registry entry reads (the round-1 ranking
-    for `trsp-oneshot`, the greedy order otherwise). Ray Train workers prune by it, and the hand-over
-    (distributed/handoff.py) checks their export against it."""
-    from trsp_ray.config import registry
-
-    return result_from(data).drop_for(registry.method(method).ranking, n_drop)
+def handed_over_drop(data: dict, *, ranking: str, n_drop: int) -> list[int]:
+    """The drop set a TRSP pipeline takes from a stage-1 result handed over as plain data
+    (`result_dict`): the first `n_drop` of the `ranking` its resolved spec reads (Pipeline.spec: the
+    round-1 ranking for `trsp-oneshot`, the greedy order otherwise). Ray Train workers prune by it,
+    and the hand-over (distributed/handoff.py) checks their export against it."""
+    return result_from(data).drop_for(ranking, n_drop)
 
 
 class Stage1Store:

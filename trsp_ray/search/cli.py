@@ -26,7 +26,7 @@ def _value(text: str):
 
 
 def parse_space_args(items: list[str], *, algorithm: str | None, num_samples: int | None, seed: int | None,
-                     objectives: str | None, space_file: str | None) -> dict:
+                     objectives: str | None, space_file: str | None, seeds: int | None = None) -> dict:
     """A plain space dict from the flags (flags win over the file)."""
     import yaml
 
@@ -54,7 +54,7 @@ def parse_space_args(items: list[str], *, algorithm: str | None, num_samples: in
         else:
             params[key] = [_value(v) for v in raw.split(",") if v != ""]
     spec["params"] = params
-    for name, value in (("algorithm", algorithm), ("num_samples", num_samples), ("seed", seed)):
+    for name, value in (("algorithm", algorithm), ("num_samples", num_samples), ("seed", seed), ("seeds", seeds)):
         if value is not None:
             spec[name] = value
     if objectives:
@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", choices=("grid", "random", "optuna"), default=None)
     p.add_argument("--num-samples", type=int, default=None, help="random/optuna: number of trials")
     p.add_argument("--seed", type=int, default=None, help="sampler seed")
+    p.add_argument("--seeds", type=int, default=None, metavar="N",
+                   help="run every point on N seeds (the run's seed and the next N - 1): its objective is their mean, "
+                        "the spread is reported (grid and random)")
     p.add_argument("--objectives", default=None, help="optuna: val_ppl or val_ppl,kept_parameters (Pareto)")
     p.add_argument("--search-dir", default="runs/search", help="trial records, stage-1 cache, exports, run log")
     p.add_argument("--name", default="search", help="MLflow parent run name")
@@ -111,7 +114,8 @@ def search_config(args):
     from trsp_ray.search.space import parse_space
 
     space = parse_space(parse_space_args(args.space, algorithm=args.algorithm, num_samples=args.num_samples,
-                                         seed=args.seed, objectives=args.objectives, space_file=args.space_file))
+                                         seed=args.seed, objectives=args.objectives, space_file=args.space_file,
+                                         seeds=args.seeds))
     cfg = run_config(args, method=args.method)
     if args.compute_budget is not None:
         cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})

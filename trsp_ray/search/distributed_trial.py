@@ -4,7 +4,8 @@ Ray Train from inside the trial (the Train V2 pattern for Tune), never loading t
     stage 1   TRSP: from the search's stage-1 store, else learned once by a Ray task on one device;
               another selector runs on the workers (run_distributed), its budget planned by budget.py
     stage 2   + export on `route.workers` Ray Train workers (trsp_ray/distributed/handoff.py)
-    score     validation loss of the export by a Ray task holding the evaluation actors' GPUs
+    score     per-window validation NLLs of the export on the search's one validation text (the base
+              config's calibration tail: search/objective.py), by a Ray task holding the evaluation GPUs
 
 It reports only the final validation loss (ASHA never stops it early: Ray Train runs stage 2 as
 one unit) and writes the same finished-trial record as a single-device trial, with the route,
@@ -40,27 +41,30 @@ def _stage1_task(run: dict, n_drop: int) -> dict:
     return result_dict(compute_stage1(prepare(replace(cfg, device=device)), n_drop))
 
 
-def _validation_task(model_dir: str, run: dict, windows: int) -> dict:
-    """Ray task body: validation loss (nats, calibration tail), parameters and layers of an export,
-    and the dense model's parameter count (from its config, on the meta device: no weights)."""
+def _validation_task(model_dir: str, base: dict) -> dict:
+    """Ray task body: per-window NLLs (nats) of an export on the search's validation text (the `base`
+    config's calibration tail: search/objective.py), its parameters and layers, and the dense model's
+    parameter count (from its config, on the meta device: no weights)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trsp_ray.config.run_config import from_dict
     from trsp_ray.data import assets
-    from trsp_ray.data.perplexity import bos_token, perplexity
+    from trsp_ray.data.perplexity import bos_token, window_nlls
     from trsp_ray.evaluation.evaluator import load_candidate
-    from trsp_ray.run.workbench import calibration_of, kept_parameters
+    from trsp_ray.run.workbench import kept_parameters
+    from trsp_ray.search.objective import text_id, validation_text
 
-    cfg = from_dict(run)
     model, tokenizer = load_candidate(model_dir, dtype="bfloat16" if torch.cuda.is_available() else "float32")
     bos = bos_token(tokenizer)
-    val_ids = calibration_of(cfg, tokenizer, bos=bos).val_ids
-    ppl = perplexity(model, val_ids, seqlen=cfg.data.eval_seqlen, batch_size=4, max_windows=windows, bos=bos)
+    val = validation_text(base, tokenizer, bos=bos)
+    nlls = window_nlls(model, val.val_ids, seqlen=base["data"]["eval_seqlen"], batch_size=4, bos=bos)
     with torch.device("meta"):
-        dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets.resolve_model(cfg.model)))
-    return {"val_loss": math.log(ppl), "kept_parameters": kept_parameters(model),
-            "dense_parameters": kept_parameters(dense), "layers": model.config.num_hidden_layers}
+        dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets.resolve_model(base["model"])))
+    return {"val_loss": sum(nlls) / len(nlls), "val_nlls": nlls, "kept_parameters": kept_parameters(model),
+            "dense_parameters": kept_parameters(dense), "layers": model.config.num_hidden_layers,
+            "objective": {"split": "the base config's calibration held-out tail (no trial trains on it)",
+                          "source": val.source, "text": text_id(val.val_ids), "tokens": int(val.val_ids.numel()),
+                          "seqlen": base["data"]["eval_seqlen"], "windows": len(nlls)}}
 
 
 def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tuple:
@@ -119,14 +123,14 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
     log.write("stage2_run", trial=tkey, key=skey, ratio=cfg.ratio, point=config["point"],
               route=f"ray-train x{route['workers']}")
     result, shared = run_stage2_distributed(dcfg, stage1=stage1, n_drop=n_drop, name=f"trial-{tkey}")
-    windows = int(config.get("val_windows") or 8)
     scored = ray.get(ray.remote(_validation_task).options(num_cpus=1, num_gpus=route["eval_gpus"], **OUTSIDE_TRIAL)
-                     .remote(str(out), cfg_dict, windows))
+                     .remote(str(out), config["run"]))
     drop = list(result.drop_order)
     record = {"trial_key": tkey, "stage1_key": skey, "point": config["point"], "config": cfg_dict,
               "status": "finished", "drop": drop, "kept": [i for i in range(num_layers) if i not in drop],
-              "num_layers_original": num_layers, "val_loss": scored["val_loss"],
-              "val_ppl": math.exp(scored["val_loss"]), "kept_parameters": scored["kept_parameters"],
+              "num_layers_original": num_layers, "val_loss": scored["val_loss"], "val_nlls": scored["val_nlls"],
+              "objective": scored["objective"], "val_ppl": math.exp(scored["val_loss"]),
+              "kept_parameters": scored["kept_parameters"],
               "dense_parameters": scored["dense_parameters"],
               "kept_fraction": scored["kept_parameters"] / scored["dense_parameters"],
               "gates": [], "curve": [], "seconds": time.perf_counter() - start, "model_dir": str(out),

@@ -1,6 +1,6 @@
 """Where a search keeps its things under its directory, shared by the single-process trial
 (search/trial.py), the Ray Train trial (search/distributed_trial.py) and the driver (search/run.py):
-finished-trial records, exported models and the stage-1 store with its plan."""
+finished-trial records, exported models, the stage-1 store with its plan and the final ranking."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from trsp_ray.run.stage1_store import Stage1Store
 TRIALS = "trials"  # finished-trial records: <search_dir>/trials/<trial key>.json
 MODELS = "models"  # exported pruned models: <search_dir>/models/<trial key>/
 STAGE1 = "stage1"  # the search's stage-1 store: <search_dir>/stage1/<stage-1 key>.json
+RANKING = "ranking.json"  # <search_dir>/ranking.json: every trial vs the best, paired (search/objective.py)
 
 
 def trial_record_path(search_dir: str | Path, key: str) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trsp_ray.common import atomic, plots
 from trsp_ray.run.tracking import _flatten, default_tracking_uri, experiment_id
+from trsp_ray.search.layout import RANKING
 
 STATE = "mlflow.json"
 PARENT_TAG = "mlflow.parentRunId"
@@ -168,6 +169,8 @@ def log_search(*, search_dir: Path, name: str, tracking_uri: str | None, experim
         finally:
             plots.close(figure)
     client.log_dict(parent, {"trials": records}, "trials.json")
+    if (Path(search_dir) / RANKING).is_file():  # every trial vs the best, paired over the same windows
+        client.log_artifact(parent, str(Path(search_dir) / RANKING))
     if best is not None and register_name and state.get("registered_trial") != best["trial_key"]:
         state["model_version"] = register_best(client, children[best["trial_key"]], best, register_name)
         state["registered_trial"] = best["trial_key"]

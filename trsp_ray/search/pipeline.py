@@ -14,6 +14,13 @@ config's value; their records say `ignored`: {key: the value the grid point aske
 and points that then run the same pipeline run once (the run log says `point_merged`). A grid point
 its pipeline refuses (heal.trainable=map where no fit runs) is left out (`point_refused`).
 
+Keys: every setting that changes a selection, a stage 1 or a fit is in its store key (selection_key,
+trial_stage1_key, fit_key), the trial's own calibration too (its settings and its text's fingerprint:
+trial_fingerprint), so a trial that asks for another mixture never reuses another mixture's work.
+`check_keys` refuses, before any trial, a searched key (outside AFTER_FIT) that changes what a point
+does but none of its keys. The data.eval_* settings act in no trial: every trial is scored on the base
+config's validation windows (search/objective.py).
+
 Compute (SPEC section 5): with heal.compute_budget every trial's heal gets the steps the budget leaves
 after its selection and its fit (budget.heal_steps, from the selection's measured cost and the fit's
 cost for the drop set), so every total lies within one heal step below the budget. `check_budgets`
@@ -31,6 +38,13 @@ from trsp_ray.config import registry
 
 # the sections every pipeline reads whole (the calibration windows, the gates' protected layers)
 COMMON = ("model", "seed", "device", "dtype", "method")
+# data settings a trial does not read: every trial is scored on the base config's validation windows
+# and the evaluation pool reads the base config's held-out settings (search/objective.py)
+OBJECTIVE_DATA = ("eval_text", "eval_seqlen", "eval_max_windows", "eval_domains")
+# what a searched key may change without changing a selection, stage-1 or fit key: the pipeline's name
+# and parts (each part enters the key it changes), the ratio (a stage 1 serves every smaller ratio;
+# the selection and fit keys hold the drop count and set), and the settings read after the fit
+AFTER_FIT = ("method", "selector", "fit", "heal", "ratio", "stage2.", "heal.", "recovery.")
 
 
 def selection_content(cfg, n_drop: int) -> dict:
@@ -50,18 +64,40 @@ def selection_content(cfg, n_drop: int) -> dict:
     return out
 
 
+def search_fingerprint(base: dict) -> str:
+    """What every trial of a search started from `base` shares beyond its config: the model's files and
+    the validation text (the base calibration's tail, which no trial trains on: search/objective.py)."""
+    from trsp_ray.run.stage1_store import calibration_content, content_key, data_fingerprint
+
+    d = base["data"]
+    return content_key({"data": data_fingerprint(model=base["model"], calib_text=d["calib_text"],
+                                                 calib_mix=d["calib_mix"]),
+                        "validation": calibration_content(d)})
+
+
+def trial_fingerprint(cfg_dict: dict, fingerprint: str) -> str:
+    """`fingerprint` (what every trial of a search shares: the model's files, the validation text no
+    trial trains on) with the trial's own calibration text (a file's bytes, a mixture's sources): a
+    trial that asks for another mixture gets other keys, whatever the base config calibrates on."""
+    from trsp_ray.run.stage1_store import content_key, text_fingerprint
+
+    d = cfg_dict["data"]
+    return content_key({"search": fingerprint, "calib": text_fingerprint(d["calib_text"], d["calib_mix"])})
+
+
 def selection_key(cfg_dict: dict, fingerprint: str, *, num_layers: int) -> str:
     """Content key of a baseline selection: trials of any pipeline with the same selector, windows,
-    drop count, model, calibration (its fingerprint), precision, seed and gates share it."""
+    drop count, model, calibration (its settings and its text: trial_fingerprint), precision, seed
+    and gates share it."""
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.method.stage1 import n_drop_for
-    from trsp_ray.run.stage1_store import content_key
+    from trsp_ray.run.stage1_store import calibration_content, content_key
 
     cfg = from_dict(cfg_dict)
-    d = cfg_dict["data"]
     return content_key({"selection": selection_content(cfg, n_drop_for(cfg.ratio, num_layers)),
                         **{k: cfg_dict[k] for k in ("seed", "device", "dtype")}, "gates": cfg_dict["gates"],
-                        "data": {k: d[k] for k in ("calib_text", "seqlen", "batch_size")}, "fp": fingerprint})
+                        "data": calibration_content(cfg_dict["data"]),
+                        "fp": trial_fingerprint(cfg_dict, fingerprint)})
 
 
 def effective(cfg_dict: dict, *, num_layers: int) -> dict:
@@ -76,8 +112,8 @@ def effective(cfg_dict: dict, *, num_layers: int) -> dict:
     spec = registry.method(cfg.method)
     d = cfg.to_dict()
     n_drop = n_drop_for(cfg.ratio, num_layers)
-    out = {**{k: d[k] for k in COMMON}, "data": d["data"], "gates": d["gates"],
-           "select": selection_content(cfg, n_drop)}
+    data = {k: v for k, v in d["data"].items() if k not in OBJECTIVE_DATA}
+    out = {**{k: d[k] for k in COMMON}, "data": data, "gates": d["gates"], "select": selection_content(cfg, n_drop)}
     trains = False
     if spec.stage2 and cfg.stage2.enabled and cfg.stage2.steps > 0:
         out["stage2"], trains = d["stage2"], True
@@ -198,6 +234,47 @@ def check_conditional(base: dict, space, *, num_layers: int) -> None:
                             "that acts in only some pipelines: use algorithm=grid or random, or drop the key")
 
 
+def selection_key_of(cfg_dict: dict, fingerprint: str, *, num_layers: int) -> str:
+    """The store key of a trial's selection: TRSP's stage-1 key, or a baseline's selection key."""
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.method.stage1 import n_drop_for
+
+    cfg = from_dict(cfg_dict)
+    if registry.method(cfg.method).uses_stage1:
+        return trial_stage1_key(cfg_dict, fingerprint, n_drop=n_drop_for(cfg.ratio, num_layers))
+    return selection_key(cfg_dict, fingerprint, num_layers=num_layers)
+
+
+def _after_fit(key: str) -> bool:
+    return key in AFTER_FIT or key.startswith(tuple(k for k in AFTER_FIT if k.endswith(".")))
+
+
+def check_keys(base: dict, space, points: list[dict], *, num_layers: int) -> None:
+    """One-line TrspError, before any trial, for a searched key (outside AFTER_FIT) that changes what a
+    point's pipeline does but none of its selection, stage-1 or fit keys: trials that differ in it
+    would share one selection or fit computed for another value."""
+    from trsp_ray.search.space import apply_point
+
+    for d in space.dims:
+        if _after_fit(d.key) or len(_probe_values(d)) < 2:
+            continue
+        for point in points:
+            seen: dict[str, str] = {}
+            for value in _probe_values(d):
+                cfg = apply_point(base, {**point, d.key: value})
+                try:
+                    content = _fingerprint(effective(cfg, num_layers=num_layers))
+                except TrspError:
+                    continue  # a value its pipeline refuses runs nothing
+                sel = selection_key_of(cfg, "", num_layers=num_layers)
+                keys = (sel, fit_key(cfg, selection=sel, drop=[]))
+                if any(keys == other and content != c for c, other in seen.items()):
+                    raise TrspError(f"search key {d.key!r} changes what {cfg['method']} does before its heal, but no "
+                                    "selection, stage-1 or fit key holds it (its trials would reuse work done for "
+                                    "another value); drop it from the space")
+                seen[content] = keys
+
+
 def stage1_floor_cost(cfg, *, num_layers: int) -> float:
     """Dense-forward tokens TRSP's stage 1 spends at least: its gate training (the rounds' steps are
     fixed in advance; probes and refinement only add), by methods.stage1_cost's formula."""
@@ -264,12 +341,13 @@ def max_heal_steps(base: dict, points: list[dict], *, num_layers: int) -> int:
 
 
 def trial_stage1_key(cfg_dict: dict, fingerprint: str, *, n_drop: int) -> str:
-    """The stage-1 store key of a TRSP trial: shared by every ratio as stage1_store says, except under
-    a compute budget, where a trial is charged what its own selection costs, so each drop count gets
-    its own stage 1 (a longer one would charge it the rounds it does not use)."""
+    """The stage-1 store key of a TRSP trial (its own calibration text included: trial_fingerprint):
+    shared by every ratio as stage1_store says, except under a compute budget, where a trial is
+    charged what its own selection costs, so each drop count gets its own stage 1 (a longer one would
+    charge it the rounds it does not use)."""
     from trsp_ray.run.stage1_store import content_key, stage1_key
 
-    key = stage1_key(cfg_dict, fingerprint)
+    key = stage1_key(cfg_dict, trial_fingerprint(cfg_dict, fingerprint))
     return content_key({"stage1": key, "n_drop": n_drop}) if cfg_dict["heal"]["compute_budget"] else key
 
 

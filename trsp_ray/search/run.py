@@ -22,10 +22,12 @@ from trsp_ray.common.logs import log as progress_log
 from trsp_ray.config import registry
 from trsp_ray.config.run_config import RunConfig, from_dict
 from trsp_ray.distributed import ray_session
-from trsp_ray.run.stage1_store import data_fingerprint
 from trsp_ray.search.cache import RunLog
-from trsp_ray.search.layout import TRIALS, trial_record_path
+from trsp_ray.search.layout import RANKING, TRIALS, trial_record_path
 from trsp_ray.search.space import SearchSpace, apply_point, check_points, grid_points, sample_points, trial_key
+
+# the data keys that change a trial's calibration stream (search/objective.py keeps the validation text out of it)
+CALIBRATION_KEYS = ("data.calib_text", "data.calib_mix", "data.seqlen")
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,12 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> Plan:
         ignored = [dropped.get(i, {}) for i in range(len(points))]
         probes = points
     pipeline.check_budgets(base_dict, probes, num_layers=num_layers)
-    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"],
-                          calib_mix=base_dict["data"]["calib_mix"])
+    pipeline.check_keys(base_dict, space, probes, num_layers=num_layers)
+    if points is not None and space.seeds > 1:  # every point once per seed (search/objective.py averages them)
+        seeds = [base.seed + i for i in range(space.seeds)]
+        points = [{**p, "seed": s} for p in points for s in seeds]
+        ignored = [i for i in ignored for _ in seeds]
+    fp = pipeline.search_fingerprint(base_dict)
     n_drop: dict[str, int] = {}
     for point in points or [{d.key: d.bounds()[1] for d in space.dims}]:
         cfg = apply_point(base_dict, point)
@@ -269,14 +275,26 @@ def _score(records: list[dict], base: RunConfig, opts: SearchOptions, log, route
         atomic.write_json(trial_record_path(opts.search_dir, record["trial_key"]), record)
 
 
-def best_trial(records: list[dict]) -> dict | None:
-    """Lowest validation PPL among the finished trials that drop the most layers (a smaller ratio
-    would otherwise always win); held-out text plays no part in the choice."""
-    done = [r for r in records if r["status"] == "finished"]
-    if not done:
+def best_trial(records: list[dict], rows: list[dict] | None = None) -> dict | None:
+    """The first trial (lowest seed) of the ranking's best row (objective.ranking: the most layers
+    dropped, a smaller ratio would otherwise always win; then the lowest validation NLL, averaged over
+    seeds); held-out text plays no part in the choice."""
+    from trsp_ray.search.objective import ranking
+
+    rows = ranking(records) if rows is None else rows
+    if not rows:
         return None
-    most = max(len(r["drop"]) for r in done)
-    return min((r for r in done if len(r["drop"]) == most), key=lambda r: r["val_ppl"])
+    return next(r for r in records if r["trial_key"] == rows[0]["trials"][0])
+
+
+def _check_route_data(route, space: SearchSpace) -> None:
+    """Ray Train workers read the trial's calibration stream whole: a trial whose stream could hold the
+    search's validation text (search/objective.py) must run in one process."""
+    calibration = [d.key for d in space.dims if d.key in CALIBRATION_KEYS]
+    if route.workers and calibration:
+        raise TrspError(f"search key(s) {', '.join(calibration)} change the calibration stream, and trials on Ray "
+                        "Train workers cannot leave the search's validation text out of it; search them on one device "
+                        "per trial (a smaller model or --gpus-per-trial) or drop them")
 
 
 def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=progress_log) -> dict:
@@ -302,10 +320,11 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
     for point, why in plan.refused:
         runlog.write("point_refused", point=point, reason=why)
         log(f"search {opts.name}: point {point} left out: {why}")
-    fp = data_fingerprint(model=base_dict["model"], calib_text=base_dict["data"]["calib_text"],
-                          calib_mix=base_dict["data"]["calib_mix"])
+    from trsp_ray.search import pipeline
+
+    fp = pipeline.search_fingerprint(base_dict)
     ignored = {trial_key(apply_point(base_dict, p)): drop for p, drop in zip(points or [], plan.ignored) if drop}
-    trial_config = {"run": base_dict, "search_dir": str(search_dir), "data_fp": fp, "reuse": opts.reuse,
+    trial_config = {"run": base_dict, "search_dir": str(search_dir), "search_fp": fp, "reuse": opts.reuse,
                     "plan_n_drop": plan.n_drop, "default_plan_n_drop": max(plan.n_drop.values(), default=0),
                     "val_every": opts.val_every, "val_windows": opts.val_windows, "num_layers": num_layers,
                     "ignored": ignored, "threads": max(1, int(opts.cpus_per_trial)), "invocation": invocation}
@@ -317,6 +336,7 @@ def run_search(base: RunConfig, space: SearchSpace, opts: SearchOptions, *, log=
         if trials:
             cluster = ray.cluster_resources()
             route = _route(base, opts, cluster)  # a bad device or a trial too large fails here
+            _check_route_data(route, space)
             trial_config["route"] = route.to_dict()
             runlog.write("route", **route.to_dict())
             log(f"search {opts.name}: {trials} trial(s) to run, {len(done)} finished earlier are skipped; "
@@ -349,8 +369,19 @@ def _finish(base, space, opts, search_dir, runlog, new, invocation, log) -> dict
                "fit_reused": runlog.count("fit_reused", invocation=invocation),
                "stage2_runs": runlog.count("stage2_run", invocation=invocation),
                "failed": sum(r["status"] == "failed" for r in new)}
-    best = best_trial(records)
+    from trsp_ray.common import atomic
+    from trsp_ray.search.objective import ranking, ranking_table
+
+    rows = ranking(records)
+    best = best_trial(records, rows)
     summary["best_trial"] = best["trial_key"] if best else None
+    # rows of the best's drop count within 2 paired SE of it (seeds: every trial of the row)
+    summary["tied_with_best"] = [k for r in rows if r["tie"] and not r["best"] and r["n_drop"] == rows[0]["n_drop"]
+                                 for k in r["trials"]]
+    atomic.write_json(Path(search_dir) / RANKING, rows)
+    if rows:
+        log(f"search {opts.name}: ranking (validation NLL vs the best, paired over the same windows; a tie is within "
+            f"2 SE; {RANKING}):\n{ranking_table(rows)}")
     runlog.write("search_finished", **summary)
     if base.tracking.enabled:
         state = lineage.log_search(search_dir=search_dir, name=opts.name, tracking_uri=base.tracking.tracking_uri,

@@ -50,6 +50,7 @@ class SearchSpace:
     num_samples: int = 1  # random/optuna: trials in all; grid: ignored (one trial per grid point)
     seed: int = 0
     objectives: tuple[str, ...] = ("val_ppl",)  # optuna: add "kept_parameters" for a Pareto search
+    seeds: int = 1  # grid/random: every point runs on seeds base.seed .. base.seed + seeds - 1, averaged
     extra: dict = field(default_factory=dict)
 
     def keys(self) -> list[str]:
@@ -103,10 +104,10 @@ def parse_space(spec: dict) -> SearchSpace:
     dims = tuple(_dimension(k, v) for k, v in params.items())
     objectives = tuple(spec.pop("objectives", ("val_ppl",)))
     space = SearchSpace(dims=dims, algorithm=algorithm, num_samples=int(spec.pop("num_samples", 1)),
-                        seed=int(spec.pop("seed", 0)), objectives=objectives)
+                        seed=int(spec.pop("seed", 0)), objectives=objectives, seeds=int(spec.pop("seeds", 1)))
     if spec:
         raise TrspError(f"unknown search setting(s) {', '.join(sorted(spec))}; valid: algorithm, num_samples, "
-                        "seed, objectives, params")
+                        "seed, seeds, objectives, params")
     _check_consistent(space)
     return space
 
@@ -121,6 +122,12 @@ def _check_consistent(space: SearchSpace) -> None:
     bad = [o for o in space.objectives if o not in ("val_ppl", "kept_parameters")]
     if bad or not space.objectives or len(set(space.objectives)) != len(space.objectives):
         raise TrspError(f"objectives={list(space.objectives)} is not valid; use val_ppl and optionally kept_parameters")
+    if space.seeds < 1:
+        raise TrspError(f"seeds={space.seeds} is not valid; it must be >= 1")
+    if space.seeds > 1 and "seed" in space.keys():
+        raise TrspError("--seeds runs every point on several seeds and the space searches `seed` too; use one of them")
+    if space.seeds > 1 and space.algorithm == "optuna":
+        raise TrspError("--seeds needs algorithm=grid or random (Optuna proposes one trial at a time)")
     if len(space.objectives) > 1 and space.algorithm != "optuna":
         raise TrspError("a multi-objective search (val_ppl vs kept_parameters) needs algorithm=optuna")
 

@@ -4,9 +4,10 @@ with validation loss reported for ASHA, removal, export, and a finished-trial re
 trial's compute (selection / fit / heal / total, dense-forward tokens) and kept parameters.
 
 Everything the trial needs arrives in Tune's `config` as plain data (SPEC: plain dicts cross Ray
-boundaries). Selection signals come from the validation split (the calibration tail, never trained
-on); held-out perplexity is measured afterwards by the evaluation pool, so no held-out text steers
-the search. MLflow is written by the driver only, to keep one writer per tracking store.
+boundaries). Selection signals come from one validation text for every trial (the base config's
+calibration tail, which no trial trains on: search/objective.py), kept window by window; held-out
+perplexity is measured afterwards by the evaluation pool, so no held-out text steers the search.
+MLflow is written by the driver only, to keep one writer per tracking store.
 """
 
 from __future__ import annotations
@@ -26,17 +27,43 @@ from trsp_ray.search.space import apply_point, trial_key
 REPORTS = 4  # validation reports over a trial's training steps when the search sets no val_every
 
 
-def validation_loss(bench, model, *, windows: int) -> float:
-    """Mean next-token NLL (nats) on the validation split, leaving the model's train/eval mode as it was."""
-    from trsp_ray.data.perplexity import perplexity
+def validation_nlls(bench, model, *, windows: int | None = None) -> list[float]:
+    """Mean next-token NLL (nats) of each of the first `windows` (None: every) window of the search's
+    validation text (bench.val_ids: objective.validation_text), leaving the model's mode as it was."""
+    from trsp_ray.data.perplexity import window_nlls
 
     was_training = model.training
     try:
-        ppl = perplexity(model, bench.val_ids, seqlen=bench.cfg.data.eval_seqlen, batch_size=4,
-                         max_windows=windows, bos=bench.bos)
+        return window_nlls(model, bench.val_ids, seqlen=bench.cfg.data.eval_seqlen, batch_size=4,
+                           max_windows=windows, bos=bench.bos)
     finally:
         model.train(was_training)
-    return math.log(ppl)
+
+
+def validation_loss(bench, model, *, windows: int) -> float:
+    """Mean NLL (nats) over the first `windows` validation windows: what ASHA reads mid-training."""
+    nlls = validation_nlls(bench, model, windows=windows)
+    return sum(nlls) / len(nlls)
+
+
+def with_objective(bench, config: dict, cfg_dict: dict) -> dict:
+    """Point `bench` at the search's validation text (the base config's calibration tail, the same
+    for every trial) and, when the trial cuts another calibration stream, take that text out of its
+    training windows (objective.without_text). Returns what the record says of the objective."""
+    from trsp_ray.search.objective import same_calibration, text_id, validation_text, without_text
+
+    base = config["run"]
+    val = validation_text(base, bench.tokenizer, bos=bench.bos)
+    bench.val_ids = val.val_ids
+    left_out = 0
+    if not same_calibration(cfg_dict, base):
+        before = bench.calibration.ids.numel()
+        bench.calibration = without_text(bench.calibration, val.val_ids)
+        bench.calib_ids, bench.calib_strata = bench.calibration.ids, bench.calibration.strata
+        left_out = (before - bench.calib_ids.numel()) // bench.calibration.chunk
+    return {"split": "the base config's calibration held-out tail (no trial trains on it)", "source": val.source,
+            "text": text_id(val.val_ids), "tokens": int(val.val_ids.numel()), "seqlen": bench.cfg.data.eval_seqlen,
+            "left_out_training_chunks": left_out}
 
 
 def expected_kept_parameters(bench, drop: list[int]) -> int:
@@ -134,12 +161,11 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     import torch
 
     from trsp_ray.config.run_config import from_dict, replace
-    from trsp_ray.method.stage1 import n_drop_for
     from trsp_ray.models import families
     from trsp_ray.run.methods import apply_method
     from trsp_ray.run.pipeline import resolve
     from trsp_ray.run.workbench import check_inputs, kept_parameters, prepare
-    from trsp_ray.search.pipeline import fit_key, selection_key, trial_stage1_key
+    from trsp_ray.search.pipeline import fit_key, search_fingerprint, selection_key_of
     from trsp_ray.search.route import trial_device
 
     torch.set_num_threads(int(config.get("threads") or 1))
@@ -148,10 +174,8 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     cfg = resolve(from_dict(cfg_dict), budget_layers=False).cfg  # the trial's pipeline on this model
     tkey = trial_key(cfg_dict)
     num_layers = int(config.get("num_layers") or check_inputs(cfg))
-    if registry.method(cfg.method).uses_stage1:
-        skey = trial_stage1_key(cfg_dict, config["data_fp"], n_drop=n_drop_for(cfg.ratio, num_layers))
-    else:
-        skey = selection_key(cfg_dict, config["data_fp"], num_layers=num_layers)
+    skey = selection_key_of(cfg_dict, config.get("search_fp") or search_fingerprint(config["run"]),
+                            num_layers=num_layers)
     log = RunLog(search_dir, invocation=config["invocation"])
     if (config.get("route") or {}).get("workers"):
         from trsp_ray.search.distributed_trial import run_distributed_trial
@@ -161,6 +185,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     log.write("trial_started", trial=tkey, device=device, gpu_ids=list(gpu_ids))
     start = time.perf_counter()
     bench = prepare(replace(cfg, device=device))
+    objective = with_objective(bench, config, cfg_dict)
     windows = int(config.get("val_windows") or 8)
     drop, select_info, stage1 = _selection(bench, cfg_dict, config, key=skey, log=log, trial=tkey)
     bench.cfg, _ = budgeted(bench.cfg, drop=drop, select_cost=select_info["select_cost"],
@@ -179,7 +204,8 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
                          log=log, trial=tkey)
     outcome = apply_method(bench, cfg.method, drop=drop, report=on_metrics, on_model=made.append, fit_store=fits)
     info = {**select_info, **outcome.info}
-    val = validation_loss(bench, outcome.model, windows=windows)
+    nlls = validation_nlls(bench, outcome.model)  # every window of the validation text: the objective
+    val = sum(nlls) / len(nlls)
     kept = kept_parameters(outcome.model)
     if kept != expected:  # the removal must cut exactly the parameters of the chosen layers
         raise RuntimeError(f"removal left {kept} parameters, expected {expected} for drop {outcome.drop}")
@@ -187,10 +213,8 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
               "method": cfg.method, "ignored": (config.get("ignored") or {}).get(tkey, {}),
               "resolved": {"stage2.steps": bench.cfg.stage2.steps, "heal.steps": bench.cfg.heal.steps},
               "status": "finished", "drop": outcome.drop, "kept": outcome.kept,
-              "num_layers_original": bench.num_layers, "val_loss": val, "val_ppl": math.exp(val),
-              "objective": {"split": "calibration held-out tail (never trained on)",
-                            "source": bench.calibration.source if bench.calibration else None,
-                            "windows": windows, "seqlen": bench.cfg.data.eval_seqlen},
+              "num_layers_original": bench.num_layers, "val_loss": val, "val_ppl": math.exp(val), "val_nlls": nlls,
+              "objective": {**objective, "windows": len(nlls), "report_windows": windows},
               "compute": compute_record(info, budget=bench.cfg.heal.compute_budget),
               "kept_parameters": kept, "dense_parameters": dense, "kept_fraction": kept / dense,
               "gates": gates_at_ratio(stage1, len(outcome.drop)) if stage1 is not None else [], "curve": curve,

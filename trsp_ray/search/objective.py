@@ -1,0 +1,164 @@
+"""What a search ranks trials on, and how sure the ranking is.
+
+One text for every trial: the validation tail of the *base* config's calibration (the mixture the
+search was started with), whatever mixture, window length or seed a trial calibrates on, so two
+trials are compared on the same windows. A trial whose own calibration stream holds some of that text
+(a mixture that draws more of a source than the base does runs past the base's tail) trains without
+those chunks (`without_text`), so no trial is scored on text it trained on. Each trial keeps its
+per-window NLLs; `ranking` groups trials that differ only in their seed (`--seeds`), averages them,
+and compares every group with the best one dropping as many layers, paired over the same windows
+(clustered by document where the windows carry document ids): a difference within 2 paired SE is a tie.
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import statistics
+
+import torch
+
+from trsp_ray.common.errors import TrspError
+
+NGRAM = 16  # tokens two texts must share in a row to count as the same text (a chunk holding such a run is dropped)
+TIE_SE = 2.0  # a difference within this many paired SE is a tie
+
+
+def validation_text(run: dict, tokenizer, *, bos: int | None):
+    """The base config `run`'s calibration (calibration.Calibration): its `val_ids` are what every
+    trial of the search is scored on."""
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.run.workbench import calibration_of
+
+    return calibration_of(from_dict(run), tokenizer, bos=bos)
+
+
+def text_id(ids: torch.Tensor) -> str:
+    """A short hash of token ids: two records with the same id were scored on the same text."""
+    return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+def same_calibration(a: dict, b: dict) -> bool:
+    """Whether two run configs cut the same calibration stream (so the same tail)."""
+    return all(a["data"][k] == b["data"][k] for k in ("calib_text", "calib_mix", "seqlen")) and a["model"] == b["model"]
+
+
+def _hashes(x: torch.Tensor, k: int) -> torch.Tensor:
+    """A 64-bit rolling hash of every run of `k` tokens along the last dimension ([..., L-k+1])."""
+    p, mask, weights = 1_000_003, (1 << 64) - 1, []
+    w = 1
+    for _ in range(k):
+        weights.append(w - (1 << 64) if w >= 1 << 63 else w)
+        w = (w * p) & mask
+    return (x.to(torch.int64).unfold(-1, k, 1) * torch.tensor(weights, dtype=torch.int64)).sum(-1)  # wraps mod 2^64
+
+
+def without_text(cal, text: torch.Tensor):
+    """`cal` (calibration.Calibration) without the training chunks that share a run of NGRAM tokens
+    (fewer for short chunks) with `text`; its tail and shares are kept as they were."""
+    rows = cal.ids.view(-1, cal.chunk)
+    k = min(NGRAM, cal.chunk, text.numel())
+    seen = _hashes(text, k)
+    hit = torch.isin(_hashes(rows, k), seen).any(-1)
+    if not hit.any():
+        return cal
+    keep = ~hit
+    if not keep.any():
+        raise TrspError(f"every calibration window of {cal.source} is part of the search's validation text; "
+                        "search another mixture or calibrate the base config on another text")
+    strata = cal.strata[keep] if cal.strata is not None else None
+    return dataclasses.replace(cal, ids=rows[keep].reshape(-1), strata=strata)
+
+
+def paired_se(a: list[float], b: list[float], clusters: list | None = None) -> tuple[float, float]:
+    """(mean of a_i - b_i, its standard error) over items scored by both. Without `clusters`: sd / sqrt(n);
+    with a cluster id per item (the document a window comes from), the cluster-robust error
+    sqrt(G / (G - 1) * sum_g (sum_{i in g} (d_i - mean))^2) / n over G clusters. Infinite with one
+    item or one cluster (nothing can be decided)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired items differ in number ({len(a)} vs {len(b)}) or are empty")
+    d = [x - y for x, y in zip(a, b)]
+    n = len(d)
+    mean = sum(d) / n
+    if clusters is None:
+        return (mean, math.inf) if n < 2 else (mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n))
+    sums: dict = {}
+    for x, g in zip(d, clusters, strict=True):
+        sums[g] = sums.get(g, 0.0) + x - mean
+    g = len(sums)
+    if g < 2:
+        return mean, math.inf
+    return mean, math.sqrt(g / (g - 1) * sum(s * s for s in sums.values())) / n
+
+
+def _group(record: dict) -> str:
+    """What a trial is apart from its seed: its point without `seed` and the layers it drops."""
+    point = {k: v for k, v in (record.get("point") or {}).items() if k != "seed"}
+    return json.dumps({"point": point, "method": record.get("method"), "n_drop": len(record["drop"])},
+                      sort_keys=True, default=str)
+
+
+def _row(recs: list[dict]) -> dict:
+    recs = sorted(recs, key=lambda r: (r["config"].get("seed", 0), r["trial_key"]))
+    losses = [r["val_loss"] for r in recs]
+    nlls = [r.get("val_nlls") for r in recs]
+    mean_nlls = [statistics.fmean(w) for w in zip(*nlls)] if all(nlls) and len({len(x) for x in nlls}) == 1 else None
+    return {"trials": [r["trial_key"] for r in recs], "point": recs[0].get("point"), "method": recs[0].get("method"),
+            "n_drop": len(recs[0]["drop"]), "seeds": len(recs), "val_loss": statistics.fmean(losses),
+            "val_ppl": math.exp(statistics.fmean(losses)), "spread": max(losses) - min(losses),
+            "text": (recs[0].get("objective") or {}).get("text"), "docs": recs[0].get("val_docs"),
+            "per_seed": {r["config"].get("seed", 0): r["val_loss"] for r in recs}, "nlls": mean_nlls}
+
+
+def compare(row: dict, best: dict) -> dict:
+    """{diff, se, tie} of `row` - `best` (mean NLL, nats): paired over the windows both were scored on,
+    clustered by document when the windows carry ids; with seeds both ran, the per-seed differences'
+    variance over the seeds is added (sd^2 / seeds). None where they cannot be paired (no per-window
+    losses, or another validation text)."""
+    if row is best:
+        return {"diff": 0.0, "se": 0.0, "tie": True}
+    if row["nlls"] is None or best["nlls"] is None or row["text"] != best["text"] or \
+            len(row["nlls"]) != len(best["nlls"]):
+        return {"diff": row["val_loss"] - best["val_loss"], "se": None, "tie": None}
+    diff, se = paired_se(row["nlls"], best["nlls"], clusters=row["docs"] if row["docs"] == best["docs"] else None)
+    seeds = sorted(set(row["per_seed"]) & set(best["per_seed"]))
+    if len(seeds) > 1:
+        gaps = [row["per_seed"][s] - best["per_seed"][s] for s in seeds]
+        se = math.sqrt(se * se + statistics.variance(gaps) / len(seeds))
+    return {"diff": diff, "se": se, "tie": abs(diff) <= TIE_SE * se}
+
+
+def ranking(records: list[dict]) -> list[dict]:
+    """The finished trials as rows (trials that differ only in their seed form one row, averaged),
+    best first: the most layers dropped, then the lowest mean validation NLL. Each row compared with
+    the best row of its drop count (`compare`); `best` marks that row."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("status") == "finished" and r.get("val_loss") is not None:
+            groups.setdefault(_group(r), []).append(r)
+    rows = sorted((_row(g) for g in groups.values()), key=lambda r: (-r["n_drop"], r["val_loss"]))
+    out, bests = [], {}
+    for row in rows:
+        best = bests.setdefault(row["n_drop"], row)
+        out.append({**{k: v for k, v in row.items() if k not in ("nlls", "docs")}, **compare(row, best),
+                    "best": row is best})
+    return out
+
+
+def ranking_table(rows: list[dict]) -> str:
+    """The ranking as text: one line per row, the difference from the best with its paired SE."""
+    from trsp_ray.common import table
+
+    def call(r: dict) -> str:
+        if r["best"]:
+            return "best"
+        return "no per-window losses" if r["tie"] is None else ("tie" if r["tie"] else "worse")
+
+    shown = [{"trials": ",".join(r["trials"]), "point": json.dumps(r["point"], default=str), "drop": r["n_drop"],
+              "seeds": r["seeds"], "val PPL": f"{r['val_ppl']:.3f}", "spread": f"{r['spread']:.4f}",
+              "diff (nats)": f"{r['diff']:+.4f}", "paired SE": "-" if r["se"] is None else f"{r['se']:.4f}",
+              "call": call(r)} for r in rows]
+    return table.render(shown, list(shown[0])) if shown else ""
