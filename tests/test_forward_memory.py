@@ -24,6 +24,8 @@ from trsp_ray.plan.compensation_plan import fit_phases
 from trsp_ray.plan.memory import GB
 from trsp_ray.plan.shape import read_shape
 from trsp_ray.plan.single_plan import SingleSetup, single_forward
+from trsp_ray.plan.zero3_plan import influence_stage
+from trsp_ray.plan.zero3_setup import Setup
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROWS, SEQLEN = 4, 128
@@ -54,11 +56,11 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _llama(tmp_path, dtype, *, intermediate: int = 768):
+def _llama(tmp_path, dtype, *, intermediate: int = 768, vocab: int = 512):
     """A random Llama of Llama-3 proportions (d 256, I = 3d, GQA) in `dtype`, and its planner Shape."""
     import transformers as tf
 
-    config = tf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=intermediate, num_hidden_layers=6,
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=intermediate, num_hidden_layers=6,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     config.save_pretrained(tmp_path)
     torch.manual_seed(0)
@@ -66,8 +68,8 @@ def _llama(tmp_path, dtype, *, intermediate: int = 768):
     return model, read_shape(str(tmp_path))
 
 
-def _windows(n: int):
-    return list(torch.randint(0, 512, (n * ROWS, SEQLEN), generator=torch.Generator().manual_seed(1)).split(ROWS))
+def _windows(n: int, *, vocab: int = 512):
+    return list(torch.randint(0, vocab, (n * ROWS, SEQLEN), generator=torch.Generator().manual_seed(1)).split(ROWS))
 
 
 def _peak(fn) -> int:
@@ -89,6 +91,20 @@ def test_block_influence_holds_what_its_plan_counts(tmp_path, dtype, intermediat
     stage = single_forward("shortgpt", s, SingleSetup(dtype_bytes=e, baseline_batch=ROWS, baseline_seqlen=SEQLEN),
                            batch=ROWS, seqlen=SEQLEN, evaluation=False)
     planned = (stage.total - sum(v for k, v in stage.parts.items() if k.startswith(("model", "runtime")))) * GB
+    assert 0.85 <= planned / measured <= 1.15, (planned, measured)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_block_influence_on_workers_holds_what_its_plan_counts(tmp_path, dtype):
+    """On ZeRO-3 workers the pass runs the LM head and the loss (influence_sums with head=True, as
+    ranks.block_influence_on_ranks calls it; the engine's gathers are the plan's other parts): with a
+    vocabulary 32 times the width, the logits, their fp32 upcast and the log-softmax are its peak."""
+    model, s = _llama(tmp_path, dtype, vocab=8192)
+    gates = attach_gates(model)
+    measured = _peak(lambda: selectors.influence_sums(model, gates, _windows(2, vocab=8192), head=True))
+    e = 4 if dtype == "fp32" else 2
+    stage = influence_stage(s, Setup(workers=1, dtype_bytes=e, micro_batch=ROWS, seqlen=SEQLEN))
+    planned = stage.parts["one layer | the fp32 probe | the logits"] * GB
     assert 0.85 <= planned / measured <= 1.15, (planned, measured)
 
 

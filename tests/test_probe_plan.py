@@ -113,7 +113,8 @@ def test_plan_of_the_default_method_has_no_probes_and_freezes_the_drop_set():
     from trsp_ray.run.methods import shortgpt_windows
 
     windows = shortgpt_windows(replace(load_config(None, []), **{"data.seqlen": 2048}), 20)
-    assert f"Block Influence, forward-only, within the stage-1 figure; {windows} windows x 2048 tokens" in out
+    assert ("Block Influence, forward-only: 13.9 GB per worker (stage 1's model state and one micro batch's logits), "
+            f"within the stage-1 figure; {windows} windows x 2048 tokens") in out
     assert "checkpoint: 579.6 GB per save" in out
     paper = subprocess.run([*args, "--method", "trsp"], capture_output=True, text=True, timeout=300)
     assert "checkpoint: 770.9 GB per save" in paper.stdout and "stage 1 probes: 14.5 GB" in paper.stdout

@@ -82,6 +82,7 @@ def _shortgpt_lines(cfg, result) -> list[str]:
     from trsp_ray.config import registry
     from trsp_ray.config.run_config import replace
     from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.plan.zero3_plan import influence_stage
     from trsp_ray.run.methods import shortgpt_windows
 
     if registry.method(cfg.method).selector == registry.TAIL_SELECTOR:
@@ -89,7 +90,9 @@ def _shortgpt_lines(cfg, result) -> list[str]:
     seqlen = result.setup.seqlen
     windows = shortgpt_windows(replace(cfg, **{"data.seqlen": seqlen}), n_drop_for(cfg.ratio, result.shape.layers))
     per_gpu = -(-windows // result.setup.workers)
-    return [f"  selection ({cfg.method}): Block Influence, forward-only, within the stage-1 figure; {windows} "
+    bi = influence_stage(result.shape, result.setup)
+    return [f"  selection ({cfg.method}): Block Influence, forward-only: {bi.total:.1f} GB per worker (stage 1's "
+            f"model state and one micro batch's logits), within the stage-1 figure; {windows} "
             f"windows x {seqlen} tokens = {windows * seqlen / 1e6:,.2f}M dense-forward tokens (all GPUs; "
             f"{per_gpu} windows per GPU)"]
 

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, replace
 
 from trsp_ray.method.recipes import MAP_RECIPE, TAIL_RECIPE
-from trsp_ray.plan.activations import training_activations_gb
+from trsp_ray.plan.activations import forward_layer_bytes, probe_bytes, training_activations_gb
 from trsp_ray.plan.host_plan import HostPlan, disk_problem, host_and_disk
 from trsp_ray.plan.memory import ADAM_FP32, GB, OVERHEAD_GB, REDUCE_BUCKET, Peaks, StagePlan
 from trsp_ray.plan.shape import Shape, read_shape
@@ -71,6 +71,22 @@ def estimate(s: Shape, st: Setup) -> tuple[StagePlan, StagePlan]:
                 MAP_RECIPE: f"{st.maps} folded down_proj"}[st.trainable]
         stage2 = _stage(f"stage 2 ({what})", s, st, trained=trained, frozen=p - trained, grad_layers=st.grad_layers(s))
     return stage1, stage2
+
+
+def influence_stage(s: Shape, st: Setup) -> StagePlan:
+    """Block Influence on ZeRO-3 workers (ranks.block_influence_on_ranks), which the default pipeline runs
+    instead of stage 1: stage 1's model state, and no-grad forwards of a micro batch through the whole
+    model (selectors.influence_sums with head=True: the LM head and the loss run) holding the largest of
+    one layer's forward, the fp32 probe and the logits with their fp32 upcast and log-softmax beside the
+    final stream (e(V + h) + 8V; fp32 has no upcast). Per token, as single_plan counts one process's."""
+    e = st.dtype_bytes
+    stage1 = estimate(s, st)[0]
+    plan = StagePlan("shortgpt (Block Influence)", {k: v for k, v in stage1.parts.items() if k != "activations"},
+                     stage1.host)
+    logits = e * (s.vocab + s.hidden) + s.vocab * (4 + (4 if e != 4 else 0))
+    plan.parts["one layer | the fp32 probe | the logits"] = st.micro_batch * st.seqlen * max(
+        forward_layer_bytes(s, e), probe_bytes(s, e), logits) / GB
+    return plan
 
 
 @dataclass
@@ -193,8 +209,12 @@ def planned_maps(selector: str | None, *, n_drop: int) -> int:
 
 def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
     """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
+    from trsp_ray.config import registry
+
     st = with_heal_setup(cfg, setup_for_run(cfg, ds_config), s)
     p = plan(s, st)
+    if registry.method(cfg.method).selector == registry.SHORTGPT_SELECTOR:  # worker._shortgpt: no stage 1
+        p.stages = (influence_stage(s, st),) + p.stages[1:]
     if not recovers_on_workers(cfg):
         p.stages = p.stages[:1]
     return p
