@@ -14,8 +14,9 @@ and hold the larger of one layer and Block Influence's fp32 probe (activations.p
 the logits put Block Influence 59-80% over on one H200); SLEB and angular also the inputs of every
 layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squares
 fit ("compensation", after the removal): on a GPU a transient dense copy on the device (the pruned copy
-steps out to host memory, methods._dense_beside; the fold lands there), on CPU the pruned copy and the
-original; beside it the fit's sums and its largest phase over min(data.batch_size, windows) windows per
+steps out to host memory, methods._dense_beside; the fold lands there; the copy is dropped before the
+pruned copy returns, and the removed layers before the fit: the first H200 run, which held all three,
+measured 4.03 GiB on a 1B against 2.52 planned), on CPU the pruned copy and the original; beside it the fit's sums and its largest phase over min(data.batch_size, windows) windows per
 forward (distributed/compensation_plan.fit_phases, the workers' formula).
 Measured: benchmarks/planner_single.py; the fit on workers: benchmarks/fit_memory.py.
 """
