@@ -220,16 +220,35 @@ def run_zero3(ctx: dict, cfg, *, tag: str, fault=None):
         shutil.rmtree(cfg.distributed.storage_path, ignore_errors=True)
 
 
+def zero3_plan_vs_peaks(cfg, events: list[dict], *, gpu: bool) -> list[dict]:
+    """The ZeRO-3 plan's first and last stage (less the runtime overhead) against the worker's stage1_done and
+    stage2_done peaks (max_memory_allocated on a GPU, the resident set on a CPU)."""
+    from trsp_ray.data import assets
+    from trsp_ray.distributed.deepspeed_config import build_ds_config
+    from trsp_ray.plan.memory import OVERHEAD_GB
+    from trsp_ray.plan.zero3_plan import plan_for_run
+
+    ds_config = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr)
+    stages = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config).stages
+    peaks = {e["event"]: e["peak_gb"] for e in events if e.get("peak_gb") is not None}
+    rows = []
+    for stage, event in ((stages[0], "stage1_done"), (stages[-1], "stage2_done")):
+        planned, peak = stage.total - OVERHEAD_GB["gpu" if gpu else "cpu"], peaks.get(event)
+        rows.append({"stage": stage.name, "event": event, "plan_gib": round(planned, 3), "peak_gib": peak,
+                     "error": None if not peak else round((planned - peak) / peak, 3)})
+    return rows
+
+
 def _zero3(ctx: dict, method: str, tag: str, workers: int) -> dict:
     t0 = time.time()
+    gpu = ctx["device"] == "cuda"
     cfg = zero3_config(ctx, tag, method, f"distributed.workers={workers}", "distributed.checkpoint_every=100")
     result = run_zero3(ctx, cfg, tag=tag)
-    peaks = {e["event"]: round(e["peak_gb"], 2) for e in result.events if e.get("peak_gb") is not None}
-    manifest = manifest_of(result.output)
-    figure = (f"{workers} worker{'s' if workers > 1 else ''}, {'NCCL' if ctx['device'] == 'cuda' else 'gloo'}, "
-              f"{time.time() - t0:.0f}s: drop {result.drop_order}, peaks {peaks or '-'}, "
-              f"{check_line(manifest, '')}")
-    return {"figure": figure, "drop": result.drop_order, "peaks_gib": peaks, "output": result.output,
+    manifest, plan = manifest_of(result.output), zero3_plan_vs_peaks(cfg, result.events, gpu=gpu)
+    versus = ", ".join(f"{r['stage']} {r['plan_gib']:.2f} vs {r['peak_gib'] or 0:.2f} GiB" for r in plan)
+    figure = (f"{workers} worker{'s' if workers > 1 else ''}, {'NCCL' if gpu else 'gloo'}, {time.time() - t0:.0f}s: "
+              f"drop {result.drop_order}, plan vs peak {versus}, {check_line(manifest, '')}")
+    return {"figure": figure, "drop": result.drop_order, "plan_vs_peak": plan, "output": result.output,
             "export_check": manifest.get("export_check")}
 
 
