@@ -182,6 +182,7 @@ def test_the_workers_heal_hands_the_engine_only_the_recipe():
     frozen when the engine is built."""
     from trsp_ray.distributed.recovery import heal_on_workers
     from trsp_ray.method.gates import attach_gates
+    from trsp_ray.run.pipeline import named
 
     drop = [2, 3]
     for recipe, comp, expect in (("tail", None, ["lm_head", 4, 5]), ("map", {"blocks": [(2, 3)]}, ["down_proj 1"])):
@@ -190,7 +191,7 @@ def test_the_workers_heal_hands_the_engine_only_the_recipe():
         cfg = load_config(overrides=["method=tail+comp+heal", "compensation.method=lstsq", "stage2.steps=1",
                                      f"heal.trainable={recipe}", "heal.tail_layers=2"])
         got: dict = {}
-        heal_on_workers(cfg, model=model, gates=gates, drop=drop, comp=comp, batches=_batches(),
+        heal_on_workers(named(cfg), model=model, gates=gates, drop=drop, comp=comp, batches=_batches(),
                         make_stepper=functools.partial(_keep_groups, got), report=lambda metrics, step: None)
         want = []
         for e in expect:

@@ -137,5 +137,6 @@ def test_hand_over_to_workers_expects_the_round1_prefix(monkeypatch):
         monkeypatch.setattr(train, "run_distributed", workers)
         _, shared = handoff.run_stage2_distributed(cfg, stage1=stage1, n_drop=N_DROP, name="t")
         assert shared, method
-    assert {m: handed_over_drop(stage1, method=m, n_drop=N_DROP) for m in registry.TRSP_METHODS} \
+    assert {m: handed_over_drop(stage1, ranking=registry.method(m).ranking, n_drop=N_DROP)
+            for m in registry.TRSP_METHODS} \
         == {m: _expected(m, result) for m in registry.TRSP_METHODS}

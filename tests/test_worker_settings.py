@@ -13,12 +13,18 @@ from trsp_ray.distributed.recovery import heal_on_workers, recovery_settings
 from trsp_ray.method.gates import attach_gates
 from trsp_ray.method.training import Batches, TorchStepper
 from trsp_ray.models.tiny import tiny_model
+from trsp_ray.run.pipeline import named
 
 LLAMA2_70B = Path(__file__).resolve().parents[1] / "cluster" / "models" / "llama-2-70b.json"
 
 
 def _cfg(*overrides):
     return load_config(None, ["distributed.workers=2", *overrides])
+
+
+def _pipe(*overrides):
+    """The pipeline a worker reads (worker.train_loop: the driver's resolved config, as named)."""
+    return named(_cfg(*overrides))
 
 
 @pytest.mark.parametrize("overrides, refused", [
@@ -49,13 +55,13 @@ def test_the_dtypes_the_workers_run_are_accepted(overrides, dtype):
 
 
 def test_a_heal_method_heals_on_workers_with_stage2_disabled_with_the_single_process_heal():
-    heal = recovery_settings(_cfg("method=trsp+heal", "stage2.enabled=false", "stage2.mode=sequential",
-                                  "stage2.steps=7", "stage2.lr=3e-4"))
+    heal = recovery_settings(_pipe("method=trsp+heal", "stage2.enabled=false", "stage2.mode=sequential",
+                                   "stage2.steps=7", "stage2.lr=3e-4"))
     # run_heal's arguments, methods.method_heal's budget: no stage-2 schedule or mode reaches a heal
     assert heal == {"steps": 7, "lr": 3e-4, "trainable": "all", "lora_rank": 8, "tail_layers": 3}
-    assert recovery_settings(_cfg("method=trsp", "stage2.enabled=false")) is None
-    assert recovery_settings(_cfg("method=trsp-no-stage2")) is None
-    paper = recovery_settings(_cfg("method=trsp", "stage2.mode=sequential"))
+    assert recovery_settings(_pipe("method=trsp", "stage2.enabled=false")) is None
+    assert recovery_settings(_pipe("method=trsp-no-stage2")) is None
+    paper = recovery_settings(_pipe("method=trsp", "stage2.mode=sequential"))
     assert paper["mode"] == "sequential" and paper["schedule"] == load_config(None, []).stage2.schedule
 
 
@@ -87,7 +93,7 @@ def test_a_worker_heal_freezes_the_dropped_layers():
         return built[-1]
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    heal_on_workers(_cfg("method=trsp+heal", "stage2.steps=3", "stage2.lr=1e-3"), model=model, gates=gates,
+    heal_on_workers(_pipe("method=trsp+heal", "stage2.steps=3", "stage2.lr=1e-3"), model=model, gates=gates,
                     drop=drop, comp=None, batches=Batches(_ids(), seqlen=32, batch_size=4, seed=0), make_stepper=make,
                     report=lambda metrics, step: None)
     (stepper,) = built
@@ -136,7 +142,7 @@ def test_the_workers_heal_is_the_single_process_heal_loop(monkeypatch, recipe):
     bench = SimpleNamespace(model=model, gates=attach_gates(model), factory=_Factory(), calib_ids=_ids(),
                             calib_strata=None, tokenizer=SimpleNamespace(), world=1)
     torch.manual_seed(1)  # LoRA's initialisation: the same draws on both paths (one adapter per kept Linear)
-    healed = worker._stage2({}, cfg, bench, drop=drop, s1_state={}, events=EventLog(None, 0), meta=None,
+    healed = worker._stage2({}, named(cfg), bench, drop=drop, s1_state={}, events=EventLog(None, 0), meta=None,
                             engine_dir=None, rank=0, fault=FaultInjector(None, 0, None))
     assert len(calls) == 1 and calls[0]["steps"] == 3
     remove_layers(pruned, drop)

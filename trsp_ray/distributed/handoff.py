@@ -13,10 +13,12 @@ def run_stage2_distributed(cfg, *, stage1: dict | None, n_drop: int, name: str, 
     to `cfg.output`; `shared` is True when the exported drop set is `stage1`'s for `cfg.method`.
     `stage1=None`: the workers learn stage 1 (a model whose stage 1 needs them too)."""
     from trsp_ray.distributed.train import run_distributed
+    from trsp_ray.run.pipeline import named
     from trsp_ray.run.stage1_store import handed_over_drop
 
     if stage1 is None:
         return run_distributed(cfg, name=name, overwrite=overwrite), False
-    expected = handed_over_drop(stage1, method=cfg.method, n_drop=n_drop)
+    # the ranking the workers drop by (worker.train_loop reads the same spec of the same name)
+    expected = handed_over_drop(stage1, ranking=named(cfg).spec.ranking, n_drop=n_drop)
     result = run_distributed(cfg, stage1=stage1, name=name, overwrite=overwrite)
     return result, list(result.drop_order) == list(expected)

@@ -90,12 +90,14 @@ def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
         raise TrspError(f"the plan does not fit: {problem}")
 
 
-def check_worker_settings(cfg, *, drop_given: bool = False) -> None:
-    """Settings one process honours that the workers would not: refused in one line."""
+def check_worker_settings(cfg, *, drop_given: bool = False, pipe=None) -> None:
+    """Settings one process honours that the workers would not: refused in one line. `pipe`: the
+    run's resolved pipeline (run_distributed's); by default the one `cfg` names (pipeline.named)."""
     from trsp_ray.config import registry
     from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.deepspeed_config import check_worker_dtype
     from trsp_ray.plan.zero3_plan import method_on_workers
+    from trsp_ray.run.pipeline import named
 
     if not method_on_workers(cfg.method, drop_given=drop_given):
         handed = (f" ({', '.join(registry.HANDED_OVER_METHODS)} with a drop set chosen in one process)"
@@ -103,7 +105,7 @@ def check_worker_settings(cfg, *, drop_given: bool = False) -> None:
         raise TrspError(f"method={cfg.method!r} is not run on Ray Train workers; use one of "
                         f"{', '.join(registry.WORKER_METHODS)}{handed}, a composed +heal pipeline after trsp, "
                         "shortgpt or tail, or distributed.workers=0")
-    if drop_given and not registry.method(cfg.method).heal:
+    if drop_given and not (pipe or named(cfg)).spec.heal:
         raise TrspError(f"a drop set handed to the workers is healed there; method={cfg.method!r} does not heal, "
                         f"use a heal method ({', '.join(m.name for m in registry.METHODS.values() if m.heal)})")
     check_worker_dtype(cfg)
@@ -127,16 +129,19 @@ def check_handed_drop(drop, *, ratio: float, layers: int) -> None:
 
 
 def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False, resources: dict | None = None,
-                cpus: int | None = None, drop_given: bool = False):
-    """All checks, in the driver; returns (ds_config, storage, model_path)."""
+                cpus: int | None = None, drop_given: bool = False, pipe=None):
+    """All checks, in the driver; returns (ds_config, storage, model_path). `pipe`: the run's resolved
+    pipeline (run_distributed's); by default the one `cfg` names (pipeline.named)."""
     from trsp_ray.data import assets
     from trsp_ray.distributed.deepspeed_config import build_ds_config, validate_ds_config
     from trsp_ray.run.export import check_output_dir
+    from trsp_ray.run.pipeline import named
 
     dist = cfg.distributed
     if dist.workers < 1:
         raise TrspError("distributed.workers=0 means a single-process run; use workers >= 1 for Ray Train")
-    check_worker_settings(cfg, drop_given=drop_given)
+    pipe = pipe or named(cfg)
+    check_worker_settings(cfg, drop_given=drop_given, pipe=pipe)
     ds_config = build_ds_config(dist, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=ds_options)
     validate_ds_config(ds_config)
     for name, steps in (("stage1.first_round_steps", cfg.stage1.first_round_steps),
@@ -144,11 +149,10 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
                         ("distributed.checkpoint_every", dist.checkpoint_every)):
         if steps % dist.grad_accum:  # a round or checkpoint must end on an optimizer step
             raise TrspError(f"{name}={steps} is not a multiple of distributed.grad_accum={dist.grad_accum}")
-    from trsp_ray.config import registry
     from trsp_ray.config.sections import heal_recipe
     from trsp_ray.plan.zero3_plan import trains_on_workers
 
-    heals = registry.method(cfg.method).heal  # a heal method's heal trains its recipe, stage 2 stage2.trainable
+    heals = pipe.spec.heal  # a heal method's heal trains its recipe, stage 2 stage2.trainable
     trainable = heal_recipe(cfg, heal_method=True)[0] if heals else cfg.stage2.trainable
     if trainable == "lora" and dist.strategy == "zero3" and trains_on_workers(cfg):
         raise TrspError("stage2.trainable=lora is not supported under distributed.strategy=zero3 yet "
@@ -189,7 +193,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     if drop is not None and stage1 is not None:
         raise TrspError("run_distributed takes a stage-1 result or a drop set, not both")
     ds_config, storage, model_path = prepare_run(cfg, ds_options=ds_options, overwrite=overwrite,
-                                                 drop_given=drop is not None)
+                                                 drop_given=drop is not None, pipe=pipe)
     if drop is not None:
         from trsp_ray.plan.shape import read_shape
 

@@ -52,10 +52,14 @@ def train_loop(config: dict) -> None:
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.distributed import compensate
     from trsp_ray.distributed import engine as eng
+    from trsp_ray.run.pipeline import named
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     cfg = from_dict(config["run"])
+    # the driver resolved the pipeline (run_distributed): read once here, its spec handed down
+    pipe = named(cfg)
+    spec = pipe.spec
     # Threads: the run's setting, else the CPUs Ray gave this worker (more when the optimizer is
     # offloaded: CPU Adam steps this rank's whole partition every step).
     torch.set_num_threads(cfg.threads or config.get("cpus_per_worker") or 1)
@@ -71,16 +75,16 @@ def train_loop(config: dict) -> None:
         from trsp_ray.method.stage1 import n_drop_for
         from trsp_ray.run.stage1_store import handed_over_drop
 
-        drop = handed_over_drop(config["stage1"], method=cfg.method, n_drop=n_drop_for(cfg.ratio, bench.num_layers))
+        drop = handed_over_drop(config["stage1"], ranking=spec.ranking, n_drop=n_drop_for(cfg.ratio, bench.num_layers))
         s1_state = {"handed_over": True}
         events.write("stage1_done", drop_order=drop, handed_over=True, rounds_computed=0)
     elif config.get("drop") is not None:  # a heal method's drop set chosen in one process (SLEB's)
         drop, s1_state = list(config["drop"]), {"handed_over": True}
         events.write("stage1_done", drop_order=drop, handed_over=True, rounds_computed=0,
-                     selector=registry.method(cfg.method).selector)
-    elif registry.method(cfg.method).selector == registry.SHORTGPT_SELECTOR:
+                     selector=spec.selector)
+    elif spec.selector == registry.SHORTGPT_SELECTOR:
         drop, s1_state = _shortgpt(cfg, bench, events=events, rank=rank), {}
-    elif registry.method(cfg.method).selector == registry.TAIL_SELECTOR:  # no forward: every rank alike
+    elif spec.selector == registry.TAIL_SELECTOR:  # no forward: every rank alike
         from trsp_ray.method.selectors import tail_drop
         from trsp_ray.method.stage1 import candidate_layers, n_drop_for
 
@@ -90,14 +94,15 @@ def train_loop(config: dict) -> None:
         events.write("stage1_done", drop_order=drop, selector=registry.TAIL_SELECTOR, rounds_computed=0,
                      select_cost=0.0)
     else:
-        drop, s1_state = _stage1(config, cfg, bench, events=events, meta=meta, rank=rank, fault=fault)
+        drop, s1_state = _stage1(config, cfg, bench, ranking=spec.ranking, events=events, meta=meta, rank=rank,
+                                 fault=fault)
     comp = _fit_compensation(cfg, bench, drop=drop, events=events, rank=rank)
     # where one process folds (methods.apply_method): after stage 2, before a heal. A resumed heal
     # folds again and then loads its checkpoint's (folded, healed) weights over the result.
-    heal = comp is not None and registry.method(cfg.method).heal
+    heal = comp is not None and spec.heal
     if heal:
         compensate.apply(model=bench.model, drop=drop, info=comp)
-    model = _stage2(config, cfg, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
+    model = _stage2(config, pipe, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
                     engine_dir=engine_dir, rank=rank, fault=fault, comp=comp)
     if comp is not None and not heal:
         compensate.apply(model=model, drop=drop, info=comp)
@@ -153,9 +158,10 @@ def _batches(cfg, bench, seed_offset: int):
                    bos=bos_token(bench.tokenizer), strata=bench.calib_strata)
 
 
-def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, rank: int, fault: FaultInjector):
-    """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints)."""
-    from trsp_ray.config import registry
+def _stage1(config: dict, cfg, bench, *, ranking: str, events: EventLog, meta: dict | None, rank: int,
+            fault: FaultInjector):
+    """Run (or finish) stage 1; returns (drop order, final stage-1 state for later checkpoints).
+    `ranking`: which of stage 1's rankings the pipeline drops by (its spec's, Stage1Result.drop_for)."""
     from trsp_ray.data.perplexity import bos_token
     from trsp_ray.distributed import engine as eng
     from trsp_ray.method.probes import RemovalScorer, common_tokens
@@ -200,7 +206,7 @@ def _stage1(config: dict, cfg, bench, *, events: EventLog, meta: dict | None, ra
                         resume=last["state"], on_round=on_round, scorer=scorer, influence=influence,
                         **stage1_settings(s1))
     result.probe_cost += spent
-    drop = result.drop_for(registry.method(cfg.method).ranking, n_drop)
+    drop = result.drop_for(ranking, n_drop)
     events.write("stage1_done", drop_order=drop, rounds_computed=result.rounds_computed, peak_gb=peak_memory_gb(),
                  gates=bench.gates.gate_values(), gate_history=result.gate_history, probe_cost=result.probe_cost,
                  refine_calls=result.refine_calls, refine_budget=s1.refine_budget, refine_cost=result.refine_cost)
@@ -229,19 +235,20 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     return drop
 
 
-def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
+def _stage2(config: dict, pipe, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,
             engine_dir: str | None, rank: int, fault: FaultInjector, comp: dict | None = None):
     """Stage 2, or a heal method's heal (recovery.heal_on_workers: heal.run_heal, the single
     process's loop), with checkpoints every `checkpoint_every` steps; a resumed run fast-forwards.
-    A heal trains its recipe's set (`comp`: the fit's info, whose blocks name the map recipe's layers)."""
-    from trsp_ray.config import registry
+    A heal trains its recipe's set (`comp`: the fit's info, whose blocks name the map recipe's layers).
+    `pipe`: the run's pipeline (train_loop's), whose spec says whether it heals."""
     from trsp_ray.distributed.recovery import heal_on_workers, recovery_settings
     from trsp_ray.method.stage2 import run_stage2
 
-    settings = recovery_settings(cfg)
+    cfg = pipe.cfg
+    settings = recovery_settings(pipe)
     if settings is None:
         return bench.model
-    heal = registry.method(cfg.method).heal
+    heal = pipe.spec.heal
     done = meta.get("stage2_step", 0) if meta and meta["stage"] == 2 else 0
     every, steps = cfg.distributed.checkpoint_every, settings["steps"]
 
@@ -267,7 +274,7 @@ def _stage2(config: dict, cfg, bench, *, drop: list[int], s1_state: dict, events
     bench.factory.on_build = on_build
     reset_peak_memory()
     if heal:  # the batch stream the single-process heal reads
-        result = heal_on_workers(cfg, model=bench.model, gates=bench.gates, drop=drop, comp=comp,
+        result = heal_on_workers(pipe, model=bench.model, gates=bench.gates, drop=drop, comp=comp,
                                  batches=_batches(cfg, bench, HEAL_STREAM), make_stepper=bench.factory, report=report)
         updates = {}  # the drop set is bypassed from the first step: no update of it to measure
     else:

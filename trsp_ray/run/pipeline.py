@@ -40,8 +40,10 @@ class Pipeline:
     def name(self) -> str:
         return self.cfg.method
 
-    @property
+    @functools.cached_property
     def spec(self) -> registry.Method:
+        """The registry's entry of the pipeline that runs, read once per Pipeline: what the stages,
+        workers and plans read (selector, ranking, stage2, heal, fit, recipe) instead of its name."""
         return registry.method(self.name)
 
     @property
@@ -99,6 +101,13 @@ class Pipeline:
         return {"requested": self.requested, "name": self.name, "selector": self.spec.selector, "fit": self.fit,
                 "recipe": self.recipe, "fallback": self.fallback, **{f"compute_{k}": v for k, v in
                                                                        self.compute().items()}}
+
+
+def named(cfg) -> Pipeline:
+    """The Pipeline `cfg` names, with nothing decided for a model and no file read: a config resolved
+    where its run started (a Ray Train worker's plain dict, STYLE 3), or one planned before any run
+    (the reproduction's cells, a hand-over's check)."""
+    return Pipeline(requested=cfg.method, cfg=cfg)
 
 
 def training_steps(cfg) -> int:

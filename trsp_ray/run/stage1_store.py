@@ -138,14 +138,12 @@ def result_from(data: dict) -> Stage1Result:
     return Stage1Result(**{f.name: data[f.name] for f in dataclasses.fields(Stage1Result) if f.name in data})
 
 
-def handed_over_drop(data: dict, *, method: str, n_drop: int) -> list[int]:
-    """The drop set a TRSP `method` takes from a stage-1 result handed over as plain data
-    (`result_dict`): the first `n_drop` of the ranking its registry entry reads (the round-1 ranking
-    for `trsp-oneshot`, the greedy order otherwise). Ray Train workers prune by it, and the hand-over
-    (distributed/handoff.py) checks their export against it."""
-    from trsp_ray.config import registry
-
-    return result_from(data).drop_for(registry.method(method).ranking, n_drop)
+def handed_over_drop(data: dict, *, ranking: str, n_drop: int) -> list[int]:
+    """The drop set a TRSP pipeline takes from a stage-1 result handed over as plain data
+    (`result_dict`): the first `n_drop` of the `ranking` its resolved spec reads (Pipeline.spec: the
+    round-1 ranking for `trsp-oneshot`, the greedy order otherwise). Ray Train workers prune by it,
+    and the hand-over (distributed/handoff.py) checks their export against it."""
+    return result_from(data).drop_for(ranking, n_drop)
 
 
 class Stage1Store:
