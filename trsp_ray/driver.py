@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 from trsp_ray.common.logs import log
-from trsp_ray.config import registry
 from trsp_ray.config.run_config import RunConfig
 from trsp_ray.data import domains
 from trsp_ray.data.heldout import text_windows
@@ -76,13 +75,13 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         log(f"dense held-out PPL {dense_ppl:.2f}")
         report = lambda metrics, step: tracker.log_metrics(metrics, step)
         stage1, stage1_seconds = None, 0.0
-        if registry.method(cfg.method).uses_stage1:
+        if pipe.spec.uses_stage1:
             started = time.perf_counter()
             stage1 = run_stage1(cfg, bench, report=report)
             stage1_seconds = time.perf_counter() - started
             tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
                                "stage1_gates.png")
-        outcome = apply_method(bench, cfg.method, stage1=stage1, report=report)
+        outcome = apply_method(bench, pipe.spec, stage1=stage1, report=report)
         if "relative_update" in outcome.info:
             tracker.log_dict(outcome.info["relative_update"], "stage2_relative_update.json")
         ppl = bench.heldout_ppl(outcome.model)
@@ -111,7 +110,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
         tracker.log_dict(manifest, "trsp_ray.json")
         tracker.log_dict({"drop_order": outcome.drop}, "drop_order.json")
     comp = cfg.compensation.method
-    named = registry.method(cfg.method).compensate and comp == "lstsq"  # the method's name says it
+    named = pipe.spec.compensate and comp == "lstsq"  # the method's name says it
     label = cfg.method if comp == "none" or named else f"{cfg.method} ({comp} compensation)"
     print(render([{"method": "dense", "layers": bench.num_layers, "held-out PPL": dense_ppl},
                   {"method": label, "layers": len(outcome.kept), "dropped": " ".join(map(str, outcome.drop)),

@@ -76,16 +76,18 @@ def setup_from_args(args: argparse.Namespace):
                  remote_storage=args.storage == "remote")
 
 
-def _shortgpt_lines(cfg, result) -> list[str]:
+def _shortgpt_lines(pipe, result) -> list[str]:
     """What ShortGPT's selection costs on the workers: forward passes only (no optimizer, no vocabulary
-    logits kept), within the memory of the "stage 1" figure above, which also holds the gates' state."""
+    logits kept), within the memory of the "stage 1" figure above, which also holds the gates' state.
+    `pipe`: the resolved pipeline (run_plan's)."""
     from trsp_ray.config import registry
     from trsp_ray.config.run_config import replace
     from trsp_ray.method.stage1 import n_drop_for
     from trsp_ray.plan.zero3_plan import influence_stage
     from trsp_ray.run.methods import shortgpt_windows
 
-    if registry.method(cfg.method).selector == registry.TAIL_SELECTOR:
+    cfg = pipe.cfg
+    if pipe.spec.selector == registry.TAIL_SELECTOR:
         return [f"  selection ({cfg.method}): the last candidates before the protected tail, no forward pass"]
     seqlen = result.setup.seqlen
     windows = shortgpt_windows(replace(cfg, **{"data.seqlen": seqlen}), n_drop_for(cfg.ratio, result.shape.layers))
@@ -129,8 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if disk:
         raise TrspError(disk)
     probes = probe_plan(result.shape, result.setup, ProbeSetup.from_config(cfg))
-    after = format_probe_plan(probes, result.setup) if registry.method(cfg.method).uses_stage1 else \
-        _shortgpt_lines(cfg, result)
+    after = format_probe_plan(probes, result.setup) if pipe.spec.uses_stage1 else _shortgpt_lines(pipe, result)
     comp_fits, fit_host = True, 0.0
     if cfg.compensation.method == "scalar":
         after += ["  compensation (scalar, after the selection): six float64 sums per block and one layer's output "

@@ -38,7 +38,9 @@ def cell_config(preset, spec, *, method: str, overrides: list[str] | None = None
 
 
 def uses_stage1(cfg: RunConfig, method: str) -> bool:
-    return grid_method(method).method is not None and registry.method(cfg.method).uses_stage1
+    from trsp_ray.run.pipeline import named
+
+    return grid_method(method).method is not None and named(cfg).spec.uses_stage1
 
 
 def prune_key(cfg: RunConfig, method: str, *, calib_fp: str) -> str:
@@ -80,6 +82,7 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
     scored, and a TRSP cell's stage 1 is the shared one, so neither plans a stage 1 of its own."""
     from trsp_ray.plan import route
     from trsp_ray.plan.single_plan import single_plan, single_setup_for_run
+    from trsp_ray.run.pipeline import named
 
     shape = shape or model_shape(spec)
     device = _device(cfg)
@@ -90,11 +93,12 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
         if not plan.fits:
             raise TrspError(f"scoring {spec.key}: {plan.reason()}")
         return route.Route(0, device, plan)
+    spec = named(cfg).spec  # the cell's pipeline, read once for its route
     chosen = route.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers,
-                         drop_given=_selects_elsewhere(cfg))
-    if hands_over(cfg, chosen.workers):  # its selection runs in the model's one-device task (prune_cells)
+                         drop_given=_selects_elsewhere(spec))
+    if chosen.workers > 0 and _selects_elsewhere(spec):  # its selection runs in the model's one-device task
         try:
-            route.route(replace(cfg, method=selection_method(cfg.method)), device=device, memory_gb=memory,
+            route.route(replace(cfg, method=selection_method(spec)), device=device, memory_gb=memory,
                         shape=shape, max_workers=0)
         except TrspError as exc:
             raise TrspError(f"the {cfg.method} cell of {spec.key} heals on {chosen.workers} workers, and its "
@@ -102,21 +106,22 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
     return chosen
 
 
-def selection_method(method: str) -> str:
-    """The method that only selects with `method`'s selector (sleb+heal -> sleb)."""
-    selector = registry.method(method).selector
+def selection_method(spec: registry.Method) -> str:
+    """The method that only selects with the selector of pipeline `spec` (sleb+heal -> sleb)."""
     return next(m.name for m in registry.METHODS.values()
-                if m.selector == selector and not m.heal and not m.stage2 and m.ranking == "order")
+                if m.selector == spec.selector and not m.heal and not m.stage2 and m.ranking == "order")
 
 
-def _selects_elsewhere(cfg: RunConfig) -> bool:
+def _selects_elsewhere(spec: registry.Method) -> bool:
     """A heal method whose selection the workers do not run (registry.HANDED_OVER_METHODS)."""
-    return registry.method(cfg.method).name in registry.HANDED_OVER_METHODS
+    return spec.name in registry.HANDED_OVER_METHODS
 
 
 def hands_over(cfg: RunConfig, workers: int) -> bool:
     """Whether a cell routed to `workers` gets its drop set from the model's one-device task."""
-    return workers > 0 and _selects_elsewhere(cfg)
+    from trsp_ray.run.pipeline import named
+
+    return workers > 0 and _selects_elsewhere(named(cfg).spec)
 
 
 def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
@@ -204,12 +209,13 @@ def _select_one(bench, c: dict) -> dict:
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.method.gates import attach_gates
     from trsp_ray.run.methods import select
+    from trsp_ray.run.pipeline import named
 
     cfg = from_dict(c["run"])
     cell_bench = dataclasses.replace(bench, cfg=cfg)
     log(f"cell {c['id']}: choosing {cell_bench.n_drop()} of {bench.num_layers} layers for its Ray Train heal")
     model = cell_bench.fresh_model()
-    drop, info = select(cell_bench, cfg.method, model=model, gates=attach_gates(model, gate_mode=cfg.gates.gate))
+    drop, info = select(cell_bench, named(cfg).spec, model=model, gates=attach_gates(model, gate_mode=cfg.gates.gate))
     return {"drop": [int(i) for i in drop], "info": info}
 
 
@@ -217,6 +223,7 @@ def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
     from trsp_ray.common.logs import log
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.pipeline import named
     from trsp_ray.run.stage1_store import result_from
 
     t0 = time.time()
@@ -226,7 +233,7 @@ def _prune_one(bench, c: dict, target: str, stage1: dict | None) -> dict:
     cfg = from_dict(c["run"])
     cell_bench = dataclasses.replace(bench, cfg=cfg)
     log(f"cell {c['id']}: pruning {cell_bench.n_drop()} of {bench.num_layers} layers")
-    out = apply_method(cell_bench, cfg.method, stage1=None if stage1 is None else result_from(stage1))
+    out = apply_method(cell_bench, named(cfg).spec, stage1=None if stage1 is None else result_from(stage1))
     info = {k: v for k, v in out.info.items() if k != "relative_update"}
     export_cell(out, bench, method=c["method"], config=cfg.to_dict(), info=info, target=target)
     return {"cell_id": c["id"], "model_dir": target, "drop": out.drop, "info": info,

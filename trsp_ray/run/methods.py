@@ -188,14 +188,14 @@ def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> f
     return cost + result.probe_cost
 
 
-def select(bench, method: str, *, model, gates, stage1: Stage1Result | None = None,
+def select(bench, method: str | registry.Method, *, model, gates, stage1: Stage1Result | None = None,
            report: Report = null_report) -> tuple[list[int], dict]:
     """The drop list of `method` and what choosing it cost (calibration tokens, dense-forward tokens).
 
     TRSP methods reuse a given stage-1 result (one stage-1 run serves every TRSP method and ratio)."""
     from trsp_ray.method import selectors
 
-    spec = registry.method(method)
+    spec = registry.as_method(method)
     n_drop, candidates, cfg = bench.n_drop(), bench.candidates(), bench.cfg
     seqlen = cfg.data.seqlen
     if spec.uses_stage1:
@@ -313,10 +313,10 @@ def _dense_beside(bench, model, *, activations: str):
 FitStore = Callable[[Callable[[], tuple[dict, dict]], Callable[[dict], None]], tuple[dict, dict]]
 
 
-def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: Stage1Result | None = None,
-                 stage2: bool | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
+def apply_method(bench, method: str | registry.Method, *, drop: list[int] | None = None, stage2: bool | None = None,
+                 stage1: Stage1Result | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
                  on_model: Callable[[object], None] | None = None, fit_store: FitStore | None = None) -> Outcome:
-    """Prune a fresh copy of the model with `method`; returns the pruned model and what it cost.
+    """Prune a fresh copy of the model with `method` (Pipeline.spec, or a name); returns the pruned model and its cost.
 
     `drop` skips the selection (a drop set computed before, e.g. shared by several benchmark rows);
     `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's;
@@ -324,10 +324,11 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     validation loss mid-training through `report`); `fit_store(compute, apply)` shares a least-squares
     fit among runs of the same drop set and fit (a search's trials): it returns compute()'s result,
     computed now or stored, and hands a stored one's weights to `apply` (compensation.folded_weights)."""
-    cfg = bench.cfg
+    spec = registry.as_method(method)
+    method, cfg = spec.name, bench.cfg
     s2 = stage2_cfg or cfg.stage2
-    heal = heal_cfg or (method_heal(cfg) if registry.method(method).heal and stage2 is None else cfg.heal)
-    use_stage2 = (registry.method(method).stage2 and s2.enabled) if stage2 is None else stage2
+    heal = heal_cfg or (method_heal(cfg) if spec.heal and stage2 is None else cfg.heal)
+    use_stage2 = (spec.stage2 and s2.enabled) if stage2 is None else stage2
     # a compensating method fits least squares by default; a fit after stage 2 is refused here
     comp = sized(for_method(cfg, method, stage2=bool(use_stage2) and s2.steps > 0),
                  hidden=families.text_config(bench.model).hidden_size).compensation  # windows 0: auto
@@ -340,7 +341,7 @@ def apply_method(bench, method: str, *, drop: list[int] | None = None, stage1: S
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
     t0 = time.time()
     if drop is None:
-        drop, info = select(bench, method, model=model, gates=gates, stage1=stage1, report=report)
+        drop, info = select(bench, spec, model=model, gates=gates, stage1=stage1, report=report)
     else:
         drop, info = list(drop), {}
     info["select_seconds"] = time.time() - t0
