@@ -135,6 +135,7 @@ def test_the_fit_leaves_one_model_on_the_device(tmp_path, monkeypatch):
     import contextlib
 
     from trsp_ray.config.run_config import load_config
+    from trsp_ray.models import families
     from trsp_ray.models.tiny import tiny_workspace
     from trsp_ray.run import methods
     from trsp_ray.run.workbench import prepare
@@ -147,7 +148,7 @@ def test_the_fit_leaves_one_model_on_the_device(tmp_path, monkeypatch):
     removed, seen = [], {}
 
     def on_model(model):
-        removed.extend(weakref.ref(layer) for i, layer in enumerate(model.model.layers) if i in (2, 4))
+        removed.extend(weakref.ref(layer) for i, layer in enumerate(families.decoder_layers(model)) if i in (2, 4))
 
     @contextlib.contextmanager
     def dense_beside(bench, model, *, activations):
