@@ -73,6 +73,26 @@ def test_a_mixture_file_rewritten_changes_the_keys(assets, tmp_path):
     assert selection_key(base, "fp", num_layers=8) != before
 
 
+def test_a_domain_enters_the_keys_by_its_text(assets, monkeypatch):
+    """A domain's source files changed (another package version): the same mixture spec is other work."""
+    from trsp_ray.data import domains
+    from trsp_ray.search.pipeline import selection_key
+
+    base = _base(assets, "shortgpt+heal", "data.calib_mix=news:1").to_dict()
+    monkeypatch.setattr(domains, "text_key", lambda name: "old")
+    before = selection_key(base, "fp", num_layers=8)
+    monkeypatch.setattr(domains, "text_key", lambda name: "new")
+    assert selection_key(base, "fp", num_layers=8) != before
+
+
+def test_a_searched_mixture_names_its_files_by_absolute_paths(assets, monkeypatch):
+    """Tune runs a trial in its own working directory: a relative file in a searched mixture would not
+    be found there (nor fingerprinted the same)."""
+    monkeypatch.chdir(assets)
+    (dim,) = parse_space({"params": {"data.calib_mix": ["a.txt:1,news:1", "b.txt:1"]}}).dims
+    assert dim.values == (f"{assets / 'a.txt'}:0.5,news:0.5", f"{assets / 'b.txt'}:1")  # domains.absolute_mix
+
+
 def test_the_search_plans_one_stage1_per_mixture(assets):
     from trsp_ray.search.run import plan_trials
 

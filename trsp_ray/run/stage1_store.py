@@ -78,13 +78,13 @@ def hub_revision(repo_id: str) -> str:
 
 def text_fingerprint(path: str | None, calib_mix: str | None = None) -> str:
     """The bytes of a calibration text file, or the mixture's sources and weights (a file source by
-    its bytes, a domain by its name and source: trsp_ray.data.domains)."""
+    its bytes, a domain by its text: domains.text_key, a hash of its source files and split rule)."""
     from trsp_ray.data import domains
 
     if path:
         return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
     mix = domains.parse_mix(calib_mix or domains.DEFAULT_MIX)
-    return content_key({(domains.DOMAINS[s].source if s in domains.DOMAINS else text_fingerprint(s)): w
+    return content_key({(f"{s}:{domains.text_key(s)}" if s in domains.DOMAINS else text_fingerprint(s)): w
                         for s, w in mix.items()})
 
 

@@ -78,7 +78,7 @@ def _dimension(key: str, spec: Any) -> Dimension:
             raise TrspError(f"search key {key!r} has no values; give at least one")
         if len(set(map(repr, spec))) != len(spec):
             raise TrspError(f"search key {key!r} lists a value twice ({list(spec)}); each grid point must differ")
-        return Dimension(key=key, values=tuple(spec))
+        return Dimension(key=key, values=tuple(_absolute(key, v) for v in spec))
     if isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in RANGES:
         kind, bounds = next(iter(spec.items()))
         if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
@@ -89,7 +89,21 @@ def _dimension(key: str, spec: Any) -> Dimension:
         if kind == "loguniform" and low <= 0:
             raise TrspError(f"search key {key!r}: loguniform needs low > 0, got {low}")
         return Dimension(key=key, kind=kind, low=low, high=high)
-    return Dimension(key=key, values=(spec,))
+    return Dimension(key=key, values=(_absolute(key, spec),))
+
+
+def _absolute(key: str, value: Any) -> Any:
+    """A searched text file or mixture with absolute paths: Tune runs trials in their own working
+    directory, and a trial's keys read the files."""
+    from pathlib import Path
+
+    from trsp_ray.data import domains
+
+    if key == "data.calib_mix" and isinstance(value, str):
+        return domains.absolute_mix(value)
+    if key in ("data.calib_text", "data.eval_text") and isinstance(value, str) and value:
+        return str(Path(value).expanduser().resolve())
+    return value
 
 
 def parse_space(spec: dict) -> SearchSpace:
