@@ -165,3 +165,26 @@ def test_the_fit_leaves_one_model_on_the_device(tmp_path, monkeypatch):
     out = methods.apply_method(bench, "shortgpt+comp", drop=[2, 4], on_model=on_model)
     assert out.info["compensation_tokens"] == 16 * 32
     assert seen == {"removed layers alive at the fit": 0, "dense copy alive as the pruned copy returns": False}
+
+
+def test_the_dense_copy_leaves_the_device_whoever_still_names_it():
+    """methods._dense_beside where the original lives elsewhere than the working copy (a GPU run; here
+    the original is on the meta device): the transient dense copy is emptied as the block ends, while
+    the caller's `as` target still names it (as a wrapper measuring the stage does, benchmarks/gpu_memory.py),
+    before the pruned copy returns."""
+    from types import SimpleNamespace
+
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.run import methods
+
+    working, copies = tiny_model("llama", layers=2), []
+
+    def scoring_model():
+        copies.append(tiny_model("llama", layers=2))
+        return copies[-1]
+
+    bench = SimpleNamespace(model=tiny_model("llama", layers=2).to("meta"), scoring_model=scoring_model)
+    with methods._dense_beside(bench, working, activations="dense") as dense:
+        assert dense is copies[0] and {p.device.type for p in dense.parameters()} == {"cpu"}
+    assert {p.device.type for p in dense.parameters()} == {"meta"}  # named here, emptied all the same
+    assert {p.device.type for p in working.parameters()} == {"cpu"}
