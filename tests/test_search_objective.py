@@ -144,10 +144,8 @@ def _independent_nll(model_dir: str, val_ids: torch.Tensor, *, windows: int, seq
 
 
 def _trial_config(search_dir: Path, run: dict, point: dict) -> dict:
-    from trsp_ray.run.stage1_store import data_fingerprint
-
+    """A trial's Tune config as run_search builds it (the search's fingerprint left to the trial)."""
     return {"run": run, "point": point, "search_dir": str(search_dir), "invocation": "test", "reuse": True,
-            "data_fp": data_fingerprint(model=run["model"], calib_text=None, calib_mix=run["data"]["calib_mix"]),
             "plan_n_drop": {}, "default_plan_n_drop": 0, "val_every": None, "val_windows": 2, "threads": 1,
             "num_layers": 8}
 

@@ -21,11 +21,11 @@ def _no_token_cache(monkeypatch):
 
 
 def _trial_config(search_dir: Path, run: dict, point: dict) -> dict:
-    from trsp_ray.run.stage1_store import data_fingerprint
+    from trsp_ray.search.pipeline import search_fingerprint
 
     return {"run": run, "point": point, "search_dir": str(search_dir), "invocation": "test", "reuse": True,
-            "data_fp": data_fingerprint(model=run["model"], calib_text=run["data"]["calib_text"]),
-            "plan_n_drop": {}, "default_plan_n_drop": 0, "val_every": 1, "val_windows": 1, "threads": 1}
+            "search_fp": search_fingerprint(run), "plan_n_drop": {}, "default_plan_n_drop": 0, "val_every": 1,
+            "val_windows": 1, "threads": 1}
 
 
 def test_changing_lambda1_recomputes_stage1_in_the_search_store(tmp_path):
