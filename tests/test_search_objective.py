@@ -294,3 +294,25 @@ def test_the_search_summary_ranks_trials_with_paired_ses(tmp_path):
     assert summary["best_trial"] == "best" and summary["tied_with_best"] == ["tied"]
     saved = json.loads((tmp_path / "ranking.json").read_text())
     assert [r["trials"] for r in saved] == [["best"], ["tied"]] and saved[1]["tie"]
+
+
+def test_the_cli_takes_seeds_and_refuses_a_mixture_key_it_cannot_hold_in_one_line(assets, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """`trsp-ray search --seeds 2` reaches the space; a dimension refused before any trial exits 2 with one line."""
+    import argparse
+
+    from trsp_ray import cli
+    from trsp_ray.search import run
+    from trsp_ray.search.cli import register, search_config
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    argv = ["search", "--model", str(assets / "model"), "--method", "tail+heal", "--seeds", "2",
+            "--space", "heal.steps=1,2", "--search-dir", str(tmp_path / "s")]
+    assert search_config(parser.parse_args(argv))[1].seeds == 2
+    monkeypatch.setattr(run.ray_session, "connect", lambda *a, **k: pytest.fail("Ray started"))
+    code = cli.main(["search", "--model", str(assets / "model"), "--method", "tail+heal", "--calib-text",
+                     str(assets / "calib.txt"), "--space", "data.eval_seqlen=32,64",
+                     "--search-dir", str(tmp_path / "s")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "'data.eval_seqlen' changes nothing" in err[0]
