@@ -188,3 +188,28 @@ def test_the_dense_copy_leaves_the_device_whoever_still_names_it():
         assert dense is copies[0] and {p.device.type for p in dense.parameters()} == {"cpu"}
     assert {p.device.type for p in dense.parameters()} == {"meta"}  # named here, emptied all the same
     assert {p.device.type for p in working.parameters()} == {"cpu"}
+
+
+def test_the_pruned_evaluation_holds_the_kept_weights(tmp_path):
+    """The default pipeline scores the pruned model too, with its kept layers only: on the first GPU
+    run's 1B shape (16 layers, 4 dropped) the plan's weights for that pass are the bytes of a meta
+    Llama cut as the run cuts it (one stage with the dense weights put that pass 16-23% over)."""
+    import transformers as tf
+
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.plan.single_plan import PRUNED_EVALUATION, single_plan, single_stages
+
+    config = tf.LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    remove_layers(model, [3, 7, 9, 12])
+    kept_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    stages = single_stages(load_config(None, []))
+    assert stages[-2:] == ("evaluation", PRUNED_EVALUATION)
+    plan = single_plan(read_shape(str(tmp_path)), SingleSetup(dtype_bytes=2), stages[-2:], n_drop=4)
+    dense, pruned = plan.stages
+    assert pruned.parts["model (working copy)"] * GB == kept_bytes
+    assert dense.parts["model (working copy)"] * GB > kept_bytes
+    assert pruned.total - pruned.parts["model (working copy)"] == dense.total - dense.parts["model (working copy)"]

@@ -16,8 +16,10 @@ layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squa
 fit ("compensation", after the removal): on a GPU a transient dense copy on the device (the pruned copy
 steps out to host memory, methods._dense_beside; the fold lands there; the copy is dropped before the
 pruned copy returns, and the removed layers before the fit: the first H200 run, which held all three,
-measured 4.03 GiB on a 1B against 2.52 planned), on CPU the pruned copy and the original; beside it the fit's sums and its largest phase over min(data.batch_size, windows) windows per
-forward (distributed/compensation_plan.fit_phases, the workers' formula).
+measured 4.03 GiB on a 1B against 2.52 planned), on CPU the pruned copy and the original; beside it the
+fit's sums and its largest phase over min(data.batch_size, windows) windows per forward
+(plan/compensation_plan.fit_phases, the workers' formula). The pruned model's evaluation holds its kept
+weights ("evaluation (pruned)").
 Measured: benchmarks/planner_single.py; the fit on workers: benchmarks/fit_memory.py.
 """
 
@@ -122,13 +124,15 @@ def _teacher(plan: StagePlan, s: Shape, st: SingleSetup) -> None:
     plan.parts["teacher logits + KL terms"] = tokens * s.vocab * (st.dtype_bytes + KD_LOGIT_BYTES) / GB
 
 
-def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: int, evaluation: bool) -> StagePlan:
-    """A no-grad pass: ShortGPT, SLEB (with its per-batch layer inputs) or perplexity."""
+def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: int, evaluation: bool,
+                   layers: int | None = None) -> StagePlan:
+    """A no-grad pass: ShortGPT, SLEB (with its per-batch layer inputs) or perplexity; `layers` < L: of
+    the pruned model."""
     from trsp_ray.config import registry
 
     e, tokens = st.dtype_bytes, batch * seqlen
     plan = StagePlan(name)
-    _single_weights(plan, s, st, s.params)
+    _single_weights(plan, s, st, s.params - (s.layers - (s.layers if layers is None else layers)) * s.layer_params)
     if name in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # selectors.decoder_forward: no LM head
         plan.parts["one layer | the fp32 probe (no logits)"] = tokens * max(forward_layer_bytes(s, e),
                                                                            probe_bytes(s, e)) / GB
@@ -201,6 +205,9 @@ def fit_setup(cfg, *, methods: tuple[str, ...] | None, layers: int, hidden: int)
         c.objective == "cosine" for c in fits) else "mse", activations=worst.activations)
 
 
+PRUNED_EVALUATION = "evaluation (pruned)"
+
+
 def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark rows)."""
     from trsp_ray.config import registry
@@ -217,7 +224,10 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, 
             wanted.append("compensation")
         if (cfg.heal.steps > 0 and selector is not None) or recovery == "heal":
             wanted.append("heal")
-        out += [w for w in wanted + ["evaluation"] if w not in out]
+        # the pruned model is scored after it: its kept weights only (planned with the dense ones, the
+        # GPU's pruned evaluation measured 16-23% under)
+        pruned = [PRUNED_EVALUATION] if selector is not None else []
+        out += [w for w in wanted + ["evaluation"] + pruned if w not in out]
     return tuple(out)
 
 
@@ -264,7 +274,9 @@ def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: i
             built.append(single_forward(name, s, st, batch=st.baseline_batch, seqlen=st.baseline_seqlen,
                                         evaluation=False))
         else:
-            built.append(single_forward(name, s, st, batch=st.eval_batch, seqlen=st.eval_seqlen, evaluation=True))
+            kept = s.layers - n_drop if name == PRUNED_EVALUATION else None
+            built.append(single_forward(name, s, st, batch=st.eval_batch, seqlen=st.eval_seqlen, evaluation=True,
+                                        layers=kept))
     return SinglePlan(s, st, tuple(built))
 
 
