@@ -107,11 +107,16 @@ def planner_vs_measured(argv: list[str], *, tolerance: float) -> dict:
     rc = cli_main(argv)
     if rc:
         raise RuntimeError(f"trsp-ray prune exited {rc}")
+    from trsp_ray.plan.single_plan import PRUNED_EVALUATION
+
     selector = cfg.method.split("+")[0]
     rows = []
     print(f"{'stage':<14}{'plan GiB':>10}{'peak GiB':>10}{'error':>8}{'s':>7}")
+    scored = 0  # the driver scores the dense model, then the pruned one (the plan's PRUNED_EVALUATION)
     for row in peaks.rows:
         name = selector if row["stage"] == "selection" else row["stage"]
+        if name == "evaluation":
+            name, scored = (PRUNED_EVALUATION if scored and PRUNED_EVALUATION in planned else name), scored + 1
         est = planned.get(name)
         err = (est - row["peak_gib"]) / row["peak_gib"] if est is not None and row["peak_gib"] > 0 else None
         rows.append({**row, "plan_stage": name, "plan_gib": est, "error": err})
