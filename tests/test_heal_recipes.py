@@ -14,7 +14,7 @@ from trsp_ray.common.errors import TrspError
 from trsp_ray.config.run_config import load_config, replace
 from trsp_ray.method.heal import run_heal
 from trsp_ray.method.surgery import remove_layers
-from trsp_ray.method.training import Batches, TorchStepper, DistillLoss
+from trsp_ray.method.training import Batches, DistillLoss, TorchStepper
 from trsp_ray.models import families
 from trsp_ray.models.tiny import tiny_config, tiny_model
 

@@ -277,7 +277,7 @@ def test_distillation_heal_moves_the_pruned_model_toward_the_dense_one(trained):
     import copy
 
     from trsp_ray.method.heal import run_heal
-    from trsp_ray.method.training import TorchStepper, DistillLoss
+    from trsp_ray.method.training import DistillLoss, TorchStepper
 
     teacher, ids = _useful_copy(trained)
     student = copy.deepcopy(teacher)
