@@ -302,9 +302,7 @@ def _dense_beside(bench, model, *, activations: str):
     try:
         yield dense
     finally:
-        # emptied before the pruned copy returns, whoever still names it (the caller's `as` target, a
-        # wrapper that measures the stage): the first GPU run held both models here (4.03 GiB on a 1B)
-        dense.to("meta")
+        dense.to("meta")  # off the device whoever still names it (the caller, a wrapper measuring the stage)
         del dense
         gc.collect()
         if device.type == "cuda":
@@ -359,9 +357,7 @@ def apply_method(bench, method: str | registry.Method, *, drop: list[int] | None
                                                                    lora_rank=s2.lora_rank),
                     relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
     kept = remove_layers(model, drop)
-    # the gate stack still holds every layer's wrapper: the removed layers would stay on the device through
-    # the fit and the heal (0.45 GiB on a 1B, 1.3 GiB on a 3B at 25%: the GPU's heal measured 3-4% over plan)
-    del gates
+    del gates  # its wrappers hold the removed layers: on the GPU they stayed through the fit and the heal
     if comp.method != "none":
         t3 = time.time()
 
@@ -372,9 +368,7 @@ def apply_method(bench, method: str | registry.Method, *, drop: list[int] | None
                                                method=comp.method, ridge=comp.ridge, activations=comp.activations,
                                                form=comp.form, rank=comp.rank, weighting=comp.weighting,
                                                objective=comp.objective)
-                # gone before the pruned copy returns to the device as the block ends: held here, the GPU
-                # carried both models and the fit measured 4.03 GiB on a 1B (11.09 on a 3B) against 2.52 planned
-                del dense
+                del dense  # before the pruned copy returns (held, the GPU fit had both: 4.03 GiB on a 1B)
             return done, compensation.folded_weights(model, kept, done)
 
         if fit_store is not None and comp.method == "lstsq":  # a scalar fold rescales many modules: not shared
