@@ -221,22 +221,37 @@ def run_zero3(ctx: dict, cfg, *, tag: str, fault=None):
 
 
 def zero3_plan_vs_peaks(cfg, events: list[dict], *, gpu: bool) -> list[dict]:
-    """The ZeRO-3 plan's first and last stage (less the runtime overhead) against the worker's stage1_done and
-    stage2_done peaks (max_memory_allocated on a GPU, the resident set on a CPU)."""
+    """The ZeRO-3 plan's first stage, its fit (when it has one) and its last stage (less the runtime overhead)
+    against the worker's stage1_done, compensation and stage2_done peaks (max_memory_allocated on a GPU, the
+    resident set on a CPU)."""
     from trsp_ray.data import assets
     from trsp_ray.distributed.deepspeed_config import build_ds_config
     from trsp_ray.plan.memory import OVERHEAD_GB
     from trsp_ray.plan.zero3_plan import plan_for_run
 
     ds_config = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr)
-    stages = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config).stages
+    plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
+    stages = plan.stages
     peaks = {e["event"]: e["peak_gb"] for e in events if e.get("peak_gb") is not None}
     rows = []
-    for stage, event in ((stages[0], "stage1_done"), (stages[-1], "stage2_done")):
+    fits = [(fit, "compensation")] if (fit := _fit_plan(cfg, plan)) is not None else []
+    for stage, event in ((stages[0], "stage1_done"), *fits, (stages[-1], "stage2_done")):
         planned, peak = stage.total - OVERHEAD_GB["gpu" if gpu else "cpu"], peaks.get(event)
         rows.append({"stage": stage.name, "event": event, "plan_gib": round(planned, 3), "peak_gib": peak,
                      "error": None if not peak else round((planned - peak) / peak, 3)})
     return rows
+
+
+def _fit_plan(cfg, plan):
+    """The ZeRO-3 plan of the least-squares fit the run's pipeline runs (None without one), as route.py plans it."""
+    from trsp_ray.config.run_config import for_method, sized
+    from trsp_ray.plan.compensation_plan import compensation_plan
+
+    c = sized(for_method(cfg), hidden=plan.shape.hidden).compensation
+    if c.method != "lstsq":
+        return None
+    return compensation_plan(plan.shape, plan.setup, ratio=cfg.ratio, protect_head=cfg.gates.protect_head,
+                             protect_tail=cfg.gates.protect_tail, objective=c.objective, windows=c.windows).memory
 
 
 def _zero3(ctx: dict, method: str, tag: str, workers: int) -> dict:

@@ -119,3 +119,27 @@ def test_a_pinned_wheel_replaces_another_version_a_dependency_only_an_older_one(
     assert gpu_wheels.needed(pin, None) and gpu_wheels.needed(pin, "5.25.0") and not gpu_wheels.needed(pin, "5.24.0")
     assert gpu_wheels.needed(dep, "4.15.2") and not gpu_wheels.needed(dep, "4.16.0")
     assert not gpu_wheels.needed(dep, "4.17.1")
+
+
+def test_the_zero3_parts_put_each_planned_stage_beside_the_workers_peak_the_fit_included(tmp_path):
+    """The default pipeline's fit runs on the workers between selection and heal: its ZeRO-3 plan (the
+    one route.py refuses a run on) stands beside the peak the worker records for it, so a GPU run checks
+    the fit's plan too, not only the first and last stage."""
+    import gpu_parts
+
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.models.tiny import tiny_workspace
+
+    root = tiny_workspace(tmp_path)
+    cfg = load_config(overrides=[f"model={root / 'model'}", "distributed.workers=1", "data.seqlen=64",
+                                 "data.batch_size=2"])
+    events = [{"event": "stage1_done", "peak_gb": 1.0}, {"event": "compensation", "peak_gb": 2.0},
+              {"event": "stage2_done", "peak_gb": 4.0}]
+    rows = gpu_parts.zero3_plan_vs_peaks(cfg, events, gpu=False)
+    assert [r["event"] for r in rows] == ["stage1_done", "compensation", "stage2_done"]
+    fit = rows[1]
+    assert fit["stage"] == "compensation" and fit["peak_gib"] == 2.0 and fit["plan_gib"] > 0
+    assert fit["error"] == pytest.approx((fit["plan_gib"] - 2.0) / 2.0, abs=1e-3)
+    plain = load_config(overrides=[f"model={root / 'model'}", "distributed.workers=1", "method=shortgpt+heal"])
+    assert [r["event"] for r in gpu_parts.zero3_plan_vs_peaks(plain, events, gpu=False)] == [
+        "stage1_done", "stage2_done"]  # no fit, no row

@@ -303,6 +303,7 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
                         f"compensation.windows >= {bench.world}")
     windows = fixed_windows(_batches(cfg, bench, FIT_STREAM), c.windows)
     forward_engine(bench)  # a handed-over drop set: no selection built one
+    reset_peak_memory()  # the fit's own peak, to set beside the plan's compensation stage
     if c.method == "scalar":
         info = compensate.fit_scalar(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
                                      world=bench.world)
@@ -310,7 +311,8 @@ def _fit_compensation(cfg, bench, *, drop: list[int], events: EventLog, rank: in
         info = compensate.fit(model=bench.model, gates=bench.gates, drop=drop, windows=windows, rank=rank,
                               world=bench.world, ridge=c.ridge, form=c.form, map_rank=c.rank,
                               weighting=c.weighting, objective=c.objective, minimum=c.min_tokens_per_column)
-    events.write("compensation", method=c.method, **{k: v for k, v in info.items() if k != "maps"})
+    events.write("compensation", method=c.method, peak_gb=peak_memory_gb(),
+                 **{k: v for k, v in info.items() if k != "maps"})
     return info
 
 
