@@ -228,9 +228,10 @@ def zero3_plan_vs_peaks(cfg, events: list[dict], *, gpu: bool) -> list[dict]:
     from trsp_ray.distributed.deepspeed_config import build_ds_config
     from trsp_ray.plan.memory import OVERHEAD_GB
     from trsp_ray.plan.zero3_plan import plan_for_run
+    from trsp_ray.run.pipeline import named
 
     ds_config = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr)
-    plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
+    plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config, spec=named(cfg).spec)
     stages = plan.stages
     peaks = {e["event"]: e["peak_gb"] for e in events if e.get("peak_gb") is not None}
     rows = []

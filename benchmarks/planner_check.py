@@ -34,6 +34,7 @@ def main() -> None:
     from trsp_ray.distributed.train import run_distributed
     from trsp_ray.plan.plan_format import format_plan
     from trsp_ray.plan.zero3_plan import plan_for_run
+    from trsp_ray.run.pipeline import named
 
     storage = tempfile.mkdtemp(prefix="trsp-planner-check-")
     cfg = load_config(overrides=[
@@ -52,7 +53,7 @@ def main() -> None:
 
     ds_config = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr,
                                 extra=parse_options(args.ds))
-    estimate = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config)
+    estimate = plan_for_run(cfg, assets.resolve_model(cfg.model), ds_config, spec=named(cfg).spec)
     print(format_plan(estimate))
     print(f"\n{'stage':<24}{'planner GiB':>12}{'measured GiB':>14}{'error':>9}")
     for stage, key in zip(estimate.stages, ("stage1_done", "stage2_done")):

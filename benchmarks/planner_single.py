@@ -76,6 +76,7 @@ def measure(args, stage: str) -> dict:
 def run_stage(bench, name: str, *, sleb_windows: int) -> None:
     """One stage as the planner names it, small: stage 1 (2 rounds), stage 2 (its configured steps),
     SLEB (one round over three candidates, every window), evaluation (held-out PPL)."""
+    from trsp_ray.config import registry
     from trsp_ray.method.gates import attach_gates
     from trsp_ray.method.selectors import sleb_drop
     from trsp_ray.method.stage1 import Stage1Result
@@ -85,7 +86,7 @@ def run_stage(bench, name: str, *, sleb_windows: int) -> None:
         run_stage1_for(bench)
     elif name == "stage 2":
         drop = bench.candidates()[3:3 + bench.n_drop()]
-        apply_method(bench, "trsp", stage1=Stage1Result(drop_order=drop, round1_ranking=drop))
+        apply_method(bench, registry.method("trsp"), stage1=Stage1Result(drop_order=drop, round1_ranking=drop))
     elif name == "sleb":
         model = bench.fresh_model()
         gates = attach_gates(model)

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         print(pipe.describe(), flush=True)
         options = parse_options(args.deepspeed)
         ds = build_ds_config(cfg.distributed, batch_size=cfg.data.batch_size, lr=cfg.stage1.lr, extra=options)
-        plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds)
+        plan = plan_for_run(cfg, assets.resolve_model(cfg.model), ds, spec=pipe.spec)
         check_export_target(cfg.output, overwrite=args.overwrite, plan=plan, ratio=cfg.ratio)  # before any worker
         print(format_plan(plan), flush=True)
         fault = {"round": args.fault_round} if args.fault_round else None

@@ -5,6 +5,7 @@ the same paths read the domain mixture."""
 import pytest
 import torch
 
+from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config
 
 SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=2",
@@ -46,7 +47,7 @@ def test_a_calibration_file_is_all_that_selection_fold_and_heal_see(tiny_dir, mo
     allowed = set(encode(bench.tokenizer, (tiny_dir / "mine.txt").read_text()).tolist())
     assert bench.calibration.source == str(tiny_dir / "mine.txt") and bench.calib_strata is None
     seen = _embedding_inputs(monkeypatch)
-    out = apply_method(bench, cfg.method)
+    out = apply_method(bench, registry.method(cfg.method))
     assert out.info.get("compensation_tokens", 0) > 0 and cfg.stage2.steps > 0  # the fold and the heal ran
     assert seen and seen <= allowed, sorted(seen - allowed)[:10]
 
@@ -54,5 +55,5 @@ def test_a_calibration_file_is_all_that_selection_fold_and_heal_see(tiny_dir, mo
     mixed = resolve(load_config(None, SMALL, base={"model": str(tiny_dir / "model"), "ratio": 0.34,
                                                          "method": "shortgpt+comp+heal"})).cfg
     seen.clear()
-    apply_method(prepare(mixed), mixed.method)
+    apply_method(prepare(mixed), registry.method(mixed.method))
     assert len(seen - allowed) > 100

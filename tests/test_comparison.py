@@ -228,9 +228,11 @@ def test_equal_compute_rows_get_the_selection_difference_as_heal_steps():
 
     cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "stage2.steps=20"])
     # TRSP's selection spent 126k dense-forward tokens, ShortGPT's 20k: 106k / (3 x 512) = 69 steps
-    steps = equal_compute_steps(cfg, {"info": {"select_cost": 20_480.0}}, {"info": {"select_cost": 126_464.0}})
+    spec = registry.method(cfg.method)
+    steps = equal_compute_steps(cfg, {"info": {"select_cost": 20_480.0}}, {"info": {"select_cost": 126_464.0}},
+                                spec=spec)
     assert steps == 69 == extra_heal_steps(106_000, step_cost=3 * 512)  # a full heal's step (compute.step_cost)
-    assert equal_compute_steps(cfg, {"info": {"select_cost": 9e9}}, {"info": {"select_cost": 1.0}}) == 0
+    assert equal_compute_steps(cfg, {"info": {"select_cost": 9e9}}, {"info": {"select_cost": 1.0}}, spec=spec) == 0
     _, heal = budget_configs(registry.ROWS["shortgpt+heal@compute"], cfg, budget=4, extra_steps=steps)
     assert heal.steps == 20 * 4 + 69 and heal.lr == cfg.stage2.lr
     s2, heal = budget_configs(registry.ROWS["trsp"], cfg, budget=4)
@@ -247,12 +249,12 @@ def test_comp_compute_rows_get_the_compensations_cost_as_heal_steps():
     cfg = load_config(None, ["data.batch_size=4", "data.seqlen=128", "compensation.windows=32"])
     # dense activations: one pass to layer 26, 4096 x 27/30 = 3686 tokens, and the 2 blocks' float64
     # sums and solves, 700 (compute.fit_solve_cost): 4386 / 1536 = 2.9 steps
-    assert compensation_steps(cfg, drop, num_layers=30) == 3
+    assert compensation_steps(cfg, drop, spec=registry.method(cfg.method), num_layers=30) == 3
     # sequential: per block a dense pass to b and a pruned one to a-1: 4096 x (18 + 12 + 27 + 19) / 30 +
     # 700 = 11076 tokens, 7.2 steps
     seq = load_config(None, ["data.batch_size=4", "data.seqlen=128", "compensation.windows=32",
                              "compensation.activations=sequential"])
-    assert compensation_steps(seq, drop, num_layers=30) == 7
+    assert compensation_steps(seq, drop, spec=registry.method(seq.method), num_layers=30) == 7
     row = registry.ROWS["shortgpt+heal@comp"]
     assert row.comp_compute and not row.is_default and not row.compensate
 
@@ -329,7 +331,8 @@ def test_benchmark_compensated_equal_compute_and_lambada_rows(tiny_dir, capsys):
     assert by["shortgpt+comp"]["recovery cost"] > 0 == by["shortgpt"]["recovery cost"]
     cfg = _cfg(tiny_dir)
     extra = equal_compute_steps(cfg, {"info": {"select_cost": by["shortgpt"]["select cost"]}},
-                                {"info": {"select_cost": by["trsp-no-stage2"]["select cost"]}})
+                                {"info": {"select_cost": by["trsp-no-stage2"]["select cost"]}},
+                                spec=registry.method("shortgpt+heal"))
     assert extra > 0
     assert by["shortgpt+heal@compute"]["weight tokens"] == (cfg.stage2.steps + extra) * 2 * 32
     # '@comp' heals with the compensation's compute instead: the two rows' totals within one heal step

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 from trsp_ray.method import compensation, compensation_scalar
 from trsp_ray.method.surgery import remove_layers
 from trsp_ray.models import families
@@ -605,7 +606,7 @@ def test_a_compensation_after_stage2_is_refused_before_any_work(workspace):
                                      "distributed.workers=2"])
     message = "compensation.method='lstsq' is not available with --method trsp: its stage 2 trains.*trsp[+]heal"
     untouched = SimpleNamespace(cfg=trained)  # no model: a refusal after any work would fail differently
-    for start in (for_method, run_distributed, lambda cfg: apply_method(untouched, "trsp")):
+    for start in (for_method, run_distributed, lambda cfg: apply_method(untouched, registry.method("trsp"))):
         with pytest.raises(TrspError, match=message) as err:
             start(trained)
         assert "\n" not in str(err.value)

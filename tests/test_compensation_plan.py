@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from trsp_ray.config import registry
 from trsp_ray.plan import shape, zero3_plan, zero3_setup
 from trsp_ray.plan.compensation_plan import WORKING_SET, compensation_plan, fit_phases, max_blocks
 from trsp_ray.plan.memory import GB
@@ -157,7 +158,7 @@ def test_a_run_whose_compensation_does_not_fit_is_refused_before_any_worker():
     common = ["distributed.workers=16", "distributed.use_gpu=true", "distributed.activation_checkpointing=true",
               "data.batch_size=16", "data.seqlen=2048", "method=trsp-no-stage2", "compensation.windows=16"]
     at = lambda gb, comp: load_config(None, [*common, f"distributed.gpu_memory_gb={gb}", f"compensation.method={comp}"])
-    assert zero3_plan.plan_for_run(at(34, "lstsq"), LLAMA2_70B).fits
+    assert zero3_plan.plan_for_run(at(34, "lstsq"), LLAMA2_70B, spec=registry.method(at(34, "lstsq").method)).fits
     with pytest.raises(TrspError, match=r"compensation needs 35\.[0-9] GB per worker") as err:
         check_plan(at(34, "lstsq"), LLAMA2_70B)
     assert "\n" not in str(err.value) and "compensation.method=scalar" in str(err.value)

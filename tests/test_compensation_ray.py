@@ -8,6 +8,8 @@ import json
 import pytest
 from test_distributed_ray import OVERRIDES, _logits, start_own_ray, stop_own_ray, tiny_dir  # noqa: F401
 
+from trsp_ray.config import registry
+
 pytestmark = [pytest.mark.ray]
 COMP = ["compensation.windows=16"]  # 16 x 32 tokens: 8 per column of the hidden size 64, the floor
 
@@ -40,7 +42,7 @@ def test_workers_handed_a_drop_set_fit_and_fold_like_one_process(tiny_dir, tmp_p
     result = _on_workers(base, tmp_path, drop=drop)
     cfg = resolve(load_config(overrides=base + ["distributed.workers=0"])).cfg
     bench = prepare(cfg)
-    out = apply_method(bench, cfg.method, drop=drop)
+    out = apply_method(bench, registry.method(cfg.method), drop=drop)
     export_model(out.model, bench.tokenizer, tmp_path / "single", manifest={"method": cfg.method})
     record = next(e for e in result.events if e["event"] == "compensation")
     assert record["tokens"] == out.info["compensation_tokens"] == 16 * 32 and record["blocks"] == [[2, 2], [4, 4]]

@@ -73,8 +73,8 @@ def test_a_budget_buys_a_tail_heal_more_steps_than_a_full_heal():
     cfgs = {m: load_config(None, [f"method={m}", "ratio=0.25", "data.batch_size=2", "data.seqlen=64",
                                   "baselines.calib_windows=2", "heal.compute_budget=100000"])
             for m in ("shortgpt+heal", "shortgpt+heal.tail", "shortgpt+heal.lora")}
-    steps = {m: budget.resolve(pipeline.resolve(c, budget_layers=False).cfg, num_layers=30).stage2.steps
-             for m, c in cfgs.items()}
+    pipes = {m: pipeline.resolve(c, budget_layers=False) for m, c in cfgs.items()}
+    steps = {m: budget.resolve(p.cfg, spec=p.spec, num_layers=30).stage2.steps for m, p in pipes.items()}
     left = 100000 - 2 * 64  # ShortGPT's one forward over its 2 windows
     assert steps["shortgpt+heal"] == left // (3 * TOKENS) == 260
     assert steps["shortgpt+heal.tail"] == int(left // (SMOL_TAIL * TOKENS)) == 450

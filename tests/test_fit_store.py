@@ -5,6 +5,7 @@ on a family whose fold writes a bias (OPT) and one whose fold writes a norm's di
 import pytest
 import torch
 
+from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config
 from trsp_ray.models.tiny import tiny_workspace
 from trsp_ray.run.methods import apply_method
@@ -36,9 +37,10 @@ def test_a_stored_fit_replays_the_computed_fold_exactly(tmp_path, family):
         return store["fit"]
 
     drop = [2, 4]  # two blocks: two folds
-    first = apply_method(bench, "shortgpt+comp", drop=drop, fit_store=fit_store)
-    again = apply_method(bench, "shortgpt+comp", drop=drop, fit_store=fit_store)
-    plain = apply_method(bench, "shortgpt", drop=drop)  # the same cut, no fit
+    comp = registry.method("shortgpt+comp")
+    first = apply_method(bench, comp, drop=drop, fit_store=fit_store)
+    again = apply_method(bench, comp, drop=drop, fit_store=fit_store)
+    plain = apply_method(bench, registry.method("shortgpt"), drop=drop)  # the same cut, no fit
     assert computed == [1] and again.info["compensation_tokens"] == first.info["compensation_tokens"] == 16 * 32
     info, weights = store["fit"]
     assert [tuple(b) for b in info["blocks"]] == [(2, 2), (4, 4)]

@@ -16,6 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from trsp_ray.config import registry
 from trsp_ray.method import compensation, selectors
 from trsp_ray.method.boundaries import blocks
 from trsp_ray.method.gates import attach_gates
@@ -162,7 +163,7 @@ def test_the_fit_leaves_one_model_on_the_device(tmp_path, monkeypatch):
         seen["dense copy alive as the pruned copy returns"] = ref() is not None
 
     monkeypatch.setattr(methods, "_dense_beside", dense_beside)
-    out = methods.apply_method(bench, "shortgpt+comp", drop=[2, 4], on_model=on_model)
+    out = methods.apply_method(bench, registry.method("shortgpt+comp"), drop=[2, 4], on_model=on_model)
     assert out.info["compensation_tokens"] == 16 * 32
     assert seen == {"removed layers alive at the fit": 0, "dense copy alive as the pruned copy returns": False}
 

@@ -11,6 +11,7 @@ import torch
 from test_distributed_ray import tiny_dir  # noqa: F401  (a fixture)
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config, replace
 from trsp_ray.method.heal import run_heal
 from trsp_ray.method.surgery import remove_layers
@@ -269,7 +270,8 @@ def test_the_zero3_plan_counts_the_tail_recipes_optimizer_state_by_hand():
 
     s = _llama70b_shape()
     cfg = load_config(overrides=["method=shortgpt+heal", "heal.trainable=tail"])
-    st = with_heal_setup(cfg, zero3_setup.Setup(workers=16, activation_checkpointing=True), s)
+    st = with_heal_setup(cfg, zero3_setup.Setup(workers=16, activation_checkpointing=True), s,
+                         spec=registry.method(cfg.method))
     assert (st.trainable, st.tail_layers, st.frozen_layers) == ("tail", 3, 20)
     stage2 = zero3_plan.estimate(s, st)[1]
     hand = _hand_tail(3)
@@ -278,11 +280,12 @@ def test_the_zero3_plan_counts_the_tail_recipes_optimizer_state_by_hand():
     assert stage2.parts["gradients (partition)"] == pytest.approx(hand * 2 / 16 / memory.GB)
     assert zero3_plan.plan(s, st).host().checkpoint_gb == pytest.approx((hand * 12 + 64 * 1024 * 16) / memory.GB)
     full = zero3_plan.estimate(s, with_heal_setup(replace(cfg, **{"heal.trainable": "all"}), zero3_setup.Setup(
-        workers=16, activation_checkpointing=True), s))[1]
+        workers=16, activation_checkpointing=True), s, spec=registry.method(cfg.method)))[1]
     assert full.parts["optimizer fp32 + Adam (partition)"] > 18 * stage2.parts["optimizer fp32 + Adam (partition)"]
     # map: one folded down_proj (h x I) per block, at most one per dropped layer (20 of 80)
     mapped = with_heal_setup(replace(load_config(overrides=["method=shortgpt+comp+heal"]),
-                                     **{"heal.trainable": "map"}), zero3_setup.Setup(workers=16), s)
+                                     **{"heal.trainable": "map"}), zero3_setup.Setup(workers=16), s,
+                             spec=registry.method("shortgpt+comp+heal"))
     assert zero3_plan.estimate(s, mapped)[1].parts["optimizer fp32 + Adam (partition)"] == pytest.approx(
         20 * 8192 * 28672 * 12 / 16 / memory.GB)
 

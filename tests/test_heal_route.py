@@ -8,6 +8,7 @@ import json
 import pytest
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config, replace
 
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -43,11 +44,12 @@ def test_a_7b_default_prune_on_one_80gb_gpu_is_refused_naming_what_would_run(lla
 
     cfg = resolve(load_config(overrides=[f"model={llama7b}"])).cfg
     with pytest.raises(TrspError) as err:
-        route.route(cfg, device="gpu", memory_gb=80)
+        route.route(cfg, spec=registry.method(cfg.method), device="gpu", memory_gb=80)
     message = str(err.value)
     assert "\n" not in message and "heal needs 87.3 GB in one process" in message
     # the LoRA route's peak is its least-squares fit (a dense bf16 copy on the GPU + the sums), not the heal
     assert "set stage2.trainable=lora" in message and "peak 16.6 GB" in message
     assert "distributed.workers=N" in message
-    chosen = route.route(replace(cfg, **{"distributed.workers": 8}), device="gpu", memory_gb=80)
+    chosen = route.route(replace(cfg, **{"distributed.workers": 8}), spec=registry.method(cfg.method), device="gpu",
+                         memory_gb=80)
     assert chosen.workers == 2  # allowed workers: the fewest whose ZeRO-3 plan fits

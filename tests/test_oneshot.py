@@ -68,7 +68,7 @@ def test_one_process_select_takes_each_methods_ranking(bench, method):
     from trsp_ray.run.methods import select
 
     result = _by_hand()
-    drop, info = select(bench, method, model=None, gates=None, stage1=result)
+    drop, info = select(bench, registry.method(method), model=None, gates=None, stage1=result)
     assert bench.n_drop() == N_DROP
     assert drop == _expected(method, result)
     if method == "trsp-oneshot":
@@ -90,7 +90,8 @@ def test_one_process_oneshot_on_a_real_stage1_run(bench, monkeypatch):
 
     monkeypatch.setattr(methods, "run_stage1_for", spy)
     model = bench.fresh_model()
-    drop, _ = methods.select(bench, "trsp-oneshot", model=model, gates=attach_gates(model, gate_mode="delta"))
+    drop, _ = methods.select(bench, registry.method("trsp-oneshot"), model=model,
+                             gates=attach_gates(model, gate_mode="delta"))
     (result,) = made
     assert drop == result.round1_ranking[:N_DROP]
     assert set(drop) != set(result.drop_order[:N_DROP]), "this seed no longer separates the two rankings"
@@ -116,7 +117,8 @@ def test_search_trial_selection_takes_the_round1_prefix(bench, tmp_path, monkeyp
     config = {"search_dir": str(tmp_path), "reuse": False}
     for method in registry.TRSP_METHODS:
         b = dataclasses.replace(bench, cfg=replace(bench.cfg, method=method))
-        drop, _, s1 = trial._selection(b, b.cfg.to_dict(), config, key="k", log=lambda *a, **k: None, trial="t")
+        drop, _, s1 = trial._selection(b, b.cfg.to_dict(), config, spec=registry.method(method), key="k",
+                                       log=lambda *a, **k: None, trial="t")
         assert s1 is result and drop == _expected(method, result)
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from trsp_ray.config import registry
 from trsp_ray.data.perplexity import bos_token, encode, perplexity, windows
 
 WORDS = [f"w{i}" for i in range(60)]
@@ -156,7 +157,7 @@ def test_every_path_starts_its_windows_with_bos(tmp_path):
     bench.fresh_model = lambda: watch(fresh())
     stage1 = run_stage1_for(bench)  # gate training and removal probes
     for method in ("shortgpt", "trsp", "trsp+heal"):  # calibration, stage 2, heal
-        apply_method(bench, method, stage1=stage1 if method != "shortgpt" else None)
+        apply_method(bench, registry.method(method), stage1=stage1 if method != "shortgpt" else None)
     model = watch(bench.fresh_model())
     bench.validation_ppl(model), bench.heldout_ppl(model)
     firsts = torch.cat(seen)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from test_distributed_hub import cached_70b  # noqa: F401  (fixture)
 
+from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config
 from trsp_ray.plan import shape, zero3_plan, zero3_setup
 from trsp_ray.plan.probe_plan import ProbeSetup, probe_plan, refine_calls
@@ -18,7 +19,7 @@ GiB = 2**30
 
 def _plan(name: str, **setup):
     st = zero3_setup.Setup(workers=16, gpu_memory_gb=80, activation_checkpointing=True, **setup)
-    probes = ProbeSetup.from_config(load_config(None, ["method=trsp+heal"]))
+    probes = ProbeSetup.from_config(load_config(None, ["method=trsp+heal"]), spec=registry.method("trsp+heal"))
     return probe_plan(shape.read_shape(str(MODELS / name)), st, probes)
 
 
@@ -52,7 +53,8 @@ def test_probe_and_refinement_compute_of_llama2_70b():
 def test_a_teacher_over_the_budget_is_recomputed_every_call():
     st = zero3_setup.Setup(workers=1, gpu_memory_gb=80, activation_checkpointing=True)
     s = shape.read_shape(str(MODELS / "llama-3-70b.json"))
-    pp = probe_plan(s, st, ProbeSetup.from_config(load_config(None, ["method=trsp+heal"])))
+    pp = probe_plan(s, st, ProbeSetup.from_config(load_config(None, ["method=trsp+heal"]),
+                                                  spec=registry.method("trsp+heal")))
     assert not pp.teacher_cached and pp.memory.parts["probe teacher cache"] == 0  # 8 x 2048 x 128k x 2 > 2 GiB
     assert pp.compute == 2 * pp.calls * 8 * 2048
 
@@ -91,7 +93,7 @@ def test_a_run_whose_probes_do_not_fit_is_refused_before_any_worker(tmp_path):
               "data.batch_size=4", "data.seqlen=2048", "method=trsp-no-stage2",
               "distributed.activation_checkpointing=true"]
     cfg = load_config(None, common)
-    assert zero3_plan.plan_for_run(cfg, str(path)).fits
+    assert zero3_plan.plan_for_run(cfg, str(path), spec=registry.method(cfg.method)).fits
     with pytest.raises(TrspError, match=r"stage 1's removal probes need 50\.3 GB per worker"):
         check_plan(cfg, str(path))
     check_plan(load_config(None, [*common, "stage1.probe=0"]), str(path))  # no probes: nothing to refuse
@@ -139,10 +141,11 @@ def test_the_route_takes_as_many_workers_as_the_probes_need(tmp_path):
 
     common = ["distributed.workers=16", "distributed.use_gpu=true", "data.batch_size=4", "data.seqlen=2048",
               "method=trsp-no-stage2", "device=cuda", "distributed.activation_checkpointing=true"]
-    r = route(load_config(None, common), shape=shape(400_000), memory_gb=40)
+    spec = registry.method("trsp-no-stage2")
+    r = route(load_config(None, common), spec=spec, shape=shape(400_000), memory_gb=40)
     assert r.workers == 4 and r.plan.peak < 40
-    no_probes = route(load_config(None, [*common, "stage1.probe=0"]), shape=shape(400_000), memory_gb=40)
+    no_probes = route(load_config(None, [*common, "stage1.probe=0"]), spec=spec, shape=shape(400_000), memory_gb=40)
     assert no_probes.workers == 2  # the training plan alone decides
     with pytest.raises(TrspError, match=r"on 2 workers stage 1's removal probes need 50\.3 GB per worker") as err:
-        route(load_config(None, common), shape=shape(400_000), memory_gb=40, max_workers=2)
+        route(load_config(None, common), spec=spec, shape=shape(400_000), memory_gb=40, max_workers=2)
     assert "\n" not in str(err.value)

@@ -3,6 +3,7 @@
 import pytest
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 from trsp_ray.reproduce.grid import Cell, CellStore, build_grid
 from trsp_ray.reproduce.presets import LOCAL, PAPER, get_preset, paper_numbers
 from trsp_ray.reproduce.report import table_rows, to_csv, to_markdown
@@ -234,6 +235,6 @@ def test_a_handed_over_selection_is_the_one_process_selection(tmp_path):
     out = prune_cells(cfg.to_dict(), [], model_dirs={}, stage1=[], selections=[{"id": "c", "run": cfg.to_dict()}])
     bench = prepare(cfg)
     model = bench.fresh_model()
-    drop, info = select(bench, "sleb", model=model, gates=attach_gates(model))
+    drop, info = select(bench, registry.method("sleb"), model=model, gates=attach_gates(model))
     assert out["records"] == [] and out["selections"]["c"]["drop"] == drop and len(drop) == 2
     assert out["selections"]["c"]["info"]["select_cost"] == info["select_cost"] > 0

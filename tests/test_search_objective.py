@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config
 from trsp_ray.search.space import parse_space
 
@@ -53,7 +54,8 @@ def test_a_searched_mixture_gets_its_own_selection_stage1_and_fit_keys(assets):
     from trsp_ray.search.pipeline import fit_key, selection_key, trial_stage1_key
 
     a, b = _two(assets, "shortgpt+comp+heal")
-    sa, sb = selection_key(a, "fp", num_layers=8), selection_key(b, "fp", num_layers=8)
+    sa = selection_key(a, "fp", spec=registry.method(a["method"]), num_layers=8)
+    sb = selection_key(b, "fp", spec=registry.method(b["method"]), num_layers=8)
     assert sa != sb
     assert fit_key(a, selection=sa, drop=[3, 4]) != fit_key(b, selection=sb, drop=[3, 4])
     a, b = _two(assets, "trsp+comp+heal")
@@ -68,9 +70,9 @@ def test_a_mixture_file_rewritten_changes_the_keys(assets, tmp_path):
 
     (tmp_path / "c.txt").write_text((assets / "a.txt").read_text())
     base = _base(assets, "shortgpt+heal", f"data.calib_mix={tmp_path / 'c.txt'}:1").to_dict()
-    before = selection_key(base, "fp", num_layers=8)
+    before = selection_key(base, "fp", spec=registry.method(base["method"]), num_layers=8)
     (tmp_path / "c.txt").write_text((assets / "b.txt").read_text())
-    assert selection_key(base, "fp", num_layers=8) != before
+    assert selection_key(base, "fp", spec=registry.method(base["method"]), num_layers=8) != before
 
 
 def test_a_domain_enters_the_keys_by_its_text(assets, monkeypatch):
@@ -80,9 +82,9 @@ def test_a_domain_enters_the_keys_by_its_text(assets, monkeypatch):
 
     base = _base(assets, "shortgpt+heal", "data.calib_mix=news:1").to_dict()
     monkeypatch.setattr(domains, "text_key", lambda name: "old")
-    before = selection_key(base, "fp", num_layers=8)
+    before = selection_key(base, "fp", spec=registry.method(base["method"]), num_layers=8)
     monkeypatch.setattr(domains, "text_key", lambda name: "new")
-    assert selection_key(base, "fp", num_layers=8) != before
+    assert selection_key(base, "fp", spec=registry.method(base["method"]), num_layers=8) != before
 
 
 def test_a_searched_mixture_names_its_files_by_absolute_paths(assets, monkeypatch):
@@ -199,7 +201,7 @@ def test_no_trial_trains_on_the_validation_windows():
 
 
 def test_paired_se_clusters_windows_of_one_document():
-    from trsp_ray.search.objective import paired_se
+    from trsp_ray.common.paired import paired_se
 
     # windows of one document share a shift: 4 documents x 4 windows
     shift = [0.3, -0.2, 0.25, -0.3]

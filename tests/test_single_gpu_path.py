@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 from trsp_ray.method.gates import attach_gates
 from trsp_ray.method.training import TorchStepper, causal_lm_loss, checkpointing_enabled, set_checkpointing
 from trsp_ray.models.tiny import tiny_model
@@ -230,20 +231,22 @@ def test_route_single_gpu_when_it_fits_else_workers_else_one_line_error():
 
     s7, s13 = shape.shape_from_config(LLAMA2_7B), shape.shape_from_config(LLAMA2_13B)
     ckpt = "distributed.activation_checkpointing=true"
-    r = route.route(_cfg("method=trsp-no-stage2", ckpt), shape=s13, max_workers=0)
+    trsp = registry.method("trsp")
+    r = route.route(_cfg("method=trsp-no-stage2", ckpt), spec=registry.method("trsp-no-stage2"), shape=s13,
+                    max_workers=0)
     assert r.workers == 0 and r.plan.fits and "single process" in r.describe()
-    r = route.route(_cfg("method=trsp", ckpt), shape=s13, max_workers=8)  # stage 2: 16+ bytes/param
+    r = route.route(_cfg("method=trsp", ckpt), spec=trsp, shape=s13, max_workers=8)  # stage 2: 16+ bytes/param
     assert r.workers in (2, 4, 8) and r.plan.fits and "ZeRO-3" in r.describe()
     with pytest.raises(TrspError) as err:
-        route.route(_cfg("method=trsp", ckpt), shape=s7, max_workers=0)
+        route.route(_cfg("method=trsp", ckpt), spec=trsp, shape=s7, max_workers=0)
     msg = str(err.value)
     assert "\n" not in msg and "stage 2 needs" in msg and "80.0 GB of one GPU" in msg
     assert "stage2.trainable=lora" in msg
     with pytest.raises(TrspError, match="distributed.workers"):
-        route.route(_cfg("method=trsp", ckpt, "stage2.trainable=lora", "data.batch_size=64"), shape=s13,
-                      max_workers=0)
+        route.route(_cfg("method=trsp", ckpt, "stage2.trainable=lora", "data.batch_size=64"), spec=trsp, shape=s13,
+                    max_workers=0)
     with pytest.raises(TrspError, match="sleb"):  # SLEB has no Ray Train route
-        route.route(_cfg("method=sleb", "data.batch_size=512"), shape=s13, max_workers=8)
+        route.route(_cfg("method=sleb", "data.batch_size=512"), spec=registry.method("sleb"), shape=s13, max_workers=8)
 
 
 def test_missing_device_is_a_one_line_error_before_any_work(monkeypatch, capsys):
@@ -289,7 +292,8 @@ def test_prune_routes_to_ray_train_workers_when_one_device_is_too_small(monkeypa
     monkeypatch.setattr(train, "run_distributed", fake_run_distributed)
     monkeypatch.setattr(workbench, "prepare", lambda *a, **k: pytest.fail("single-process path taken"))
     cfg = load_config(overrides=["method=trsp", "distributed.workers=4", "tracking.enabled=false"])
-    zero = zero3_plan.zero3_plan(replace(cfg, **{"distributed.workers": 2}), shape.shape_from_config(LLAMA2_7B))
+    zero = zero3_plan.zero3_plan(replace(cfg, **{"distributed.workers": 2}), shape.shape_from_config(LLAMA2_7B),
+                                 spec=registry.method(cfg.method))
     monkeypatch.setattr(routing, "route", lambda *a, **k: routing.Route(2, "cpu", zero))
     results = driver.run(cfg)
     assert seen["cfg"].distributed.workers == 2 and not seen["cfg"].distributed.use_gpu

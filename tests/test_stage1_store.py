@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from test_reproduce_resume import tiny_preset
 
+from trsp_ray.config import registry
 from trsp_ray.reproduce.grid import read_events
 from trsp_ray.reproduce.run import run_reproduce
 
@@ -84,7 +85,8 @@ def _route_trsp_to_ray_train(monkeypatch, workers: int = 1):
         r = original(preset, spec, cfg, method, shape=shape)
         if method not in ("trsp", "trsp-oneshot"):
             return r
-        plan = zero3_plan.zero3_plan(replace(cfg, **{"distributed.workers": workers}), r.plan.shape)
+        plan = zero3_plan.zero3_plan(replace(cfg, **{"distributed.workers": workers}), r.plan.shape,
+                                     spec=registry.method(cfg.method))
         return Route(workers, "cpu", plan)
 
     monkeypatch.setattr(run_module, "cell_route", route)
@@ -108,7 +110,7 @@ def test_a_ray_train_cell_gets_the_shared_stage1_and_reports_its_kept_layers(tmp
 
         handed.append((cell_id, stage1["drop_order"]))
         bench = prepare(cfg)
-        out = apply_method(dataclasses.replace(bench, cfg=cfg), cfg.method, stage1=result_from(stage1))
+        out = apply_method(dataclasses.replace(bench, cfg=cfg), registry.method(cfg.method), stage1=result_from(stage1))
         export_model(out.model, bench.tokenizer, target, overwrite=True,
                      manifest={"method": cfg.method, "config": cfg.to_dict(), "workers": workers, "drop": out.drop})
         return {"cell_id": cell_id, "model_dir": target, "drop": out.drop, "info": {"workers": workers},

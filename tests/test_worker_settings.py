@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config
 from trsp_ray.distributed.recovery import heal_on_workers, recovery_settings
 from trsp_ray.method.gates import attach_gates
@@ -70,9 +71,11 @@ def test_the_plan_counts_the_heal_of_a_heal_method_with_stage2_disabled():
     from trsp_ray.plan.shape import read_shape
 
     shape = read_shape(str(LLAMA2_70B))
-    heal = zero3_plan.zero3_plan(_cfg("method=trsp+heal", "stage2.enabled=false"), shape)
+    heal = zero3_plan.zero3_plan(_cfg("method=trsp+heal", "stage2.enabled=false"), shape,
+                                 spec=registry.method("trsp+heal"))
     assert [s.name for s in heal.stages] == ["stage 1", "stage 2 (all weights)"]
-    assert len(zero3_plan.zero3_plan(_cfg("method=trsp", "stage2.enabled=false"), shape).stages) == 1
+    trsp = zero3_plan.zero3_plan(_cfg("method=trsp", "stage2.enabled=false"), shape, spec=registry.method("trsp"))
+    assert len(trsp.stages) == 1
 
 
 def _ids():
@@ -165,8 +168,8 @@ def test_the_plan_of_a_worker_heal_leaves_the_drop_set_out_of_the_optimizer():
     shape = read_shape(str(LLAMA2_70B))
     common = ["distributed.workers=16", "distributed.use_gpu=true", "data.batch_size=16", "data.seqlen=2048",
               "distributed.activation_checkpointing=true"]
-    heal = zero3_plan.zero3_plan(_cfg("method=trsp+heal", *common), shape)
-    trsp = zero3_plan.zero3_plan(_cfg("method=trsp", *common), shape)
+    heal = zero3_plan.zero3_plan(_cfg("method=trsp+heal", *common), shape, spec=registry.method("trsp+heal"))
+    trsp = zero3_plan.zero3_plan(_cfg("method=trsp", *common), shape, spec=registry.method("trsp"))
     frozen = 20 * shape.layer_params
     assert heal.setup.frozen_layers == 20 and trsp.setup.frozen_layers == 0
     assert heal.host().checkpoint_gb == pytest.approx(host_plan.checkpoint_bytes(

@@ -27,7 +27,7 @@ def _prune(args) -> int:
 
         pipe = resolve(cfg)  # as driver.run resolves it: the fit that runs, then the heal
         cfg = pipe.cfg
-        chosen = route_for(cfg)
+        chosen = route_for(cfg, pipe=pipe)
         if not chosen.workers:  # as driver.run: the one process's device must exist here
             resolve_device(cfg.device)
         print(pipe.describe())

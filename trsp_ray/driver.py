@@ -53,7 +53,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     # the pipeline on this model, decided once: the fit it runs on this family, the heal a budget buys
     pipe = pipeline.resolve(cfg)
     cfg = pipe.cfg
-    chosen = route_for(cfg)  # config.json only: no weights are read before the output is checked
+    chosen = route_for(cfg, pipe=pipe)  # config.json only: no weights are read before the output is checked
     if not chosen.workers:  # one process runs here: device=cuda without a GPU is one line, before any log
         workbench.resolve_device(cfg.device)
     log(pipe.describe())
@@ -120,15 +120,16 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
     return results
 
 
-def route_for(cfg: RunConfig):
+def route_for(cfg: RunConfig, *, pipe=None):
     """The planner's route of `cfg` on this machine (plan/route.py), after the cheap checks: the
-    device exists, config.json and the ratio are valid. One-line TrspError when nothing fits."""
+    device exists, config.json and the ratio are valid. One-line TrspError when nothing fits.
+    `pipe`: the run's resolved pipeline; by default the one `cfg` names (pipeline.named)."""
     from trsp_ray.plan import route
 
     workbench.resolve_device(cfg.device)
     workbench.check_inputs(cfg)
     kind, memory = workbench.device_kind(cfg)
-    chosen = route.route(cfg, device=kind, memory_gb=memory)
+    chosen = route.route(cfg, spec=(pipe or pipeline.named(cfg)).spec, device=kind, memory_gb=memory)
     if chosen.workers:  # what the workers cannot fit, refused before the run (and in `prune --dry-run`)
         from trsp_ray.distributed.compensate import check_for_workers
 

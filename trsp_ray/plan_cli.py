@@ -126,11 +126,12 @@ def run_plan(args: argparse.Namespace) -> int:
                    budget_layers=False)
     cfg = pipe.cfg
     check_for_workers(cfg, workers=args.workers)  # what a run on these workers would refuse
-    result = zero3_plan.plan(shape, with_heal_setup(cfg, setup_from_args(args), shape))  # as a run plans
+    # as a run plans
+    result = zero3_plan.plan(shape, with_heal_setup(cfg, setup_from_args(args), shape, spec=pipe.spec))
     disk = result.disk_problem()
     if disk:
         raise TrspError(disk)
-    probes = probe_plan(result.shape, result.setup, ProbeSetup.from_config(cfg))
+    probes = probe_plan(result.shape, result.setup, ProbeSetup.from_config(cfg, spec=pipe.spec))
     after = format_probe_plan(probes, result.setup) if pipe.spec.uses_stage1 else _shortgpt_lines(pipe, result)
     comp_fits, fit_host = True, 0.0
     if cfg.compensation.method == "scalar":

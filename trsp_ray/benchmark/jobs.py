@@ -33,7 +33,7 @@ def selection_job(cfg_dict: dict, selector: str, seed: int) -> dict:
     t0 = time.time()
     log(f"selection {selector} (seed {seed}): {bench.n_drop()} of {bench.num_layers} layers")
     history: list = []
-    method = next(m.name for m in registry.METHODS.values() if m.selector == selector)
+    method = next(m for m in registry.METHODS.values() if m.selector == selector)  # its registered spec
     model = bench.fresh_model()
     gates = attach_gates(model, gate_mode=bench.cfg.gates.gate)
     stage1 = None
@@ -78,22 +78,26 @@ def budget_configs(row: registry.Row, cfg: RunConfig, *, budget: int = 1, extra_
     return replace(cfg.stage2, enabled=False), no_heal
 
 
-def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None, *, drop=None) -> int:
+def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None, *, spec: registry.Method,
+                        drop=None) -> int:
     """Extra heal steps that bring a baseline's selection compute up to TRSP's (the reference), at the
-    cost of one step of the row's own recipe (`cfg` the row's config, `drop` its drop set)."""
+    cost of one step of the row's own recipe (`cfg` the row's config, `spec` its pipeline's registry
+    entry, `drop` its drop set)."""
     if reference is None:
         return 0
     extra = reference["info"]["select_cost"] - selection["info"]["select_cost"]
-    return compute.extra_heal_steps(extra, step_cost=compute.step_cost(cfg, drop=drop))
+    return compute.extra_heal_steps(extra, step_cost=compute.step_cost(cfg, spec=spec, drop=drop))
 
 
-def compensation_steps(cfg: RunConfig, drop, *, num_layers: int, row_cfg: RunConfig | None = None) -> int:
-    """Heal steps of the row's recipe (`row_cfg`, default `cfg`) that spend what a +comp row's fit of
-    `drop` costs (its passes and float64 solve: an '@comp' row's extra)."""
+def compensation_steps(cfg: RunConfig, drop, *, spec: registry.Method, num_layers: int,
+                       row_cfg: RunConfig | None = None) -> int:
+    """Heal steps of the row's recipe (`row_cfg`, default `cfg`, whose pipeline's registry entry is
+    `spec`) that spend what a +comp row's fit of `drop` costs (its passes and float64 solve: an
+    '@comp' row's extra)."""
     from trsp_ray.run import budget
 
     cost = budget.fit_cost(compensated(cfg), drop=drop, num_layers=num_layers)
-    return compute.extra_heal_steps(cost, step_cost=compute.step_cost(row_cfg or cfg, drop=drop))
+    return compute.extra_heal_steps(cost, step_cost=compute.step_cost(row_cfg or cfg, spec=spec, drop=drop))
 
 
 def lambada(bench, model, *, limit: int) -> dict:
@@ -208,6 +212,7 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     `reference`: TRSP's selection of the same seed, whose compute an equal-compute row matches."""
     from trsp_ray.common.logs import log
     from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.pipeline import named
     from trsp_ray.run.workbench import kept_parameters, prepare
 
     options = options or {}
@@ -224,11 +229,14 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
         model, drop, info = bench.scoring_model(), [], {}
     else:
         drop = selection["drops"][row.method]
-        extra = equal_compute_steps(bench.cfg, selection, reference, drop=drop) if row.equal_compute else 0
+        # the row's pipeline, resolved by row_config, prices its recipe's steps; its selection method
+        # (a registered name) is what apply_method runs on the shared drop set with the row's budgets
+        spec = named(bench.cfg).spec
+        extra = equal_compute_steps(bench.cfg, selection, reference, spec=spec, drop=drop) if row.equal_compute else 0
         if row.comp_compute:
-            extra += compensation_steps(run_cfg, drop, num_layers=bench.num_layers, row_cfg=bench.cfg)
+            extra += compensation_steps(run_cfg, drop, spec=spec, num_layers=bench.num_layers, row_cfg=bench.cfg)
         s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
-        out = apply_method(bench, row.method, drop=selection["drops"][row.method], stage2=row.recovery == "stage2",
+        out = apply_method(bench, registry.METHODS[row.method], drop=drop, stage2=row.recovery == "stage2",
                            stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))
         model, drop, info = out.model, out.drop, {**selection["info"], **out.info, "extra_heal_steps": extra}
     info["recovery_cost"], info["total_cost"] = compute.recovery_cost(info), compute.total_cost(info)

@@ -14,7 +14,7 @@ def recovery_settings(pipe) -> dict | None:
     from trsp_ray.run.methods import heal_settings, method_heal, stage2_settings
 
     cfg = pipe.cfg
-    if not recovers_on_workers(cfg):
+    if not recovers_on_workers(cfg, spec=pipe.spec):
         return None
     if pipe.spec.heal:
         return heal_settings(method_heal(cfg))

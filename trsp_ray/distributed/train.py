@@ -73,19 +73,22 @@ def check_resources(dist, resources: dict, cpus: int | None = None) -> None:
                         f"Ray cluster has {int(resources.get('GPU', 0))}; use fewer workers or add GPU nodes")
 
 
-def check_plan(cfg, model_path: str, ds_config: dict | None = None) -> None:
+def check_plan(cfg, model_path: str, ds_config: dict | None = None, *, pipe=None) -> None:
     """Refuse a plan whose GPU memory (GPU runs: the stages, then stage 1's removal probes) or
-    checkpoints (`disk_budget_gb`, any run) do not fit, naming what would (see zero3_plan.py)."""
+    checkpoints (`disk_budget_gb`, any run) do not fit, naming what would (see zero3_plan.py).
+    `pipe`: the run's resolved pipeline (prepare_run's); by default the one `cfg` names (pipeline.named)."""
     from trsp_ray.plan.route import worker_extras_problem
     from trsp_ray.plan.zero3_plan import plan_for_run
+    from trsp_ray.run.pipeline import named
 
-    plan = plan_for_run(cfg, model_path, ds_config)
+    spec = (pipe or named(cfg)).spec
+    plan = plan_for_run(cfg, model_path, ds_config, spec=spec)
     disk = plan.disk_problem()
     if disk:
         raise TrspError(disk)
     if cfg.distributed.use_gpu and not plan.fits:
         raise TrspError(f"the plan does not fit: {plan.reason()}; {plan.suggestion()}")
-    problem = cfg.distributed.use_gpu and worker_extras_problem(cfg, plan)
+    problem = cfg.distributed.use_gpu and worker_extras_problem(cfg, plan, spec=spec)
     if problem:
         raise TrspError(f"the plan does not fit: {problem}")
 
@@ -154,7 +157,7 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
 
     heals = pipe.spec.heal  # a heal method's heal trains its recipe, stage 2 stage2.trainable
     trainable = heal_recipe(cfg, heal_method=True)[0] if heals else cfg.stage2.trainable
-    if trainable == "lora" and dist.strategy == "zero3" and trains_on_workers(cfg):
+    if trainable == "lora" and dist.strategy == "zero3" and trains_on_workers(pipe.spec):
         raise TrspError("stage2.trainable=lora is not supported under distributed.strategy=zero3 yet "
                         "(peft merges into partitioned weights); use trainable=all|tail|map, or all with "
                         "offload_optimizer=true")
@@ -164,7 +167,7 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
     model_path = assets.resolve_model(cfg.model)
     if resources is not None:
         check_resources(dist, resources, cpus)
-    check_plan(cfg, model_path, ds_config)
+    check_plan(cfg, model_path, ds_config, pipe=pipe)
     return ds_config, storage, model_path
 
 

@@ -92,20 +92,20 @@ def model_shape(model: str) -> Shape:
     return read_shape(assets.resolve_model(model))
 
 
-def token_cost(cfg, *, drop: list[int] | None = None, trainable: str | None = None, lora_rank: int | None = None,
-               stage2: bool | None = None, map_layers: list[int] | None = None) -> float:
+def token_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None, trainable: str | None = None,
+               lora_rank: int | None = None, stage2: bool | None = None, map_layers: list[int] | None = None) -> float:
     """Dense-forward tokens of one token `cfg`'s pipeline trains (train_token_cost on cfg.model's
     shape): stage 2's on the whole gated model when it runs (`stage2` overrides), else its heal's on
     the model pruned of `drop` (n_drop layers when None), with recovery.objective's teacher. A map heal
     trains the maps of `drop`'s blocks (`map_layers`: their kept indices, as the fold reported them),
     n_drop maps from the bottom when neither is known. `trainable` / `lora_rank` override the recipe
-    (a heal config given to methods.apply_method)."""
+    (a heal config given to methods.apply_method). `spec`: the pipeline's resolved registry entry
+    (run.pipeline.Pipeline.spec), whose stage2 and heal say what trains."""
     from trsp_ray.config.sections import heal_recipe
     from trsp_ray.method.boundaries import blocks, fold_layers
     from trsp_ray.method.stage1 import n_drop_for
 
     shape = model_shape(cfg.model)
-    spec = registry.method(cfg.method)
     kd = cfg.recovery.objective == "kd"
     if (spec.stage2 and cfg.stage2.enabled) if stage2 is None else stage2:
         return train_token_cost(shape, recipe=trainable or cfg.stage2.trainable, kept_layers=shape.layers,
@@ -121,10 +121,11 @@ def token_cost(cfg, *, drop: list[int] | None = None, trainable: str | None = No
                             lora_rank=lora_rank or rank, maps=len(maps), kd=kd)
 
 
-def step_cost(cfg, *, drop: list[int] | None = None) -> float:
-    """Dense-forward tokens of one training step of `cfg`'s pipeline: data.batch_size x data.seqlen
-    trained tokens at token_cost each (what a --compute-budget buys steps with)."""
-    return token_cost(cfg, drop=drop) * cfg.data.batch_size * cfg.data.seqlen
+def step_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None) -> float:
+    """Dense-forward tokens of one training step of `cfg`'s pipeline (`spec`, its resolved registry
+    entry): data.batch_size x data.seqlen trained tokens at token_cost each (what a --compute-budget
+    buys steps with)."""
+    return token_cost(cfg, spec=spec, drop=drop) * cfg.data.batch_size * cfg.data.seqlen
 
 
 def solve_cost(cfg, comp, *, tokens: float, blocks: int, cosine_steps: list[int] | None = None) -> float:

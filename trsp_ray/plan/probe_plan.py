@@ -41,11 +41,10 @@ class ProbeSetup:
     criterion: str
 
     @classmethod
-    def from_config(cls, cfg) -> "ProbeSetup":
-        from trsp_ray.config import registry
-
+    def from_config(cls, cfg, *, spec) -> "ProbeSetup":
+        """The probe settings of `cfg`, whose pipeline's registry entry is `spec` (Pipeline.spec)."""
         s1, g = cfg.stage1, cfg.gates
-        probes = s1.selection == "iterative" and registry.method(cfg.method).uses_stage1  # ShortGPT probes nothing
+        probes = s1.selection == "iterative" and spec.uses_stage1  # ShortGPT probes nothing
         return cls(ratio=cfg.ratio, windows=s1.probe_windows, probe=s1.probe if probes else 0,
                    refine=s1.refine, refine_budget=s1.refine_budget, protect_head=g.protect_head,
                    protect_tail=g.protect_tail, criterion=s1.probe_criterion)

@@ -29,7 +29,7 @@ class Route:
                 f"{self.plan.setup.gpu_memory_gb:g} GB per worker")
 
 
-def route(cfg, *, device: str | None = None, memory_gb: float | None = None, shape: Shape | None = None,
+def route(cfg, *, spec, device: str | None = None, memory_gb: float | None = None, shape: Shape | None = None,
           max_workers: int | None = None, drop_given: bool = False) -> Route:
     """The route of `cfg`: one process on one device when its single-process plan fits, else the
     fewest Ray Train workers (at most `max_workers`, default distributed.workers; 0 = none allowed)
@@ -38,7 +38,8 @@ def route(cfg, *, device: str | None = None, memory_gb: float | None = None, sha
     device: gpu | cpu (default from cfg.device; auto = gpu when distributed.use_gpu); memory_gb: what
     one device holds (default distributed.gpu_memory_gb on gpu, this host's memory on cpu); shape:
     the model's planner Shape (default: read from cfg.model's config.json, no weights); drop_given:
-    a heal method's drop set is chosen in one process and handed to the workers (HANDED_OVER_METHODS).
+    a heal method's drop set is chosen in one process and handed to the workers (HANDED_OVER_METHODS);
+    spec: the pipeline's registry entry (Pipeline.spec, resolved where the run starts).
     """
     import os
 
@@ -61,8 +62,8 @@ def route(cfg, *, device: str | None = None, memory_gb: float | None = None, sha
                 continue
             cfg_w = replace(cfg, **{"distributed.workers": w, "distributed.use_gpu": device == "gpu",
                                     "distributed.gpu_memory_gb": memory_gb})
-            zero = zero3_plan(cfg_w, s)
-            extra = zero.fits and device == "gpu" and worker_extras_problem(cfg_w, zero)
+            zero = zero3_plan(cfg_w, s, spec=spec)
+            extra = zero.fits and device == "gpu" and worker_extras_problem(cfg_w, zero, spec=spec)
             if zero.fits and not extra:
                 return Route(w, device, zero)
         if extra:  # the stages fit the most workers allowed, what they hold beside them does not
@@ -72,14 +73,15 @@ def route(cfg, *, device: str | None = None, memory_gb: float | None = None, sha
     raise TrspError(f"the plan does not fit: {single.reason()}; {single_hint(cfg, single)}")
 
 
-def worker_extras_problem(cfg, plan: Plan) -> str | None:
+def worker_extras_problem(cfg, plan: Plan, *, spec) -> str | None:
     """What a worker holds beside the stages' training, one line when it does not fit the GPU:
     stage 1's removal probes (logits over the vocabulary of each probe window) and a least-squares
-    compensation's float64 d x d sums; None when both fit (or the run has neither)."""
+    compensation's float64 d x d sums; None when both fit (or the run has neither). `spec`: the
+    pipeline's registry entry."""
     from trsp_ray.plan.probe_plan import ProbeSetup, probe_plan
 
     available = plan.setup.gpu_memory_gb
-    probed = probe_plan(plan.shape, plan.setup, ProbeSetup.from_config(cfg))
+    probed = probe_plan(plan.shape, plan.setup, ProbeSetup.from_config(cfg, spec=spec))
     if probed.calls and probed.memory.total > available:
         return (f"stage 1's removal probes need {probed.memory.total:.1f} GB per worker (logits over the "
                 f"vocabulary of each probe window), more than the {available:g} GB available; use more workers, "

@@ -149,51 +149,48 @@ def alternatives(s: Shape, st: Setup) -> list[str]:
 
 
 def method_on_workers(method: str, *, drop_given: bool = False) -> bool:
-    """Whether the Ray Train path can run `method` (stage 1 or ShortGPT, stage 2 or a heal, export);
-    `drop_given`: its drop set is chosen in one process and handed over, the workers only heal it."""
+    """Whether the Ray Train path can run pipeline `method` (stage 1 or ShortGPT, stage 2 or a heal,
+    export); `drop_given`: its drop set is chosen in one process and handed over, the workers only
+    heal it. The registry's own rule on the name (registry.on_workers, Pipeline.on_workers)."""
     from trsp_ray.config import registry
 
-    return registry.on_workers(registry.method(method).name, drop_given=drop_given)
+    return registry.on_workers(method, drop_given=drop_given)
 
 
-def trains_on_workers(cfg) -> bool:
-    """Whether the Ray Train path trains weights after stage 1: TRSP's stage 2, or a heal (heal.run_heal
-    on the gated model with the drop set frozen: stage 2's memory less the frozen layers' state)."""
-    from trsp_ray.config import registry
-
-    spec = registry.method(cfg.method)
+def trains_on_workers(spec) -> bool:
+    """Whether the Ray Train path trains weights after stage 1 for pipeline `spec` (its registry entry):
+    TRSP's stage 2, or a heal (heal.run_heal on the gated model with the drop set frozen: stage 2's
+    memory less the frozen layers' state)."""
     return spec.stage2 or spec.heal
 
 
-def recovers_on_workers(cfg) -> bool:
-    """Whether the workers train weights after stage 1: a heal method heals with stage 2's budget
-    whatever stage2.enabled says (as one process does, methods.method_heal); TRSP's stage 2 runs
-    when enabled."""
-    from trsp_ray.config import registry
-
-    spec = registry.method(cfg.method)
+def recovers_on_workers(cfg, *, spec) -> bool:
+    """Whether the workers train weights after stage 1 (`spec`: the pipeline's registry entry): a heal
+    method heals with stage 2's budget whatever stage2.enabled says (as one process does,
+    methods.method_heal); TRSP's stage 2 runs when enabled."""
     return cfg.stage2.steps > 0 and (spec.heal or (spec.stage2 and cfg.stage2.enabled))
 
 
-def plan_for_run(cfg, model_path: str, ds_config: dict | None = None) -> Plan:
-    """The plan of a run config; stage 2 counts only when the method trains weights."""
-    return zero3_plan(cfg, read_shape(model_path), ds_config)
+def plan_for_run(cfg, model_path: str, ds_config: dict | None = None, *, spec) -> Plan:
+    """The plan of a run config (`spec`: its pipeline's registry entry, Pipeline.spec); stage 2 counts
+    only when the method trains weights."""
+    return zero3_plan(cfg, read_shape(model_path), ds_config, spec=spec)
 
 
-def with_heal_setup(cfg, st: Setup, s: Shape) -> Setup:
+def with_heal_setup(cfg, st: Setup, s: Shape, *, spec) -> Setup:
     """`st` with a heal method's drop set frozen (heal.run_heal on the workers keeps it out of the optimizer)
     and its heal's recipe (config.heal_recipe): the tail's k, and for the map recipe one folded
-    down_proj per block, at most one per dropped layer (a contiguous selector's drop set is one block)."""
-    from trsp_ray.config import registry
+    down_proj per block, at most one per dropped layer (a contiguous selector's drop set is one block).
+    `spec`: the pipeline's registry entry."""
     from trsp_ray.config.sections import heal_recipe
     from trsp_ray.method.stage1 import n_drop_for
 
-    if not registry.method(cfg.method).heal:
+    if not spec.heal:
         return st
     n_drop = n_drop_for(cfg.ratio, s.layers)
     trainable, rank = heal_recipe(cfg, heal_method=True)
     return replace(st, frozen_layers=n_drop, trainable=trainable, lora_rank=rank, tail_layers=cfg.heal.tail_layers,
-                   maps=planned_maps(registry.method(cfg.method).selector, n_drop=n_drop))
+                   maps=planned_maps(spec.selector, n_drop=n_drop))
 
 
 def planned_maps(selector: str | None, *, n_drop: int) -> int:
@@ -207,14 +204,14 @@ def planned_maps(selector: str | None, *, n_drop: int) -> int:
     return min(1, n_drop) if selector in (registry.TAIL_SELECTOR, registry.ANGULAR_SELECTOR) else n_drop
 
 
-def zero3_plan(cfg, s: Shape, ds_config: dict | None = None) -> Plan:
+def zero3_plan(cfg, s: Shape, ds_config: dict | None = None, *, spec) -> Plan:
     """`plan_for_run` for a known Shape (a preset's config.json fields, no model directory)."""
     from trsp_ray.config import registry
 
-    st = with_heal_setup(cfg, setup_for_run(cfg, ds_config), s)
+    st = with_heal_setup(cfg, setup_for_run(cfg, ds_config), s, spec=spec)
     p = plan(s, st)
-    if registry.method(cfg.method).selector == registry.SHORTGPT_SELECTOR:  # worker._shortgpt: no stage 1
+    if spec.selector == registry.SHORTGPT_SELECTOR:  # worker._shortgpt: no stage 1
         p.stages = (influence_stage(s, st),) + p.stages[1:]
-    if not recovers_on_workers(cfg):
+    if not recovers_on_workers(cfg, spec=spec):
         p.stages = p.stages[:1]
     return p

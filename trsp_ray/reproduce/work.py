@@ -93,13 +93,14 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
         if not plan.fits:
             raise TrspError(f"scoring {spec.key}: {plan.reason()}")
         return route.Route(0, device, plan)
-    spec = named(cfg).spec  # the cell's pipeline, read once for its route
-    chosen = route.route(cfg, device=device, memory_gb=memory, shape=shape, max_workers=preset.max_workers,
-                         drop_given=_selects_elsewhere(spec))
-    if chosen.workers > 0 and _selects_elsewhere(spec):  # its selection runs in the model's one-device task
+    pipe = named(cfg).spec  # the cell's pipeline, read once for its route (`spec` is the model's)
+    chosen = route.route(cfg, spec=pipe, device=device, memory_gb=memory, shape=shape,
+                         max_workers=preset.max_workers, drop_given=_selects_elsewhere(pipe))
+    if chosen.workers > 0 and _selects_elsewhere(pipe):  # its selection runs in the model's one-device task
+        selection = selection_method(pipe)
         try:
-            route.route(replace(cfg, method=selection_method(spec)), device=device, memory_gb=memory,
-                        shape=shape, max_workers=0)
+            route.route(replace(cfg, method=selection), spec=registry.METHODS[selection], device=device,
+                        memory_gb=memory, shape=shape, max_workers=0)
         except TrspError as exc:
             raise TrspError(f"the {cfg.method} cell of {spec.key} heals on {chosen.workers} workers, and its "
                             f"selection must run on one device: {exc}") from None
@@ -132,8 +133,9 @@ def stage1_route(preset, spec, cfg: RunConfig, *, shape=None):
     device = _device(cfg)
     memory = preset.gpu_memory_gb if device == "gpu" else None
     try:
-        return route.route(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}), device=device,
-                             memory_gb=memory, shape=shape, max_workers=0)
+        return route.route(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}),
+                           spec=registry.METHODS[registry.STAGE1_ONLY], device=device, memory_gb=memory,
+                           shape=shape, max_workers=0)
     except TrspError as exc:
         raise TrspError(f"the shared stage 1 of {spec.key} must run on one device: {exc}") from None
 

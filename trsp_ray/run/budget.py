@@ -20,13 +20,12 @@ from trsp_ray.config import registry
 from trsp_ray.plan import compute
 
 
-def planned_select_cost(cfg, *, num_layers: int) -> float | None:
-    """Dense-forward tokens the selection of `cfg.method` will spend; None when it is not known
-    before the selection runs (TRSP's stage 1)."""
+def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float | None:
+    """Dense-forward tokens the selection of `cfg`'s pipeline (`spec`, its resolved registry entry)
+    will spend; None when it is not known before the selection runs (TRSP's stage 1)."""
     from trsp_ray.method.stage1 import candidate_layers, n_drop_for
     from trsp_ray.run.methods import shortgpt_windows, sleb_cost
 
-    spec = registry.method(cfg.method)
     n_drop = n_drop_for(cfg.ratio, num_layers)
     seqlen = cfg.data.seqlen
     if spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # one forward of the windows
@@ -73,32 +72,31 @@ def fit_cost(cfg, *, drop: list[int], num_layers: int) -> float:
     return passes + compute.solve_cost(cfg, c, tokens=tokens, blocks=len(compensation.blocks(drop, num_layers)))
 
 
-def resolve(cfg, *, num_layers: int):
+def resolve(cfg, *, spec: registry.Method, num_layers: int):
     """`cfg` with heal.compute_budget turned into the heal's steps (stage2.steps; heal.steps 0), or
-    unchanged without a budget. One-line TrspError for a budget the selection cannot meet, or a
-    method it cannot apply to, before any work."""
+    unchanged without a budget; `spec`: its pipeline's registry entry. One-line TrspError for a
+    budget the selection cannot meet, or a method it cannot apply to, before any work."""
     budget = cfg.heal.compute_budget
     if not budget:
         return cfg
-    spec = registry.method(cfg.method)
     if not spec.heal:
         heals = ", ".join(m.name for m in registry.METHODS.values() if m.heal)
         raise TrspError(f"heal.compute_budget={budget:g} is spent on a heal, and method={cfg.method!r} does not "
                         f"heal; use one of {heals}")
-    select = planned_select_cost(cfg, num_layers=num_layers)
+    select = planned_select_cost(cfg, spec=spec, num_layers=num_layers)
     if select is None:
         raise TrspError(f"heal.compute_budget={budget:g} cannot be planned for method={cfg.method!r}: its stage-1 "
                         "selection's cost is known only after it runs; set stage2.steps instead, or use "
                         f"{registry.DEFAULT_METHOD}")
     comp = planned_compensation_cost(cfg, num_layers=num_layers)
-    return with_heal_steps(cfg, heal_steps(cfg, select=select, comp=comp))
+    return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp))
 
 
-def heal_steps(cfg, *, select: float, comp: float, drop: list[int] | None = None) -> int:
+def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None) -> int:
     """Heal steps heal.compute_budget leaves after a selection and a compensation costing `select` and
     `comp` dense-forward tokens (the search calls it with a selection's measured cost and its `drop`),
     each step at its recipe's cost (compute.step_cost); a one-line TrspError when not even one step is left."""
-    budget, step = cfg.heal.compute_budget, compute.step_cost(cfg, drop=drop)
+    budget, step = cfg.heal.compute_budget, compute.step_cost(cfg, spec=spec, drop=drop)
     steps = int((budget - select - comp) // step)
     if steps < 1:
         raise TrspError(f"heal.compute_budget={budget:g} dense-forward tokens cannot meet {cfg.method}: its selection "
@@ -114,11 +112,11 @@ def with_heal_steps(cfg, steps: int):
     return replace(cfg, **{"stage2.steps": steps, "heal.steps": 0})
 
 
-def describe(cfg, *, num_layers: int) -> str:
-    """One line for the log: where a resolved budget goes."""
-    select = planned_select_cost(cfg, num_layers=num_layers) or 0.0
+def describe(cfg, *, spec: registry.Method, num_layers: int) -> str:
+    """One line for the log: where a resolved budget goes (`spec`: the pipeline's registry entry)."""
+    select = planned_select_cost(cfg, spec=spec, num_layers=num_layers) or 0.0
     comp = planned_compensation_cost(cfg, num_layers=num_layers)
-    heal = compute.step_cost(cfg) * cfg.stage2.steps
+    heal = compute.step_cost(cfg, spec=spec) * cfg.stage2.steps
     return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
             + (f", compensation {comp / 1e3:.1f}k" if comp else "")
             + f", heal {cfg.stage2.steps} steps ({heal / 1e3:.1f}k)")

@@ -188,14 +188,14 @@ def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> f
     return cost + result.probe_cost
 
 
-def select(bench, method: str | registry.Method, *, model, gates, stage1: Stage1Result | None = None,
+def select(bench, spec: registry.Method, *, model, gates, stage1: Stage1Result | None = None,
            report: Report = null_report) -> tuple[list[int], dict]:
-    """The drop list of `method` and what choosing it cost (calibration tokens, dense-forward tokens).
+    """The drop list of pipeline `spec` (Pipeline.spec) and what choosing it cost (calibration tokens,
+    dense-forward tokens).
 
     TRSP methods reuse a given stage-1 result (one stage-1 run serves every TRSP method and ratio)."""
     from trsp_ray.method import selectors
 
-    spec = registry.as_method(method)
     n_drop, candidates, cfg = bench.n_drop(), bench.candidates(), bench.cfg
     seqlen = cfg.data.seqlen
     if spec.uses_stage1:
@@ -314,10 +314,10 @@ def _dense_beside(bench, model, *, activations: str):
 FitStore = Callable[[Callable[[], tuple[dict, dict]], Callable[[dict], None]], tuple[dict, dict]]
 
 
-def apply_method(bench, method: str | registry.Method, *, drop: list[int] | None = None, stage2: bool | None = None,
+def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None, stage2: bool | None = None,
                  stage1: Stage1Result | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
                  on_model: Callable[[object], None] | None = None, fit_store: FitStore | None = None) -> Outcome:
-    """Prune a fresh copy of the model with `method` (Pipeline.spec, or a name); returns the pruned model and its cost.
+    """Prune a fresh copy of the model with pipeline `spec` (Pipeline.spec); returns the pruned model and its cost.
 
     `drop` skips the selection (a drop set computed before, e.g. shared by several benchmark rows);
     `stage2` overrides whether TRSP's stage 2 runs; `stage2_cfg` / `heal_cfg` override the run's;
@@ -325,7 +325,6 @@ def apply_method(bench, method: str | registry.Method, *, drop: list[int] | None
     validation loss mid-training through `report`); `fit_store(compute, apply)` shares a least-squares
     fit among runs of the same drop set and fit (a search's trials): it returns compute()'s result,
     computed now or stored, and hands a stored one's weights to `apply` (compensation.folded_weights)."""
-    spec = registry.as_method(method)
     method, cfg = spec.name, bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or (method_heal(cfg) if spec.heal and stage2 is None else cfg.heal)
@@ -353,7 +352,7 @@ def apply_method(bench, method: str | registry.Method, *, drop: list[int] | None
         result = _stage2(bench, model=model, gates=gates, drop=drop, s2=s2, report=report)
         model = result.model
         info.update(stage2_tokens=result.tokens, stage2_steps=result.steps, stage2_seconds=time.time() - t1,
-                    stage2_cost=result.tokens * compute.token_cost(cfg, stage2=True, trainable=s2.trainable,
+                    stage2_cost=result.tokens * compute.token_cost(cfg, spec=spec, stage2=True, trainable=s2.trainable,
                                                                    lora_rank=s2.lora_rank),
                     relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
     kept = remove_layers(model, drop)
@@ -389,7 +388,7 @@ def apply_method(bench, method: str | registry.Method, *, drop: list[int] | None
         healed = _heal(bench, model=model, heal=heal, report=report, map_layers=maps)
         model = healed.model
         info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_seconds=time.time() - t2,
-                    heal_cost=healed.tokens * compute.token_cost(cfg, drop=drop, stage2=False,
+                    heal_cost=healed.tokens * compute.token_cost(cfg, spec=spec, drop=drop, stage2=False,
                                                                  trainable=heal.trainable, lora_rank=heal.lora_rank,
                                                                  map_layers=maps))
     info["weight_tokens"] = info.get("stage2_tokens", 0) + info.get("heal_tokens", 0)

@@ -77,10 +77,10 @@ class Pipeline:
         from trsp_ray.run import budget
 
         layers = self.num_layers or 0
-        select = budget.planned_select_cost(self.cfg, num_layers=layers) if layers else None
+        select = budget.planned_select_cost(self.cfg, spec=self.spec, num_layers=layers) if layers else None
         fit = budget.planned_compensation_cost(self.cfg, num_layers=layers) if layers else None
-        steps = training_steps(self.cfg)
-        heal = compute.step_cost(self.cfg) * steps if layers else None
+        steps = training_steps(self.cfg, spec=self.spec)
+        heal = compute.step_cost(self.cfg, spec=self.spec) * steps if layers else None
         total = None if select is None or fit is None or heal is None else select + fit + heal
         return {"select": select, "fit": fit, "heal_steps": steps, "heal": heal, "total": total,
                 "budget": self.cfg.heal.compute_budget or None}
@@ -90,7 +90,7 @@ class Pipeline:
         c = self.cfg.compensation
         fit = "no fit" if self.fit is None else f"fit {self.fit}" + (
             f" on {c.windows} x {self.cfg.data.seqlen} tokens" if c.windows else "")
-        steps = training_steps(self.cfg)
+        steps = training_steps(self.cfg, spec=self.spec)
         train = "no training" if self.recipe is None else f"{'heal' if self.spec.heal else 'stage 2'} " \
                                                           f"{self.recipe} {steps} steps"
         said = f" (asked for {self.requested}: {self.fallback})" if self.fallback else ""
@@ -110,11 +110,10 @@ def named(cfg) -> Pipeline:
     return Pipeline(requested=cfg.method, cfg=cfg)
 
 
-def training_steps(cfg) -> int:
-    """Steps `cfg`'s pipeline trains: stage 2's, or its heal's (methods.method_heal)."""
+def training_steps(cfg, *, spec: registry.Method) -> int:
+    """Steps `cfg`'s pipeline (`spec`, its registry entry) trains: stage 2's, or its heal's (methods.method_heal)."""
     from trsp_ray.run.methods import method_heal
 
-    spec = registry.method(cfg.method)
     if spec.stage2 and cfg.stage2.enabled:
         return cfg.stage2.steps
     return method_heal(cfg).steps if spec.heal else cfg.heal.steps
@@ -166,6 +165,7 @@ def resolve(cfg, *, hidden: int | None = None, budget_layers: bool = True) -> Pi
             fallback = f"no compensation on this model ({reason}); running {uncompensated(cfg.method)}"
             log(f"method {cfg.method}: {fallback}")
             cfg = replace(cfg, method=uncompensated(cfg.method))
+            spec = registry.method(cfg.method)  # the pipeline that runs
     out = for_method(cfg)
     hidden = hidden if hidden is not None else (families.hidden_size(config) if config is not None else None)
     if out.compensation.method != "none" and hidden is not None:
@@ -182,8 +182,8 @@ def resolve(cfg, *, hidden: int | None = None, budget_layers: bool = True) -> Pi
         from trsp_ray.run.workbench import check_inputs
 
         layers = check_inputs(out)
-        out = budget.resolve(out, num_layers=layers)
-        log(budget.describe(out, num_layers=layers))
+        out = budget.resolve(out, spec=spec, num_layers=layers)
+        log(budget.describe(out, spec=spec, num_layers=layers))
     elif config is not None:
         layers = families._get(config, families.FAMILIES[config.model_type].config_path).num_hidden_layers
     return Pipeline(requested=requested, cfg=out, fallback=fallback, hidden=hidden, num_layers=layers)

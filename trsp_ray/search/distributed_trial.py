@@ -67,9 +67,10 @@ def _validation_task(model_dir: str, base: dict) -> dict:
                           "seqlen": base["data"]["eval_seqlen"], "windows": len(nlls)}}
 
 
-def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tuple:
+def _budgeted(cfg, *, spec: registry.Method, stage1: dict | None, n_drop: int, num_layers: int) -> tuple:
     """(cfg with a budgeted heal's steps, the planned compute record): from stage 1's measured cost
-    when this trial holds it, else budget.py's plan (the workers select; they report no cost here)."""
+    when this trial holds it, else budget.py's plan (the workers select; they report no cost here).
+    `spec`: the trial's pipeline's registry entry (resolved where the trial starts)."""
     from trsp_ray.plan import compute
     from trsp_ray.run import budget
     from trsp_ray.run.methods import stage1_cost
@@ -77,24 +78,25 @@ def _budgeted(cfg, *, stage1: dict | None, n_drop: int, num_layers: int) -> tupl
     from trsp_ray.run.workbench import model_hidden
     from trsp_ray.search.pipeline import budgeted
 
-    select, fit, drop = budget.planned_select_cost(cfg, num_layers=num_layers), None, None
+    select, fit, drop = budget.planned_select_cost(cfg, spec=spec, num_layers=num_layers), None, None
     if stage1 is not None:
         s1 = result_from(stage1)
         select = stage1_cost(s1, num_layers=num_layers, train_base=cfg.stage1.train_base)
-        drop = s1.drop_for(registry.method(cfg.method).ranking, n_drop)
-        cfg, fit = budgeted(cfg, drop=drop, select_cost=select, num_layers=num_layers,
+        drop = s1.drop_for(spec.ranking, n_drop)
+        cfg, fit = budgeted(cfg, spec=spec, drop=drop, select_cost=select, num_layers=num_layers,
                             hidden=model_hidden(cfg.model) or 1)
     elif cfg.heal.compute_budget:
-        cfg = budget.resolve(cfg, num_layers=num_layers)
+        cfg = budget.resolve(cfg, spec=spec, num_layers=num_layers)
     fit = budget.planned_compensation_cost(cfg, num_layers=num_layers) if fit is None else fit
-    heal = compute.step_cost(cfg, drop=drop) * training_steps(cfg)
-    select = select or 0.0
+    select, steps = select or 0.0, training_steps(cfg, spec=spec)
+    heal = compute.step_cost(cfg, spec=spec, drop=drop) * steps
     return cfg, {"select": select, "fit": fit, "heal": heal, "total": select + fit + heal,
-                 "budget": cfg.heal.compute_budget or None, "heal_steps": training_steps(cfg), "planned": True}
+                 "budget": cfg.heal.compute_budget or None, "heal_steps": steps, "planned": True}
 
 
-def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: str) -> dict:
-    """The trial as above; `config` is the Tune config (see trial.run_trial), `cfg` its RunConfig."""
+def run_distributed_trial(config: dict, cfg, *, spec: registry.Method, report, log, tkey: str, skey: str) -> dict:
+    """The trial as above; `config` is the Tune config (see trial.run_trial), `cfg` its RunConfig,
+    `spec` its pipeline's registry entry (trial._execute resolved both)."""
     import ray
 
     from trsp_ray.common import atomic
@@ -108,13 +110,13 @@ def run_distributed_trial(config: dict, cfg, *, report, log, tkey: str, skey: st
     n_drop = n_drop_for(cfg.ratio, num_layers)
     cfg_dict = cfg.to_dict()
     stage1 = None
-    if registry.method(cfg.method).uses_stage1 and route.get("stage1_on_one_device", True):
+    if spec.uses_stage1 and route.get("stage1_on_one_device", True):
         task = ray.remote(_stage1_task).options(num_cpus=1, num_gpus=1 if route["use_gpu"] else 0, **OUTSIDE_TRIAL)
         stage1 = result_dict(stage1_for_trial(
             need=n_drop, compute=lambda n: result_from(ray.get(task.remote(cfg_dict, n))),
             content=stage1_content(cfg_dict), store=trial_store(config), key=skey,
             plan_n_drop=planned_n_drop(config, skey), log=log, trial=tkey))
-    cfg, planned = _budgeted(cfg, stage1=stage1, n_drop=n_drop, num_layers=num_layers)
+    cfg, planned = _budgeted(cfg, spec=spec, stage1=stage1, n_drop=n_drop, num_layers=num_layers)
     out = search_dir / MODELS / tkey
     dcfg = replace(cfg, output=str(out), **{
         "distributed.workers": route["workers"], "distributed.use_gpu": route["use_gpu"],

@@ -47,13 +47,13 @@ OBJECTIVE_DATA = ("eval_text", "eval_seqlen", "eval_max_windows", "eval_domains"
 AFTER_FIT = ("method", "selector", "fit", "heal", "ratio", "stage2.", "heal.", "recovery.")
 
 
-def selection_content(cfg, n_drop: int) -> dict:
+def selection_content(cfg, n_drop: int, *, spec: registry.Method) -> dict:
     """What chooses a drop set of `n_drop` layers beyond the model and the calibration windows: the
-    selector and what it reads (methods.select: TRSP's stage 1, the windows Block Influence / the
-    angular block / SLEB score; tail and random read nothing but the seed and gates)."""
+    selector of `spec` (the pipeline's registry entry) and what it reads (methods.select: TRSP's
+    stage 1, the windows Block Influence / the angular block / SLEB score; tail and random read
+    nothing but the seed and gates)."""
     from trsp_ray.run.methods import shortgpt_windows
 
-    spec = registry.method(cfg.method)
     out = {"selector": spec.selector, "n_drop": n_drop}
     if spec.uses_stage1:
         out.update(ranking=spec.ranking, stage1=dataclasses.asdict(cfg.stage1))
@@ -85,16 +85,16 @@ def trial_fingerprint(cfg_dict: dict, fingerprint: str) -> str:
     return content_key({"search": fingerprint, "calib": text_fingerprint(d["calib_text"], d["calib_mix"])})
 
 
-def selection_key(cfg_dict: dict, fingerprint: str, *, num_layers: int) -> str:
+def selection_key(cfg_dict: dict, fingerprint: str, *, spec: registry.Method, num_layers: int) -> str:
     """Content key of a baseline selection: trials of any pipeline with the same selector, windows,
     drop count, model, calibration (its settings and its text: trial_fingerprint), precision, seed
-    and gates share it."""
+    and gates share it. `spec`: the trial's pipeline's registry entry."""
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.method.stage1 import n_drop_for
     from trsp_ray.run.stage1_store import calibration_content, content_key
 
     cfg = from_dict(cfg_dict)
-    return content_key({"selection": selection_content(cfg, n_drop_for(cfg.ratio, num_layers)),
+    return content_key({"selection": selection_content(cfg, n_drop_for(cfg.ratio, num_layers), spec=spec),
                         **{k: cfg_dict[k] for k in ("seed", "device", "dtype")}, "gates": cfg_dict["gates"],
                         "data": calibration_content(cfg_dict["data"]),
                         "fp": trial_fingerprint(cfg_dict, fingerprint)})
@@ -108,12 +108,13 @@ def effective(cfg_dict: dict, *, num_layers: int) -> dict:
     from trsp_ray.run.methods import method_heal
     from trsp_ray.run.pipeline import resolve
 
-    cfg = resolve(from_dict(cfg_dict), budget_layers=False).cfg
-    spec = registry.method(cfg.method)
+    pipe = resolve(from_dict(cfg_dict), budget_layers=False)
+    cfg, spec = pipe.cfg, pipe.spec
     d = cfg.to_dict()
     n_drop = n_drop_for(cfg.ratio, num_layers)
     data = {k: v for k, v in d["data"].items() if k not in OBJECTIVE_DATA}
-    out = {**{k: d[k] for k in COMMON}, "data": data, "gates": d["gates"], "select": selection_content(cfg, n_drop)}
+    out = {**{k: d[k] for k in COMMON}, "data": data, "gates": d["gates"],
+           "select": selection_content(cfg, n_drop, spec=spec)}
     trains = False
     if spec.stage2 and cfg.stage2.enabled and cfg.stage2.steps > 0:
         out["stage2"], trains = d["stage2"], True
@@ -234,15 +235,16 @@ def check_conditional(base: dict, space, *, num_layers: int) -> None:
                             "that acts in only some pipelines: use algorithm=grid or random, or drop the key")
 
 
-def selection_key_of(cfg_dict: dict, fingerprint: str, *, num_layers: int) -> str:
-    """The store key of a trial's selection: TRSP's stage-1 key, or a baseline's selection key."""
+def selection_key_of(cfg_dict: dict, fingerprint: str, *, spec: registry.Method, num_layers: int) -> str:
+    """The store key of a trial's selection (`spec`: its pipeline's registry entry): TRSP's stage-1
+    key, or a baseline's selection key."""
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.method.stage1 import n_drop_for
 
     cfg = from_dict(cfg_dict)
-    if registry.method(cfg.method).uses_stage1:
+    if spec.uses_stage1:
         return trial_stage1_key(cfg_dict, fingerprint, n_drop=n_drop_for(cfg.ratio, num_layers))
-    return selection_key(cfg_dict, fingerprint, num_layers=num_layers)
+    return selection_key(cfg_dict, fingerprint, spec=spec, num_layers=num_layers)
 
 
 def _after_fit(key: str) -> bool:
@@ -253,6 +255,8 @@ def check_keys(base: dict, space, points: list[dict], *, num_layers: int) -> Non
     """One-line TrspError, before any trial, for a searched key (outside AFTER_FIT) that changes what a
     point's pipeline does but none of its selection, stage-1 or fit keys: trials that differ in it
     would share one selection or fit computed for another value."""
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.run.pipeline import named
     from trsp_ray.search.space import apply_point
 
     for d in space.dims:
@@ -266,7 +270,7 @@ def check_keys(base: dict, space, points: list[dict], *, num_layers: int) -> Non
                     content = _fingerprint(effective(cfg, num_layers=num_layers))
                 except TrspError:
                     continue  # a value its pipeline refuses runs nothing
-                sel = selection_key_of(cfg, "", num_layers=num_layers)
+                sel = selection_key_of(cfg, "", spec=named(from_dict(cfg)).spec, num_layers=num_layers)
                 keys = (sel, fit_key(cfg, selection=sel, drop=[]))
                 if any(keys == other and content != c for c, other in seen.items()):
                     raise TrspError(f"search key {d.key!r} changes what {cfg['method']} does before its heal, but no "
@@ -290,11 +294,12 @@ def stage1_floor_cost(cfg, *, num_layers: int) -> float:
     return stage1_cost(planned, num_layers=num_layers, train_base=s1.train_base)
 
 
-def planned_costs(cfg, *, num_layers: int) -> tuple[float, float]:
-    """(selection, fit) dense-forward tokens a budgeted point plans: budget.py's plan, TRSP's floor."""
+def planned_costs(cfg, *, spec: registry.Method, num_layers: int) -> tuple[float, float]:
+    """(selection, fit) dense-forward tokens a budgeted point (`spec`: its pipeline's registry entry)
+    plans: budget.py's plan, TRSP's floor."""
     from trsp_ray.run import budget
 
-    select = budget.planned_select_cost(cfg, num_layers=num_layers)
+    select = budget.planned_select_cost(cfg, spec=spec, num_layers=num_layers)
     if select is None:
         select = stage1_floor_cost(cfg, num_layers=num_layers)
     return select, budget.planned_compensation_cost(cfg, num_layers=num_layers)
@@ -309,14 +314,15 @@ def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
     from trsp_ray.search.space import apply_point
 
     for point in points:
-        cfg = resolve(from_dict(apply_point(base, point)), budget_layers=False).cfg
+        pipe = resolve(from_dict(apply_point(base, point)), budget_layers=False)
+        cfg, spec = pipe.cfg, pipe.spec
         if not cfg.heal.compute_budget:
             continue
-        if not registry.method(cfg.method).heal:
+        if not spec.heal:
             raise TrspError(f"--compute-budget {cfg.heal.compute_budget:g} is spent on a heal, and method "
                             f"{cfg.method!r} does not heal; search heal methods (e.g. shortgpt+heal, trsp+heal)")
-        select, comp = planned_costs(cfg, num_layers=num_layers)
-        budget.heal_steps(cfg, select=select, comp=comp)
+        select, comp = planned_costs(cfg, spec=spec, num_layers=num_layers)
+        budget.heal_steps(cfg, spec=spec, select=select, comp=comp)
 
 
 def max_heal_steps(base: dict, points: list[dict], *, num_layers: int) -> int:
@@ -330,12 +336,13 @@ def max_heal_steps(base: dict, points: list[dict], *, num_layers: int) -> int:
 
     most = 0
     for point in points:
-        cfg = resolve(from_dict(apply_point(base, point)), budget_layers=False).cfg
-        if cfg.heal.compute_budget and registry.method(cfg.method).heal:
-            select, comp = planned_costs(cfg, num_layers=num_layers)
-            most = max(most, budget.heal_steps(cfg, select=select, comp=comp))
+        pipe = resolve(from_dict(apply_point(base, point)), budget_layers=False)
+        cfg, spec = pipe.cfg, pipe.spec
+        if cfg.heal.compute_budget and spec.heal:
+            select, comp = planned_costs(cfg, spec=spec, num_layers=num_layers)
+            most = max(most, budget.heal_steps(cfg, spec=spec, select=select, comp=comp))
         else:
-            heal = method_heal(cfg).steps if registry.method(cfg.method).heal else cfg.heal.steps
+            heal = method_heal(cfg).steps if spec.heal else cfg.heal.steps
             most = max(most, cfg.stage2.steps, heal)
     return most
 
@@ -351,14 +358,15 @@ def trial_stage1_key(cfg_dict: dict, fingerprint: str, *, n_drop: int) -> str:
     return content_key({"stage1": key, "n_drop": n_drop}) if cfg_dict["heal"]["compute_budget"] else key
 
 
-def budgeted(cfg, *, drop: list[int], select_cost: float, num_layers: int, hidden: int):
+def budgeted(cfg, *, spec: registry.Method, drop: list[int], select_cost: float, num_layers: int, hidden: int):
     """(cfg whose heal has the steps heal.compute_budget leaves, the fit's cost for `drop`): the
     selection's measured cost and the fit's exact cost for this drop set, so every trial's total lies
-    within one heal step below the budget (budget.heal_steps). Without a budget: cfg unchanged."""
+    within one heal step below the budget (budget.heal_steps). Without a budget: cfg unchanged.
+    `spec`: the trial's pipeline's registry entry."""
     from trsp_ray.config.run_config import for_method, sized
     from trsp_ray.run import budget
 
     fit = budget.fit_cost(sized(for_method(cfg), hidden=hidden), drop=drop, num_layers=num_layers)
-    if not (cfg.heal.compute_budget and registry.method(cfg.method).heal):
+    if not (cfg.heal.compute_budget and spec.heal):
         return cfg, fit
-    return budget.with_heal_steps(cfg, budget.heal_steps(cfg, select=select_cost, comp=fit, drop=drop)), fit
+    return budget.with_heal_steps(cfg, budget.heal_steps(cfg, spec=spec, select=select_cost, comp=fit, drop=drop)), fit

@@ -57,6 +57,7 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
     from trsp_ray.plan.shape import read_shape
     from trsp_ray.plan.single_plan import single_plan, single_plan_for_run, single_setup_for_run
     from trsp_ray.plan.zero3_plan import zero3_plan
+    from trsp_ray.run.pipeline import named
 
     _check_counts(gpus_per_trial, workers, eval_gpus)
     have = float(cluster.get("GPU", 0.0))
@@ -68,13 +69,14 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
     shape = read_shape(model_path)
     memory = cfg.distributed.gpu_memory_gb
     limit = workers if workers is not None else (0 if gpus_per_trial is not None else max(1, int(have)))
-    chosen = routing.route(cfg, device="gpu", memory_gb=memory, shape=shape, max_workers=limit)
+    spec = named(cfg).spec  # the base config's pipeline: every trial shares this route
+    chosen = routing.route(cfg, spec=spec, device="gpu", memory_gb=memory, shape=shape, max_workers=limit)
     scoring = single_plan(shape, single_setup_for_run(cfg, device="gpu", memory_gb=memory), ("evaluation",)).peak
     scoring = eval_gpus if eval_gpus is not None else (
         _fraction(scoring, memory) if scoring <= memory else float(math.ceil(scoring / memory)))
     if workers and not chosen.workers:  # asked for Ray Train though one GPU would do
         chosen = routing.Route(workers, "gpu", zero3_plan(
-            replace(cfg, **{"distributed.workers": workers, "distributed.use_gpu": True}), shape))
+            replace(cfg, **{"distributed.workers": workers, "distributed.use_gpu": True}), shape, spec=spec))
     if chosen.workers:
         stage1 = single_plan_for_run(replace(cfg, method=registry.STAGE1_ONLY, **{"heal.steps": 0}),
                                      device="gpu", memory_gb=memory, shape=shape)

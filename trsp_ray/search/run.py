@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 from trsp_ray.common.errors import TrspError
 from trsp_ray.common.logs import log as progress_log
-from trsp_ray.config import registry
 from trsp_ray.config.run_config import RunConfig, from_dict
 from trsp_ray.distributed import ray_session
 from trsp_ray.search.cache import RunLog
@@ -74,6 +73,7 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> Plan:
     """The checked plan of a search. Raises a one-line TrspError before any trial: a bad point, a key
     that acts in none of the searched pipelines, a budget a point's selection and fit alone exceed."""
     from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.pipeline import named
     from trsp_ray.run.workbench import check_inputs
     from trsp_ray.search import pipeline
 
@@ -102,7 +102,7 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> Plan:
     n_drop: dict[str, int] = {}
     for point in points or [{d.key: d.bounds()[1] for d in space.dims}]:
         cfg = apply_point(base_dict, point)
-        if registry.method(cfg["method"]).uses_stage1:
+        if named(from_dict(cfg)).spec.uses_stage1:  # the point's pipeline (check_points validated it)
             n = n_drop_for(cfg["ratio"], num_layers)
             key = pipeline.trial_stage1_key(cfg, fp, n_drop=n)
             n_drop[key] = max(n_drop.get(key, 0), n)

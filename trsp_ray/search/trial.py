@@ -117,15 +117,15 @@ def run_trial(config: dict) -> None:
     _execute(config, report=tune.report, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
 
 
-def _selection(bench, cfg_dict: dict, config: dict, *, key: str, log, trial: str):
-    """(drop set, selection info, stage-1 result or None): TRSP's from the stage-1 store, a baseline's
-    from the selection store, each computed once per key (search/cache.py)."""
+def _selection(bench, cfg_dict: dict, config: dict, *, spec: registry.Method, key: str, log, trial: str):
+    """(drop set, selection info, stage-1 result or None) of the trial's pipeline (`spec`, resolved
+    where the trial starts): TRSP's from the stage-1 store, a baseline's from the selection store,
+    each computed once per key (search/cache.py)."""
     from trsp_ray.method.gates import attach_gates
     from trsp_ray.run.methods import select, stage1_cost
     from trsp_ray.search.pipeline import selection_content
 
     cfg, n_drop = bench.cfg, bench.n_drop()
-    spec = registry.method(cfg.method)
     if spec.uses_stage1:
         stage1 = stage1_for_trial(need=n_drop, compute=lambda n: compute_stage1(bench, n),
                                   content=stage1_content(cfg_dict), store=trial_store(config), key=key,
@@ -137,11 +137,11 @@ def _selection(bench, cfg_dict: dict, config: dict, *, key: str, log, trial: str
     def compute() -> tuple[list[int], dict]:
         model = bench.fresh_model()
         try:
-            return select(bench, cfg.method, model=model, gates=attach_gates(model, gate_mode=cfg.gates.gate))
+            return select(bench, spec, model=model, gates=attach_gates(model, gate_mode=cfg.gates.gate))
         finally:
             del model
 
-    drop, info = selection_for_trial(need=n_drop, compute=compute, content=selection_content(cfg, n_drop),
+    drop, info = selection_for_trial(need=n_drop, compute=compute, content=selection_content(cfg, n_drop, spec=spec),
                                      store=trial_store(config), key=key, log=log, trial=trial)
     return drop, info, None
 
@@ -171,26 +171,27 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     torch.set_num_threads(int(config.get("threads") or 1))
     search_dir = Path(config["search_dir"])
     cfg_dict = apply_point(config["run"], config["point"])
-    cfg = resolve(from_dict(cfg_dict), budget_layers=False).cfg  # the trial's pipeline on this model
+    pipe = resolve(from_dict(cfg_dict), budget_layers=False)  # the trial's pipeline on this model, resolved once
+    cfg, spec = pipe.cfg, pipe.spec
     tkey = trial_key(cfg_dict)
     num_layers = int(config.get("num_layers") or check_inputs(cfg))
-    skey = selection_key_of(cfg_dict, config.get("search_fp") or search_fingerprint(config["run"]),
+    skey = selection_key_of(cfg_dict, config.get("search_fp") or search_fingerprint(config["run"]), spec=spec,
                             num_layers=num_layers)
     log = RunLog(search_dir, invocation=config["invocation"])
     if (config.get("route") or {}).get("workers"):
         from trsp_ray.search.distributed_trial import run_distributed_trial
 
-        return run_distributed_trial(config, cfg, report=report, log=log, tkey=tkey, skey=skey)
+        return run_distributed_trial(config, cfg, spec=spec, report=report, log=log, tkey=tkey, skey=skey)
     device = trial_device(cfg.device, gpu_ids=list(gpu_ids))
     log.write("trial_started", trial=tkey, device=device, gpu_ids=list(gpu_ids))
     start = time.perf_counter()
     bench = prepare(replace(cfg, device=device))
     objective = with_objective(bench, config, cfg_dict)
     windows = int(config.get("val_windows") or 8)
-    drop, select_info, stage1 = _selection(bench, cfg_dict, config, key=skey, log=log, trial=tkey)
-    bench.cfg, _ = budgeted(bench.cfg, drop=drop, select_cost=select_info["select_cost"],
+    drop, select_info, stage1 = _selection(bench, cfg_dict, config, spec=spec, key=skey, log=log, trial=tkey)
+    bench.cfg, _ = budgeted(bench.cfg, spec=spec, drop=drop, select_cost=select_info["select_cost"],
                             num_layers=bench.num_layers, hidden=families.text_config(bench.model).hidden_size)
-    steps = training_steps(bench.cfg)
+    steps = training_steps(bench.cfg, spec=spec)
     every = int(config.get("val_every") or max(1, -(-steps // REPORTS)))
     made: list = []  # the working copy apply_method trains (on_model): validation loss is measured on it
     curve: list = []
@@ -202,7 +203,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
               steps=steps)
     fits = fit_for_trial(store=trial_store(config), key=fit_key(bench.cfg.to_dict(), selection=skey, drop=drop),
                          log=log, trial=tkey)
-    outcome = apply_method(bench, cfg.method, drop=drop, report=on_metrics, on_model=made.append, fit_store=fits)
+    outcome = apply_method(bench, spec, drop=drop, report=on_metrics, on_model=made.append, fit_store=fits)
     info = {**select_info, **outcome.info}
     nlls = validation_nlls(bench, outcome.model)  # every window of the validation text: the objective
     val = sum(nlls) / len(nlls)
