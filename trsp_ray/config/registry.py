@@ -236,12 +236,6 @@ def method(name: str) -> Method:
     return Method(name, selector, heal=heal is not None, fit=fit, recipe=recipe)
 
 
-def as_method(given: str | Method) -> Method:
-    """`given` as it is when it is already a spec (a resolved Pipeline's, handed down), else
-    method(given): for a caller that holds only a pipeline's name."""
-    return given if isinstance(given, Method) else method(given)
-
-
 def on_workers(name: str, *, drop_given: bool = False) -> bool:
     """Whether Ray Train workers run pipeline `name`: a registered name when WORKER_METHODS (or, with
     a drop set chosen in one process, HANDED_OVER_METHODS) holds it; a composition when it heals after
