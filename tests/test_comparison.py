@@ -6,8 +6,9 @@ import re
 import pytest
 
 from trsp_ray.benchmark.comparison import check_request, plan_jobs
-from trsp_ray.benchmark.stats import GEO, paired_se, summarize, verdict
+from trsp_ray.benchmark.stats import GEO, summarize, verdict
 from trsp_ray.common.errors import TrspError
+from trsp_ray.common.paired import paired_se
 from trsp_ray.config import registry
 from trsp_ray.config.run_config import load_config
 

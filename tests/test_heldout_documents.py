@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trsp_ray.benchmark import stats
+from trsp_ray.common.paired import paired_se
 from trsp_ray.data import heldout
 
 
@@ -30,8 +31,8 @@ def _one_document_effect(docs: int = 4, per_doc: int = 4, seed: int = 0):
 
 def test_the_clustered_se_of_windows_of_one_document_is_larger_than_the_unclustered_one():
     a, b, clusters = _one_document_effect()
-    mean, plain = stats.paired_se(a, b)
-    mean_c, clustered = stats.paired_se(a, b, clusters)
+    mean, plain = paired_se(a, b)
+    mean_c, clustered = paired_se(a, b, clusters)
     assert mean_c == pytest.approx(mean)
     assert clustered > 1.5 * plain, (clustered, plain)
     # the cluster-robust formula, by hand: sum the deviations per document, then across documents
@@ -39,9 +40,9 @@ def test_the_clustered_se_of_windows_of_one_document_is_larger_than_the_uncluste
     sums = [sum(d[i] - mean for i in range(k * 4, k * 4 + 4)) for k in range(4)]
     assert clustered == pytest.approx(math.sqrt(4 / 3 * sum(s * s for s in sums)) / len(d))
     # one window per document: the clustered SE is the plain one
-    assert stats.paired_se(a, b, list(range(len(a))))[1] == pytest.approx(plain)
+    assert paired_se(a, b, list(range(len(a))))[1] == pytest.approx(plain)
     # one document: nothing can be decided
-    assert stats.paired_se(a, b, ["one"] * len(a))[1] == math.inf
+    assert paired_se(a, b, ["one"] * len(a))[1] == math.inf
 
 
 def test_a_verdict_that_is_a_win_by_windows_is_a_tie_by_documents():
@@ -134,5 +135,5 @@ def test_the_report_prints_each_columns_documents_and_flags_too_few():
     assert cov[stats.GEO]["documents"] == 18 and cov["LAMBADA acc"]["documents"] == 100
     # the code column's SE is clustered on its two documents, wiki's on sixteen
     verdicts = summary[1]["default vs"]["shortgpt+heal"]
-    assert verdicts[stats.LEFT_OUT]["se"] > 2 * stats.paired_se(b, a)[1]
-    assert verdicts["wiki PPL"]["se"] == pytest.approx(stats.paired_se(b, a)[1])
+    assert verdicts[stats.LEFT_OUT]["se"] > 2 * paired_se(b, a)[1]
+    assert verdicts["wiki PPL"]["se"] == pytest.approx(paired_se(b, a)[1])

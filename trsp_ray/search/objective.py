@@ -22,6 +22,7 @@ import statistics
 import torch
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.common.paired import paired_se
 
 NGRAM = 16  # tokens two texts must share in a row to count as the same text (a chunk holding such a run is dropped)
 TIE_SE = 2.0  # a difference within this many paired SE is a tie
@@ -71,27 +72,6 @@ def without_text(cal, text: torch.Tensor):
                         "search another mixture or calibrate the base config on another text")
     strata = cal.strata[keep] if cal.strata is not None else None
     return dataclasses.replace(cal, ids=rows[keep].reshape(-1), strata=strata)
-
-
-def paired_se(a: list[float], b: list[float], clusters: list | None = None) -> tuple[float, float]:
-    """(mean of a_i - b_i, its standard error) over items scored by both. Without `clusters`: sd / sqrt(n);
-    with a cluster id per item (the document a window comes from), the cluster-robust error
-    sqrt(G / (G - 1) * sum_g (sum_{i in g} (d_i - mean))^2) / n over G clusters. Infinite with one
-    item or one cluster (nothing can be decided)."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired items differ in number ({len(a)} vs {len(b)}) or are empty")
-    d = [x - y for x, y in zip(a, b)]
-    n = len(d)
-    mean = sum(d) / n
-    if clusters is None:
-        return (mean, math.inf) if n < 2 else (mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n))
-    sums: dict = {}
-    for x, g in zip(d, clusters, strict=True):
-        sums[g] = sums.get(g, 0.0) + x - mean
-    g = len(sums)
-    if g < 2:
-        return mean, math.inf
-    return mean, math.sqrt(g / (g - 1) * sum(s * s for s in sums.values())) / n
 
 
 def _group(record: dict) -> str:
