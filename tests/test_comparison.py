@@ -587,3 +587,27 @@ def test_the_anchor_rows_run_the_fit_and_recipe_their_names_spell(tiny_dir):
         assert by[a]["drop"] == by[b]["drop"]
         assert by[a]["nll"] != by[b]["nll"], (a, b)  # another model on the same windows
         assert by[a]["info"]["weight_tokens"] == by[b]["info"]["weight_tokens"] > 0
+
+
+@pytest.mark.parametrize("row_name", ["shortgpt+heal.tail@full", "shortgpt+comp+heal.map@full"])
+def test_full_compute_rows_heal_a_partial_recipe_to_a_full_heals_compute(row_name):
+    """'@full': a partial heal of SmolLM2's ShortGPT set gets extra steps of its own, cheaper recipe
+    until its recovery costs what a full heal of the same 20 steps costs (within one of its steps)."""
+    from trsp_ray.benchmark.jobs import full_heal_steps, heal_steps, row_config
+    from trsp_ray.plan import compute
+    from trsp_ray.run.pipeline import named
+
+    drop = [3, 12, 13, 14, 15, 16, 17, 25]
+    row = registry.ROWS[row_name]
+    cfg = row_config(load_config(None, ["data.batch_size=4", "data.seqlen=128", "stage2.steps=20"]), row)
+    spec = named(cfg).spec
+    assert spec.recipe in ("tail", "map") and row.full_compute and not row.is_default
+    extra = full_heal_steps(cfg, row, spec=spec, drop=drop)
+    own = compute.step_cost(cfg, spec=spec, drop=drop)
+    full = compute.token_cost(cfg, spec=spec, drop=drop, trainable="all") * 4 * 128
+    steps = heal_steps(row, cfg)
+    assert steps == 20 and own < full
+    assert extra > 0 and abs((steps + extra) * own - steps * full) <= own / 2 + 1e-6
+    plain = registry.ROWS["shortgpt+heal"]  # a full heal row gets nothing extra
+    plain_cfg = row_config(load_config(None, ["data.batch_size=4", "data.seqlen=128"]), plain)
+    assert full_heal_steps(plain_cfg, plain, spec=named(plain_cfg).spec, drop=drop) == 0

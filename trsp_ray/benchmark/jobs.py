@@ -89,6 +89,15 @@ def equal_compute_steps(cfg: RunConfig, selection: dict, reference: dict | None,
     return compute.extra_heal_steps(extra, step_cost=compute.step_cost(cfg, spec=spec, drop=drop))
 
 
+def full_heal_steps(cfg: RunConfig, row: registry.Row, *, spec: registry.Method, drop, budget: int = 1) -> int:
+    """Extra steps of a partial heal (`spec`'s recipe: tail, map, LoRA) that spend what a full heal of
+    the row's steps would cost beyond it (an '@full' row: partial and full heals at equal compute)."""
+    steps = heal_steps(row, cfg, budget=budget)
+    own = compute.step_cost(cfg, spec=spec, drop=drop)
+    full = compute.token_cost(cfg, spec=spec, drop=drop, trainable="all") * cfg.data.batch_size * cfg.data.seqlen
+    return compute.extra_heal_steps(steps * (full - own), step_cost=own)
+
+
 def compensation_steps(cfg: RunConfig, drop, *, spec: registry.Method, num_layers: int,
                        row_cfg: RunConfig | None = None) -> int:
     """Heal steps of the row's recipe (`row_cfg`, default `cfg`, whose pipeline's registry entry is
@@ -235,6 +244,8 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
         extra = equal_compute_steps(bench.cfg, selection, reference, spec=spec, drop=drop) if row.equal_compute else 0
         if row.comp_compute:
             extra += compensation_steps(run_cfg, drop, spec=spec, num_layers=bench.num_layers, row_cfg=bench.cfg)
+        if row.full_compute:
+            extra += full_heal_steps(bench.cfg, row, spec=spec, drop=drop, budget=budget)
         s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
         out = apply_method(bench, registry.METHODS[row.method], drop=drop, stage2=row.recovery == "stage2",
                            stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))

@@ -137,6 +137,9 @@ def render_report(summary: list[dict], *, calibration_source: str, left_out: lis
         parts.append(f"+comp rows: {c.method} compensation after removal ({how}, {c.windows} calibration windows of "
                      f"{d.seqlen} tokens), folded into the weights before any heal; '@comp' rows heal instead "
                      "with what that compensation of their drop set costs as extra steps.")
+    if any(registry.ROWS[s["row"]].full_compute for s in summary):
+        parts.append("'@full' rows: a partial heal (tail, map, LoRA) that also heals, in steps of its own recipe, "
+                     "with what a full heal of the same steps would cost beyond it (equal total compute).")
     if cut:
         parts.append(cut)
     parts += coverage(summary, cols, lambada_limit=lambada_limit, zeroshot_limit=zeroshot_limit)

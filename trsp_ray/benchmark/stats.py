@@ -124,7 +124,8 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int, dense_n
          "total cost": statistics.fmean(r["info"].get("total_cost", 0.0) for r in runs),
          "weight tokens": first["info"].get("weight_tokens", 0),
          "seconds": statistics.fmean(r["seconds"] for r in runs), "is_baseline": row.is_baseline,
-         "equal_compute": row.equal_compute, "comp_compute": row.comp_compute, "items": {}, "domains": doms,
+         "equal_compute": row.equal_compute, "comp_compute": row.comp_compute,
+         "full_compute": row.full_compute, "items": {}, "domains": doms,
          # every row is scored on the same windows: the first run's coverage is every run's
          "coverage": first.get("coverage", {}), "clusters": {}}
     docs = {d: c["docs"] for d, c in s["coverage"].items() if "docs" in c}
@@ -193,7 +194,8 @@ def summarize(results: list[dict], rows: list[registry.Row], *, dense_params: in
     for budget in budgets:
         for group in ("selection", "trained"):
             members = [s for s in out if s["group"] == group and s["budget"] == budget]
-            tokens = [s for s in members if s["is_baseline"] and not s["equal_compute"] and not s["comp_compute"]]
+            tokens = [s for s in members if s["is_baseline"] and not s["equal_compute"] and not s["comp_compute"]
+                      and not s["full_compute"]]
             for s in members:
                 best = _best([b for b in tokens if b is not s], GEO)
                 if best is not None:

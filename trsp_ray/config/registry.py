@@ -126,6 +126,9 @@ class Row:
     # a healed row that gets what the +comp rows' compensation of its drop set costs as extra heal
     # steps: is a closed-form fit worth more than the same compute spent healing? (SPEC section 5)
     comp_compute: bool = False
+    # a partial heal (tail, map, LoRA) that gets, as extra steps of its own recipe, what a full heal of
+    # the same steps would cost beyond it: partial and full heals compared at equal total compute
+    full_compute: bool = False
 
     @property
     def compensate(self) -> bool:
@@ -136,7 +139,7 @@ class Row:
         """The row that is what `trsp-ray prune` runs with no --method (DEFAULT_METHOD)."""
         return (self.method is not None and recipe(self.name) == recipe(DEFAULT_METHOD)
                 and self.fit == METHODS[DEFAULT_METHOD].fit and self.recipe == METHODS[DEFAULT_METHOD].recipe
-                and not self.equal_compute and not self.comp_compute)
+                and not self.equal_compute and not self.comp_compute and not self.full_compute)
 
     @property
     def is_baseline(self) -> bool:
@@ -193,6 +196,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("shortgpt+comp+heal.map", "shortgpt", "heal", "trained", default=False, fit="comp", recipe="map"),
     Row("shortgpt+heal.tail", "shortgpt", "heal", "trained", default=False, recipe="tail"),
     Row("tail+heal.tail", "tail", "heal", "trained", default=False, recipe="tail"),
+    Row("shortgpt+comp+heal.map@full", "shortgpt", "heal", "trained", default=False, fit="comp", recipe="map",
+        full_compute=True),
+    Row("shortgpt+heal.tail@full", "shortgpt", "heal", "trained", default=False, recipe="tail", full_compute=True),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
