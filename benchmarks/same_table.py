@@ -28,10 +28,11 @@ def results(path: Path) -> list[str]:
             continue
         if line.startswith("row ") and line.rstrip().endswith("wall s"):
             in_table = True
+            line = line.rstrip()[:-len("wall s")].rstrip()  # its width follows the timings
         elif in_table and not line.strip():
             in_table = False
-        elif in_table and not line.startswith("-"):
-            line = line.rstrip().rsplit(None, 1)[0]  # the last column is wall s
+        elif in_table:
+            line = line.rstrip().rsplit(None, 1)[0]  # the last column (and its rule) is wall s
         lines.append(line)
     return lines
 

@@ -42,3 +42,13 @@ def test_one_digit_of_a_result_or_a_verdict_differs(tmp_path):
     done = _run(tmp_path, before, before.replace("-13.1±2.0%", "-13.2±2.0%"))
     assert done.returncode == 1 and "-13.2±2.0%" in done.stdout
     assert _run(tmp_path, "no table here\n", before).returncode == 2
+
+
+def test_a_wall_s_column_printed_wider_is_still_the_same_table(tmp_path):
+    """A longer timing widens the wall s header and its rule (1,010.75 against 489.00), nothing else."""
+    wide = TABLE.replace("  wall s\n", "    wall s\n").replace("  --------\ndense", "  ----------\ndense")
+    assert wide != TABLE
+    done = _run(tmp_path, TABLE.format(wall="5.88"), wide.format(wall="1,010.75"))
+    assert done.returncode == 0 and done.stdout.strip() == "same table (wall s aside)", done.stdout
+    narrower_result = wide.replace("100.00  1.000", "100.00  1.001")
+    assert _run(tmp_path, TABLE.format(wall="5.88"), narrower_result.format(wall="1,010.75")).returncode == 1
