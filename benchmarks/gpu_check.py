@@ -50,6 +50,7 @@ PARTS = (
     Part("prune-trsp", ("model",), 240, 120, "trsp-ray prune --method trsp, one process"),
     Part("memory", ("model", "cuda"), 240, 120, "planner vs torch.cuda.max_memory_allocated per stage"),
     Part("speed", ("model",), 180, 60, "compare_speed: dense vs 25% of the layers removed"),
+    Part("kd", ("model",), 180, 120, "a KD heal step against a CE heal step (teacher on the device; <= 1.5x)"),
     Part("zero3-default", ("model", "ray"), 200, 300, "default pipeline, 1 ZeRO-3 Ray Train worker"),
     Part("zero3-trsp", ("model", "ray"), 200, 300, "trsp (stage 1, stage 2, streaming export), 1 ZeRO-3 worker"),
     Part("export", ("export",), 90, 60, "the streaming export of zero3-trsp: checks, reload, forward"),

@@ -150,6 +150,41 @@ def part_prune_trsp(ctx: dict) -> dict:
     return _prune(ctx, "trsp", "trsp")
 
 
+KD_LIMIT = 1.5  # issue 40: a KD heal step within 1.5x of a CE step (the teacher's forward on the device)
+
+
+def part_kd(ctx: dict) -> dict:
+    """A KD heal step against a CE heal step on the same pruned model, one process on the device: the
+    teacher is a device copy (methods.recovery_stepper); the first GPU run's host teacher made it ~20x."""
+    from dataclasses import replace
+
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.config.run_config import replace as with_settings
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.pipeline import named
+    from trsp_ray.run.workbench import prepare
+
+    seq = 64 if smoke(ctx) else 1024
+    steps = 2 if smoke(ctx) else 6
+    cfg = load_config(overrides=[f"model={ctx['model']}", "method=shortgpt+heal", "ratio=0.25",
+                                 f"data.calib_text={ctx['calib']}", f"data.eval_text={ctx['eval']}",
+                                 f"device={ctx['device']}", "dtype=bf16", f"data.seqlen={seq}", "data.batch_size=4"])
+    bench = prepare(cfg)
+    spec, n = named(cfg).spec, bench.num_layers
+    drop = list(range(n // 2 - n // 8, n // 2 - n // 8 + bench.n_drop()))  # a fixed middle block: no selection
+    per_step = {}
+    for objective in ("ce", "kd", "ce"):  # ce twice: the first one also warms the kernels up
+        run = replace(bench, cfg=with_settings(cfg, **{"recovery.objective": objective}))
+        info = apply_method(run, spec, drop=drop, heal_cfg=replace(cfg.heal, steps=steps)).info
+        per_step[objective] = info["heal_seconds"] / info["heal_steps"]
+    ratio = per_step["kd"] / per_step["ce"]
+    figure = (f"heal step ce {per_step['ce']:.3f} s, kd {per_step['kd']:.3f} s: x{ratio:.2f} "
+              f"(limit x{KD_LIMIT} on a GPU), {steps} steps of 4 x {seq} tokens")
+    if ctx["device"] == "cuda" and ratio > KD_LIMIT:
+        raise RuntimeError(figure)
+    return {"figure": figure, "ce_step_s": per_step["ce"], "kd_step_s": per_step["kd"], "ratio": ratio}
+
+
 def part_memory(ctx: dict) -> dict:
     from gpu_memory import planner_vs_measured
 

@@ -28,11 +28,14 @@ def check(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 def test_smoke_mode_runs_a_prune_skips_the_cuda_parts_and_times_out_a_part(tmp_path):
     done, parts = check(tmp_path, "--device", "cpu", "--shape", "tiny",
-                        "--parts", "prune-default,memory,speed,zero3-2w", "--limit", "speed=1")
+                        "--parts", "prune-default,memory,speed,kd,zero3-2w", "--limit", "speed=1")
     out = done.stdout
     statuses = {name: r["status"] for name, r in parts.items()}
-    assert statuses == {"model": "ok", "prune-default": "ok", "memory": "SKIP", "speed": "TIMEOUT",
+    assert statuses == {"model": "ok", "prune-default": "ok", "memory": "SKIP", "speed": "TIMEOUT", "kd": "ok",
                         "zero3-2w": "SKIP"}, out[-4000:]
+    # the KD part timed both heals on the same pruned model: the teacher's forward is real work
+    kd = parts["kd"]["record"]
+    assert kd["kd_step_s"] > 1.05 * kd["ce_step_s"] and kd["ratio"] == kd["kd_step_s"] / kd["ce_step_s"]
     assert "CUDA" in parts["memory"]["figure"] and "two GPUs" in parts["zero3-2w"]["figure"]
     # the one-process prune really ran: a 6-of-8-layer export whose reload check passed on the CPU
     assert "kept 6/8" in parts["prune-default"]["figure"]
