@@ -94,7 +94,7 @@ def full_heal_steps(cfg: RunConfig, row: registry.Row, *, spec: registry.Method,
     the row's steps would cost beyond it (an '@full' row: partial and full heals at equal compute)."""
     steps = heal_steps(row, cfg, budget=budget)
     own = compute.step_cost(cfg, spec=spec, drop=drop)
-    full = compute.token_cost(cfg, spec=spec, drop=drop, trainable="all") * cfg.data.batch_size * cfg.data.seqlen
+    full = compute.step_cost(cfg, spec=spec, drop=drop, trainable="all")
     return compute.extra_heal_steps(steps * (full - own), step_cost=own)
 
 

@@ -121,11 +121,11 @@ def token_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None, tra
                             lora_rank=lora_rank or rank, maps=len(maps), kd=kd)
 
 
-def step_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None) -> float:
+def step_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None, trainable: str | None = None) -> float:
     """Dense-forward tokens of one training step of `cfg`'s pipeline (`spec`, its resolved registry
-    entry): data.batch_size x data.seqlen trained tokens at token_cost each (what a --compute-budget
-    buys steps with)."""
-    return token_cost(cfg, spec=spec, drop=drop) * cfg.data.batch_size * cfg.data.seqlen
+    entry; `trainable` overrides its recipe): data.batch_size x data.seqlen trained tokens at
+    token_cost each (what a --compute-budget buys steps with)."""
+    return token_cost(cfg, spec=spec, drop=drop, trainable=trainable) * cfg.data.batch_size * cfg.data.seqlen
 
 
 def solve_cost(cfg, comp, *, tokens: float, blocks: int, cosine_steps: list[int] | None = None) -> float:
