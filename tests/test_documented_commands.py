@@ -1,6 +1,6 @@
 """Every trsp-ray and jobs/ command the documentation shows parses with the program it names: the
-README's usage block, cluster/README.md, the jobs' and the package modules' docstrings and the KubeRay
-entrypoints. A renamed or removed flag (or a narrowed choice, like a default method) fails here
+README's blocks, docs/*.md (blocks and inline commands), cluster/README.md, the jobs' and the package
+modules' docstrings and the KubeRay entrypoints. A renamed or removed flag (or a narrowed choice, like a default method) fails here
 instead of on a user's cluster."""
 
 import functools
@@ -41,7 +41,17 @@ def code_lines(path: Path) -> list[str]:
         text = ast.get_docstring(ast.parse(text)) or ""
         return _logical_lines([line for line in text.splitlines() if line.startswith("    ")])
     lines = [b for block in re.findall(r"```bash\n(.*?)\n```", text, flags=re.S) for b in block.splitlines()]
-    return _logical_lines(lines) + _logical_lines([line for line in text.splitlines() if line.startswith("    ")])
+    return (_logical_lines(lines) + _logical_lines([line for line in text.splitlines() if line.startswith("    ")])
+            + inline_commands(text))
+
+
+def inline_commands(text: str) -> list[str]:
+    """Commands quoted inline in prose (`trsp-ray benchmark --rows ... --lambada 200`, possibly broken
+    over lines): a span that starts with a program and passes a flag. A bare name (`trsp-ray plan`)
+    or `--help` is a mention, not a command."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    spans = (" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose))
+    return [s for s in spans if COMMAND.match(s) and any(w.startswith("--") and w != "--help" for w in s.split())]
 
 
 def commands(lines: list[str]) -> list[list[str]]:
@@ -77,7 +87,8 @@ def parse(argv: list[str]):
     return parsers[program](args)
 
 
-DOCUMENTS = [ROOT / "README.md", ROOT / "cluster" / "README.md", *sorted((ROOT / "jobs").glob("*.py")),
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "cluster" / "README.md",
+             *sorted((ROOT / "jobs").glob("*.py")),
              *sorted((ROOT / "trsp_ray").rglob("*.py")), *sorted((ROOT / "cluster" / "kuberay").glob("rayjob-*.yaml"))]
 
 
@@ -112,3 +123,18 @@ def test_the_check_reads_continued_lines_and_sees_a_bad_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse(found[1])
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_docs_commands_are_read_and_a_renamed_flag_in_prose_fails(tmp_path, capsys):
+    for doc in ("pipelines.md", "cluster.md", "evaluation.md", "results.md"):  # each page's commands are seen
+        assert commands(code_lines(ROOT / "docs" / doc)), doc
+    doc = tmp_path / "doc.md"
+    doc.write_text("Run `trsp-ray benchmark --seeds 3\n--lambada 200` (a mention: `trsp-ray plan`), then\n"
+                   "`trsp-ray benchmark --lambada-passages 200`.\n")
+    found = commands(code_lines(doc))
+    assert found == [["trsp-ray", "benchmark", "--seeds", "3", "--lambada", "200"], ["trsp-ray", "benchmark", "--lambada-passages", "200"]]
+    parse(found[0])
+    with pytest.raises(SystemExit):
+        parse(found[1])
+    assert "--lambada-passages" in capsys.readouterr().err
+
