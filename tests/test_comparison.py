@@ -611,3 +611,94 @@ def test_full_compute_rows_heal_a_partial_recipe_to_a_full_heals_compute(row_nam
     plain = registry.ROWS["shortgpt+heal"]  # a full heal row gets nothing extra
     plain_cfg = row_config(load_config(None, ["data.batch_size=4", "data.seqlen=128"]), plain)
     assert full_heal_steps(plain_cfg, plain, spec=named(plain_cfg).spec, drop=drop) == 0
+
+
+def _budget_result(row, seed, budget, lambada, ppl=20.0):
+    r = _result(row, seed, ppl, lambada=lambada)
+    r["budget"] = budget
+    return r
+
+
+def test_retention_is_each_seeds_accuracy_as_a_percent_of_the_dense_rows():
+    rows = registry.rows(["dense", "shortgpt+heal"])
+    dense = [1, 1, 0, 1, 0, 1, 1, 0, 1, 0]  # 0.6
+    results = [_result("dense", 0, 10.0, lambada=dense),
+               _result("shortgpt+heal", 0, 20.0, lambada=[1, 0, 0, 1, 0, 0, 0, 0, 1, 0]),  # 0.3
+               _result("shortgpt+heal", 1, 20.0, lambada=[1, 1, 0, 1, 0, 0, 0, 0, 1, 0])]  # 0.4
+    by = {s["row"]: s for s in _summarize(results, rows)}
+    kept = by["shortgpt+heal"]["LAMBADA % dense"]
+    assert kept["mean"] == pytest.approx(100 * 0.35 / 0.6) and kept["min"] == pytest.approx(50.0)
+    assert kept["max"] == pytest.approx(100 * 0.4 / 0.6) and by["dense"]["LAMBADA % dense"]["mean"] == 100.0
+    # without a dense row in the run, the dense score is passed in (run_benchmark: the cached dense LAMBADA)
+    alone = summarize(results[1:], registry.rows(["shortgpt+heal"]), dense_params=100, dense_nll=DENSE,
+                      left_out=["prose"], dense_scores={"LAMBADA acc": 0.5})
+    assert alone[0]["LAMBADA % dense"]["mean"] == pytest.approx(70.0)
+
+
+def test_the_budget_curve_pairs_each_budget_with_the_rows_smallest_and_says_which_way_accuracy_goes():
+    from trsp_ray.benchmark.report import budget_curve_table
+    from trsp_ray.benchmark.stats import budget_curve
+
+    rows = registry.rows(["shortgpt+heal", "shortgpt+comp+heal@kd"])
+    n = 200
+    base = [1 if i % 5 == 0 else 0 for i in range(n)]  # 0.20
+    worse = [0 if i % 10 == 0 else b for i, b in enumerate(base)]  # 0.10: 20 passages lost, none gained
+    better = [1 if i % 5 in (0, 1) else 0 for i in range(n)]  # 0.40
+    results = []
+    for seed in (0, 1):
+        results += [_budget_result("shortgpt+heal", seed, 1, base), _budget_result("shortgpt+heal", seed, 4, worse),
+                    _budget_result("shortgpt+comp+heal@kd", seed, 1, base),
+                    _budget_result("shortgpt+comp+heal@kd", seed, 4, better)]
+    curve = {(e["row"], e["budget"]): e for e in budget_curve(_summarize(results, rows))}
+    assert curve[("shortgpt+heal", 4)]["accuracy trend"] == "falls"
+    assert curve[("shortgpt+heal", 4)]["vs smallest"]["LAMBADA acc"]["diff"] == pytest.approx(-0.10)
+    assert curve[("shortgpt+comp+heal@kd", 1)]["accuracy trend"] == "rises"
+    assert curve[("shortgpt+comp+heal@kd", 1)]["vs smallest"] == {}  # the reference
+    table = budget_curve_table(_summarize(results, rows))
+    assert "worse -10.0±" in table and "better +20.0±" in table and "(reference)" in table
+    # the same accuracy at both budgets is flat, not a rise
+    flat = [_budget_result("shortgpt+heal", s, b, base) for s in (0, 1) for b in (1, 4)]
+    assert {e["accuracy trend"] for e in budget_curve(_summarize(flat, rows[:1]))} == {"flat (within the noise)"}
+
+
+def test_kd_rows_distil_with_the_steps_that_spend_the_ce_rows_training_compute():
+    """'@kd': the teacher's forward makes each step dearer, so the row gets fewer steps, and its
+    counted training compute equals the cross-entropy row's within one of its steps."""
+    from trsp_ray.benchmark.jobs import heal_steps, objective_steps, row_config
+    from trsp_ray.plan import compute
+    from trsp_ray.run.pipeline import named
+
+    drop = [3, 12, 13, 14, 15, 16, 17, 25]
+    base = load_config(None, ["data.batch_size=4", "data.seqlen=128", "stage2.steps=20"])
+    kd_row, ce_row = registry.ROWS["shortgpt+comp+heal@kd"], registry.ROWS["shortgpt+comp+heal"]
+    kd_cfg, ce_cfg = row_config(base, kd_row), row_config(base, ce_row)
+    assert kd_cfg.recovery.objective == "kd" and ce_cfg.recovery.objective == "ce" and not kd_row.is_default
+    kd_step = compute.step_cost(kd_cfg, spec=named(kd_cfg).spec, drop=drop)
+    ce_step = compute.step_cost(ce_cfg, spec=named(ce_cfg).spec, drop=drop)
+    assert kd_step > ce_step  # the teacher is counted
+    for budget in (1, 4, 16):
+        steps = heal_steps(kd_row, kd_cfg, budget=budget) + objective_steps(kd_cfg, kd_row, spec=named(kd_cfg).spec,
+                                                                            drop=drop, budget=budget)
+        assert steps < 20 * budget and abs(steps * kd_step - 20 * budget * ce_step) <= kd_step / 2 + 1e-6
+    assert objective_steps(ce_cfg, ce_row, spec=named(ce_cfg).spec, drop=drop) == 0
+
+
+def test_retention_plot_draws_seed_ranges_as_error_bars():
+    from trsp_ray.common.plots import close, retention_vs_compute
+
+    def cell(lo, hi):
+        return {"mean": (lo + hi) / 2, "min": lo, "max": hi, "spread": hi - lo, "n": 2, "se": 1.0}
+
+    summary = [{"row": "dense", "group": "dense", "total cost": 0.0}]
+    for budget, cost in ((1, 50_000.0), (4, 140_000.0)):
+        summary.append({"row": "shortgpt+comp+heal", "group": "trained", "total cost": cost,
+                        "LAMBADA % dense": cell(30.0 * budget ** 0.5, 34.0 * budget ** 0.5)})
+    fig = retention_vs_compute(summary)
+    ax = fig.axes[0]
+    bars = [c for c in ax.containers if c.get_label() == "shortgpt+comp+heal"][0]
+    line = bars.lines[0]
+    assert list(line.get_xdata()) == [50.0, 140.0] and list(line.get_ydata()) == [32.0, 64.0]
+    segments = bars.lines[2][0].get_segments()
+    assert [round(s[1][1] - s[0][1], 6) for s in segments] == [4.0, 8.0]  # the seed range
+    close(fig)
+    assert retention_vs_compute([summary[0]]) is None

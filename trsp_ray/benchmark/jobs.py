@@ -98,6 +98,16 @@ def full_heal_steps(cfg: RunConfig, row: registry.Row, *, spec: registry.Method,
     return compute.extra_heal_steps(steps * (full - own), step_cost=own)
 
 
+def objective_steps(cfg: RunConfig, row: registry.Row, *, spec: registry.Method, drop, budget: int = 1) -> int:
+    """Steps to add (negative: to take away) so that a row trained with its own objective (an '@kd'
+    row: `cfg` distils, each step also runs the dense teacher) spends what the same row's heal steps
+    cost with cross-entropy: the objectives compared at equal training compute."""
+    steps = heal_steps(row, cfg, budget=budget)
+    own = compute.step_cost(cfg, spec=spec, drop=drop)
+    ce = compute.step_cost(replace(cfg, **{"recovery.objective": "ce"}), spec=spec, drop=drop)
+    return max(1, round(steps * ce / own)) - steps if steps else 0
+
+
 def compensation_steps(cfg: RunConfig, drop, *, spec: registry.Method, num_layers: int,
                        row_cfg: RunConfig | None = None) -> int:
     """Heal steps of the row's recipe (`row_cfg`, default `cfg`, whose pipeline's registry entry is
@@ -210,6 +220,8 @@ def row_config(run_cfg: RunConfig, row: registry.Row) -> RunConfig:
     if row.pipeline is None:
         return replace(run_cfg, **{"compensation.method": "none"})
     cfg = run_cfg if row.fit is not None else replace(run_cfg, **{"compensation.method": "none"})
+    if row.objective is not None:
+        cfg = replace(cfg, **{"recovery.objective": row.objective})
     return resolve(replace(cfg, method=row.pipeline), budget_layers=False).cfg
 
 
@@ -246,6 +258,8 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
             extra += compensation_steps(run_cfg, drop, spec=spec, num_layers=bench.num_layers, row_cfg=bench.cfg)
         if row.full_compute:
             extra += full_heal_steps(bench.cfg, row, spec=spec, drop=drop, budget=budget)
+        if row.objective is not None:
+            extra += objective_steps(bench.cfg, row, spec=spec, drop=drop, budget=budget)
         s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
         out = apply_method(bench, registry.METHODS[row.method], drop=drop, stage2=row.recovery == "stage2",
                            stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))

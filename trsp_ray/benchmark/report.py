@@ -27,7 +27,7 @@ def table_columns(summary: list[dict], left_out: list[str]) -> list[str]:
     doms = summary[0]["domains"] if summary else []
     ppl = [stats.GEO] + [f"{d} PPL" for d in doms if d not in left_out]
     ppl += [f"{d} PPL (left out)" for d in doms if d in left_out]
-    return FIXED + ppl + ["LAMBADA acc", "zero-shot %", "wall s"]
+    return FIXED + ppl + ["LAMBADA acc", "LAMBADA % dense", "zero-shot %", "zero-shot % dense", "wall s"]
 
 
 def table_rows(summary: list[dict], left_out: list[str]) -> list[dict]:
@@ -40,6 +40,8 @@ def table_rows(summary: list[dict], left_out: list[str]) -> list[dict]:
                 "kept %": s["kept %"], "select k": s["select cost"] / 1e3, "recover k": s["recovery cost"] / 1e3,
                 "total k": s["total cost"] / 1e3, stats.GEO: fmt(s[stats.GEO], 3),
                 "LAMBADA acc": fmt(s.get("LAMBADA acc"), 3), "zero-shot %": fmt(s.get("zero-shot"), 1, 100.0),
+                "LAMBADA % dense": fmt(s.get("LAMBADA % dense"), 1),
+                "zero-shot % dense": fmt(s.get("zero-shot % dense"), 1),
                 "wall s": s["seconds"]}
         for d in s["domains"]:  # the seed mean; the spread and the paired noise are in the verdicts below
             mean = s[f"{d} PPL"]["mean"]
@@ -140,11 +142,50 @@ def render_report(summary: list[dict], *, calibration_source: str, left_out: lis
     if any(registry.ROWS[s["row"]].full_compute for s in summary):
         parts.append("'@full' rows: a partial heal (tail, map, LoRA) that also heals, in steps of its own recipe, "
                      "with what a full heal of the same steps would cost beyond it (equal total compute).")
+    if any(registry.ROWS[s["row"]].objective for s in summary):
+        parts.append("'@kd' rows: distillation from the dense model (recovery.objective=kd: the KL divergence to its "
+                     "next-token distribution) with as many heal steps as spend the cross-entropy row's training "
+                     "compute, the teacher's forward counted (fewer steps: equal total compute).")
     if cut:
         parts.append(cut)
     parts += coverage(summary, cols, lambada_limit=lambada_limit, zeroshot_limit=zeroshot_limit)
     parts += _verdicts(summary, cols)
+    parts += budget_curve_lines(summary)
     return "\n".join(parts)
+
+
+def budget_curve_table(summary: list[dict]) -> str:
+    """The heal-budget curve as a table: per trained row and budget its compute, the geometric mean,
+    LAMBADA (and zero-shot where scored) with retention, and each budget's paired difference against
+    the row's smallest budget; '' when no row ran at more than one budget."""
+    from trsp_ray.common.table import render
+
+    curve = stats.budget_curve(summary)
+    if not curve:
+        return ""
+    rows = []
+    for e in curve:
+        s, vs = e["summary"], e["vs smallest"]
+        cell = {"row": e["row"], "budget": f"x{e['budget']}", "total k": s["total cost"] / 1e3,
+                stats.GEO: fmt(s[stats.GEO], 3), "LAMBADA acc": fmt(s.get("LAMBADA acc"), 3),
+                "LAMBADA % dense": fmt(s.get("LAMBADA % dense"), 1),
+                "zero-shot % dense": fmt(s.get("zero-shot % dense"), 1), "accuracy as budget grows": e["accuracy trend"]}
+        for col, _ in stats.CURVE_COLUMNS:
+            cell[f"{col} vs smallest"] = (f"{vs[col]['verdict']} {_signed(col, vs[col])}" if col in vs
+                                          else "-" if vs else "(reference)")
+        rows.append(cell)
+    names = ["row", "budget", "total k", stats.GEO, "LAMBADA acc", "LAMBADA % dense", "zero-shot % dense"]
+    names += [f"{c} vs smallest" for c, _ in stats.CURVE_COLUMNS if any(c in e["vs smallest"] for e in curve)]
+    return render(rows, names + ["accuracy as budget grows"])
+
+
+def budget_curve_lines(summary: list[dict]) -> list[str]:
+    table = budget_curve_table(summary)
+    if not table:
+        return []
+    return ["\nHeal-budget curve (each budget against the same row's smallest, paired over the seeds both ran; "
+            "a row's accuracy 'rises' or 'falls' when LAMBADA at its largest budget differs from its smallest beyond "
+            "2 paired SE and the seed spread):", table]
 
 
 def column_coverage(summary: list[dict], cols: list[tuple[str, bool]], *, lambada_limit: int = 0,
@@ -212,3 +253,76 @@ def _verdicts(summary: list[dict], cols: list[tuple[str, bool]]) -> list[str]:
                      + ", ".join(f"{c} {v * 100:.1f}pt" if c in dict(stats.TASK_COLUMNS) else f"{c} {v:.1f}%"
                                  for c, v in mde.items()))
     return parts
+
+
+def transfer_rows(per_domain: dict[str, list[dict]]) -> list[dict]:
+    """One dict per pipeline row (budget x1 where several ran) of a leave-one-out benchmark: for each
+    left-out domain its held-out PPL relative to dense and LAMBADA accuracy, the worst of each, and
+    the default row's paired verdict against it on every left-out column."""
+    dense_ppl = {}
+    for d, summary in per_domain.items():
+        dense = next((s for s in summary if s["group"] == "dense"), None)
+        if dense is not None:
+            dense_ppl[d] = dense[f"{d} PPL"]["mean"]
+    names = [s["row"] for s in next(iter(per_domain.values())) if s["group"] != "dense"]
+    out = []
+    for name in dict.fromkeys(names):
+        entry = {"row": name, "x dense": {}, "lambada": {}, "lambada % dense": {}, "default vs": {}, "total k": []}
+        for d, summary in per_domain.items():
+            s = next((s for s in sorted(summary, key=lambda s: s["budget"]) if s["row"] == name), None)
+            if s is None:
+                continue
+            if d in dense_ppl:
+                entry["x dense"][d] = s[f"{d} PPL"]["mean"] / dense_ppl[d]
+            if s.get("LAMBADA acc"):
+                entry["lambada"][d] = s["LAMBADA acc"]["mean"]
+            if s.get("LAMBADA % dense"):
+                entry["lambada % dense"][d] = s["LAMBADA % dense"]["mean"]
+            entry["total k"].append(s["total cost"] / 1e3)
+            default = next((o for o in summary if o.get("default vs") and o["budget"] == s["budget"]), None)
+            if default is not None and name in default["default vs"]:
+                entry["default vs"][d] = default["default vs"][name]
+        entry["worst x dense"] = max(entry["x dense"].values(), default=math.nan)
+        entry["worst domain"] = max(entry["x dense"], key=entry["x dense"].get) if entry["x dense"] else "-"
+        entry["worst LAMBADA"] = min(entry["lambada"].values(), default=math.nan)
+        out.append(entry)
+    return out
+
+
+def transfer_report(per_domain: dict[str, list[dict]], *, mixture: str) -> str:
+    """The terminal report of a leave-one-out benchmark: the transfer table (rows = pipelines, columns
+    = the domain each run left out: its held-out PPL / dense PPL, then LAMBADA accuracy of each run),
+    the worst case of each, and the default's paired verdicts on every left-out column."""
+    from trsp_ray.common.table import render
+
+    entries = transfer_rows(per_domain)
+    doms = list(per_domain)
+    cells = []
+    for e in entries:
+        cell = {"row": e["row"], "total k": sum(e["total k"]) / max(1, len(e["total k"]))}
+        cell.update({f"{d} x dense": f"{e['x dense'][d]:.3f}" if d in e["x dense"] else "-" for d in doms})
+        cell["worst x dense"] = f"{e['worst x dense']:.3f} ({e['worst domain']})"
+        cell.update({f"LAMBADA ({d} out)": f"{e['lambada'][d]:.3f}" if d in e["lambada"] else "-" for d in doms})
+        cell["worst LAMBADA"] = "-" if math.isnan(e["worst LAMBADA"]) else f"{e['worst LAMBADA']:.3f}"
+        cells.append(cell)
+    cols = (["row", "total k"] + [f"{d} x dense" for d in doms] + ["worst x dense"]
+            + [f"LAMBADA ({d} out)" for d in doms] + ["worst LAMBADA"])
+    parts = [f"\nLeave-one-out transfer (calibration: {mixture} with each domain left out in turn; 'D x dense' = "
+             "held-out PPL of the left-out domain D / the dense model's, 1.000 = dense; 'LAMBADA (D out)' = "
+             "last-word accuracy of the model calibrated without D; total k = mean total compute, thousands of "
+             "dense-forward tokens):", render(cells, cols)]
+    verdicts = []
+    for e in entries:
+        if e["default vs"]:
+            cell = {"default against": e["row"]}
+            for d in doms:
+                p = e["default vs"].get(d, {}).get(stats.LEFT_OUT)
+                cell[f"{d} out: {d} PPL"] = f"{p['verdict']} {_signed(stats.LEFT_OUT, p)}" if p else "-"
+                a = e["default vs"].get(d, {}).get("LAMBADA acc")
+                cell[f"{d} out: LAMBADA"] = f"{a['verdict']} {_signed('LAMBADA acc', a)}" if a else "-"
+            verdicts.append(cell)
+    if verdicts:
+        parts += [f"\nthe default ({registry.DEFAULT_METHOD}) against each row, paired, on each run's left-out domain "
+                  "and LAMBADA (± 2 paired SE; PPL in % of perplexity, clustered on held-out documents):",
+                  render(verdicts, list(verdicts[0]))]
+    return "\n".join(parts)

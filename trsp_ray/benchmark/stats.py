@@ -25,6 +25,8 @@ from trsp_ray.config import registry
 GEO = "geo-mean x dense"  # the headline perplexity column
 LEFT_OUT = "left-out PPL"
 TASK_COLUMNS = (("LAMBADA acc", True), ("zero-shot", True))
+# each task column again as % of the dense model's score (what a pruned model keeps of the original)
+RETENTION = {"LAMBADA acc": "LAMBADA % dense", "zero-shot": "zero-shot % dense"}
 # the zero-shot metric of each task, as lm-eval's usual report does (acc_norm where the choices differ
 # in length and the task defines it)
 ZEROSHOT_METRIC = {"piqa": "acc", "winogrande": "acc", "hellaswag": "acc_norm", "arc_easy": "acc",
@@ -144,17 +146,30 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int, dense_n
                              for r in runs])
         s["items"][LEFT_OUT] = {r["seed"]: {d: r["nll"][d] for d in scored_out} for r in runs}
         s["clusters"][LEFT_OUT] = {d: docs[d] for d in scored_out if d in docs}
+    s["per seed"] = {}
     if all("lambada" in r for r in runs):
         s["LAMBADA acc"] = _with_se([(r["lambada"]["acc"], r["lambada"]["se"]) for r in runs])
+        s["per seed"]["LAMBADA acc"] = [r["lambada"]["acc"] for r in runs]
         if all("items" in r["lambada"] for r in runs):
             s["items"]["LAMBADA acc"] = {r["seed"]: {"lambada": r["lambada"]["items"]} for r in runs}
     zs = [z for z in (zeroshot_stats(r["zeroshot"]) for r in runs if r.get("zeroshot")) if z]
     if zs:
         s["zero-shot"] = _with_se(zs)
+        s["per seed"]["zero-shot"] = [z for z, _ in zs]
         items = {r["seed"]: _zeroshot_items(r["zeroshot"]) for r in runs if r.get("zeroshot")}
         if all(items.values()):
             s["items"]["zero-shot"] = items
     return s
+
+
+def _retention(s: dict, dense: dict) -> None:
+    """Add each task column's retention: the per-seed score as % of the dense model's (`dense`:
+    {column: dense score}), seed statistics like the column's."""
+    for col, name in RETENTION.items():
+        base = dense.get(col)
+        if s.get(col) and base:
+            per_seed = s.get("per seed", {}).get(col) or [s[col]["mean"]]
+            s[name] = {**stats([100.0 * v / base for v in per_seed]), "se": 100.0 * s[col]["se"] / base}
 
 
 def compare(a: dict, b: dict, cols: list[tuple[str, bool]]) -> dict:
@@ -176,10 +191,12 @@ def _best(candidates: list[dict], col: str) -> dict | None:
 
 
 def summarize(results: list[dict], rows: list[registry.Row], *, dense_params: int, dense_nll: dict,
-              left_out: list[str]) -> list[dict]:
-    """One dict per (row, budget): means and spreads over seeds, and the paired verdicts of each row
-    against its group's best baseline (by the geometric mean) and, for the default row, against
-    every other row of its group (each row's total compute beside it in the report)."""
+              left_out: list[str], dense_scores: dict | None = None) -> list[dict]:
+    """One dict per (row, budget): means and spreads over seeds, each task column's retention (% of
+    the dense model's score: the dense row's, else `dense_scores` {column: score}), and the paired
+    verdicts of each row against its group's best baseline (by the geometric mean) and, for the
+    default row, against every other row of its group (each row's total compute beside it in the
+    report)."""
     out = []
     budgets = sorted({r.get("budget", 1) for r in results})
     for budget in budgets:
@@ -190,6 +207,12 @@ def summarize(results: list[dict], rows: list[registry.Row], *, dense_params: in
                 out.append(_row_summary(row, runs, dense_params, dense_nll, left_out))
     if not out:
         return out
+    dense = dict(dense_scores or {})
+    for s in out:
+        if s["group"] == "dense":
+            dense.update({c: s[c]["mean"] for c in RETENTION if s.get(c)})
+    for s in out:
+        _retention(s, dense)
     cols = columns(out[0]["domains"], left_out)
     for budget in budgets:
         for group in ("selection", "trained"):
@@ -220,4 +243,29 @@ def detectable(summary: list[dict], cols: list[tuple[str, bool]]) -> dict:
         if ses.get(col):
             two = 2 * statistics.median(ses[col])
             out[col] = (math.exp(two) - 1) * 100 if col not in dict(TASK_COLUMNS) else two
+    return out
+
+
+CURVE_COLUMNS = ((GEO, False), ("LAMBADA acc", True), ("zero-shot", True))
+
+
+def budget_curve(summary: list[dict]) -> list[dict]:
+    """The heal-budget curve of every trained row run at more than one budget: each budget against the
+    row's smallest, paired on the same windows and passages over the seeds both ran (the geometric
+    mean, LAMBADA and the zero-shot mean), and whether the row's accuracy rises, falls or stays
+    within the noise as its budget grows (LAMBADA at its largest budget against its smallest)."""
+    out = []
+    for name in dict.fromkeys(s["row"] for s in summary if s["group"] == "trained"):
+        points = sorted((s for s in summary if s["row"] == name), key=lambda s: s["budget"])
+        if len(points) < 2:
+            continue
+        base = points[0]
+        for s in points:
+            out.append({"row": name, "budget": s["budget"], "summary": s,
+                        "vs smallest": {} if s is base else compare(s, base, list(CURVE_COLUMNS))})
+        last = out[-1]["vs smallest"].get("LAMBADA acc")
+        word = ("rises" if last["verdict"].startswith("better") else "falls" if last["verdict"].startswith("worse")
+                else "flat (within the noise)") if last else "not measured"
+        for entry in out[-len(points):]:
+            entry["accuracy trend"] = word
     return out

@@ -115,3 +115,36 @@ def quality_vs_compute(summary: list[dict]):
     fig.suptitle("trsp-ray benchmark: quality against total compute (mean over seeds)")
     fig.tight_layout()
     return fig
+
+
+def retention_vs_compute(summary: list[dict]):
+    """What each recovery keeps as its compute grows: LAMBADA and zero-shot accuracy as % of the dense
+    model's (where measured) of every trained row against its total compute, one line per row across
+    heal budgets; error bars are the seeds' range where there are several seeds, else ± 1 standard
+    error of the accuracy. None when no row has a retention figure."""
+    plt = _pyplot()
+    rows = [s for s in summary if s["group"] == "trained"]
+    panels = [c for c in ("LAMBADA % dense", "zero-shot % dense") if any(s.get(c) for s in rows)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, col in zip(axes[0], panels):
+        for name in dict.fromkeys(s["row"] for s in rows):
+            pts = sorted((s["total cost"] / 1e3, s[col]) for s in rows if s["row"] == name and s.get(col))
+            if not pts:
+                continue
+            ys = [p[1]["mean"] for p in pts]
+            if all(p[1]["n"] > 1 for p in pts):
+                err = [[y - p[1]["min"] for y, p in zip(ys, pts)], [p[1]["max"] - y for y, p in zip(ys, pts)]]
+            else:
+                err = [p[1].get("se", 0.0) for p in pts]
+            ax.errorbar([p[0] for p in pts], ys, yerr=err, marker="o", lw=1.2, capsize=3, label=name)
+        ax.axhline(100.0, color="0.3", ls="--", lw=1, label="dense")
+        ax.set_xscale("log")
+        ax.set_xlabel("total compute (thousands of dense-forward tokens, log scale)")
+        ax.set_ylabel(f"{col} (higher is better)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("trsp-ray benchmark: accuracy kept against total compute (bars: seed range, or ± 1 SE)")
+    fig.tight_layout()
+    return fig

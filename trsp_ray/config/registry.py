@@ -129,6 +129,10 @@ class Row:
     # a partial heal (tail, map, LoRA) that gets, as extra steps of its own recipe, what a full heal of
     # the same steps would cost beyond it: partial and full heals compared at equal total compute
     full_compute: bool = False
+    # the recovery objective this row trains with (None = recovery.objective as configured); an '@kd'
+    # row distils from the dense model with as many steps as spend the cross-entropy row's training
+    # compute (the teacher's forward counted: fewer steps), so the two objectives compare at equal compute
+    objective: str | None = None
 
     @property
     def compensate(self) -> bool:
@@ -139,7 +143,8 @@ class Row:
         """The row that is what `trsp-ray prune` runs with no --method (DEFAULT_METHOD)."""
         return (self.method is not None and recipe(self.name) == recipe(DEFAULT_METHOD)
                 and self.fit == METHODS[DEFAULT_METHOD].fit and self.recipe == METHODS[DEFAULT_METHOD].recipe
-                and not self.equal_compute and not self.comp_compute and not self.full_compute)
+                and not self.equal_compute and not self.comp_compute and not self.full_compute
+                and self.objective is None)
 
     @property
     def is_baseline(self) -> bool:
@@ -199,10 +204,22 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("shortgpt+comp+heal.map@full", "shortgpt", "heal", "trained", default=False, fit="comp", recipe="map",
         full_compute=True),
     Row("shortgpt+heal.tail@full", "shortgpt", "heal", "trained", default=False, recipe="tail", full_compute=True),
+    Row("shortgpt+comp+heal.lora@full", "shortgpt", "heal", "trained", default=False, fit="comp", recipe="lora",
+        full_compute=True),
+    # distillation from the dense model at the cross-entropy rows' training compute (issue 42: the
+    # recovery whose accuracy does not fall as its budget grows); the heal-budget curve's rows
+    Row("shortgpt+comp+heal@kd", "shortgpt", "heal", "trained", default=False, fit="comp", objective="kd"),
+    Row("shortgpt+heal@kd", "shortgpt", "heal", "trained", default=False, objective="kd"),
 )}
 ROW_NAMES = tuple(ROWS)
 DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
 QUICK_ROWS = tuple(r.name for r in ROWS.values() if r.quick)
+# `trsp-ray benchmark --budget-curve`: the default's recovery with cross-entropy and with distillation
+# at equal compute, and a partial heal at a full heal's compute, at growing heal budgets (issue 42)
+CURVE_ROWS = ("dense", "shortgpt+comp+heal", "shortgpt+comp+heal@kd", "shortgpt+comp+heal.map@full")
+# `trsp-ray benchmark --leave-one-out`: the default against the plain heal at its total compute and
+# against its distilled recovery, once per left-out domain
+LEAVE_ONE_OUT_ROWS = ("dense", "shortgpt+heal@comp", "shortgpt+comp+heal", "shortgpt+comp+heal@kd")
 GROUP_TITLES = {"dense": "dense model", "selection": "selection only (no weight is trained)",
                 "trained": "trained (equal weight-update tokens, same recovery objective)"}
 
