@@ -43,7 +43,8 @@ def test_mix_parsing_normalizes_weights_and_names_the_left_out_domains(tmp_path)
     yaml_file = tmp_path / "mix.yaml"
     yaml_file.write_text(f"wiki: 2\n{own}: 2\n")
     assert domains.parse_mix(str(yaml_file)) == {"wiki": 0.5, str(own): 0.5}
-    assert domains.left_out(domains.parse_mix(domains.DEFAULT_MIX)) == ["prose"]
+    assert domains.left_out(domains.parse_mix(domains.DEFAULT_MIX)) == []  # the product's default leaves none out
+    assert domains.left_out(domains.parse_mix(domains.without(domains.DEFAULT_MIX, "prose"))) == ["prose"]
 
 
 @pytest.mark.parametrize("spec, words", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from trsp_ray.config.registry import GRAMMAR, METHOD_NAMES
+from trsp_ray.data import domains
 from trsp_ray.run.run_args import add_run_arguments, method_type, run_config
 
 
@@ -82,6 +83,8 @@ def _fit_line(cfg) -> str:
 QUICK = {"lambada": 100, "zeroshot": 0, "budgets": "1"}
 QUICK_EVAL_WINDOWS = 8  # held-out windows per domain in the quick run (data.eval_max_windows: 16)
 FULL = {"lambada": 500, "zeroshot": 100, "budgets": "1,4"}
+# --budget-curve: does a recovery's accuracy rise or fall as its heal budget grows? (issue 42)
+CURVE = {"lambada": 500, "budgets": "1,4,16", "seeds": 2}
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -95,36 +98,45 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 def _benchmark(args) -> int:
     from trsp_ray.benchmark.comparison import DEFAULT_ROWS, QUICK_ROWS, check_request, run_benchmark
+    from trsp_ray.config import registry
+    from trsp_ray.config.run_config import replace
 
-    mode = FULL if args.full else QUICK
-    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else (DEFAULT_ROWS if args.full else QUICK_ROWS)
+    mode = FULL if args.full else {**QUICK, **CURVE} if args.budget_curve else QUICK
+    default_rows = (DEFAULT_ROWS if args.full else registry.CURVE_ROWS if args.budget_curve
+                    else registry.LEAVE_ONE_OUT_ROWS if args.leave_one_out else QUICK_ROWS)
+    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else default_rows
     lambada = mode["lambada"] if args.lambada is None else args.lambada
     zeroshot = mode["zeroshot"] if args.zeroshot is None else args.zeroshot
     budgets = _int_list(args.budgets or mode["budgets"], "--budgets")
+    seeds = args.seeds if args.seeds is not None else mode.get("seeds", 1)
     cfg = run_config(args)
-    quick = not (args.full or args.rows)
+    if args.leave_one_out and args.left_out not in (None, "none"):
+        from trsp_ray.common.errors import TrspError
+
+        raise TrspError(f"--left-out {args.left_out} and --leave-one-out disagree: --leave-one-out leaves every domain "
+                        "out in turn; drop --left-out")
+    left = domains.BENCHMARK_LEFT_OUT if args.left_out is None else args.left_out
+    if not args.leave_one_out and not cfg.data.calib_text and left != "none":
+        # the table's left-out column: the product's mixture without that domain (never the product's default)
+        cfg = replace(cfg, **{"data.calib_mix": domains.without(cfg.data.calib_mix, left)})
+    quick = not (args.full or args.rows or args.budget_curve or args.leave_one_out)
     # The README's cut: TRSP's swap refinement off (6 of the command's 21 minutes on 2 cores; at seed 0
     # its 56 scorer calls found no swap), unless a --config or --set says how to refine.
     cut_refine = quick and not args.config and not any(o.startswith("stage1.refine") for o in args.overrides)
     if cut_refine:
-        from trsp_ray.config.run_config import replace
-
         cfg = replace(cfg, **{"stage1.refine": 0})
     # ... and scores QUICK_EVAL_WINDOWS windows per domain instead of data.eval_max_windows (each row's
     # five domains x 16 x 256 tokens took 110 s of one core, the largest cost of the run), unless the
     # --config or a --set chooses the windows
     cut_windows = quick and not args.config and not any(o.startswith("data.eval_max_windows") for o in args.overrides)
     if cut_windows:
-        from trsp_ray.config.run_config import replace
-
         cfg = replace(cfg, **{"data.eval_max_windows": QUICK_EVAL_WINDOWS})
     if args.full_baselines or args.full:
-        from trsp_ray.config.run_config import replace
         from trsp_ray.config.sections import FULL_SLEB_WINDOWS
 
         cfg = replace(cfg, **{"baselines.sleb_windows": max(cfg.baselines.sleb_windows, FULL_SLEB_WINDOWS)})
     # bad rows / seeds / item counts / budgets fail before Ray starts
-    check_request(cfg, rows, args.seeds, zeroshot, lambada_limit=lambada, budgets=budgets)
+    check_request(cfg, rows, seeds, zeroshot, lambada_limit=lambada, budgets=budgets)
     from trsp_ray.run.workbench import check_single_plan
 
     check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
@@ -140,7 +152,18 @@ def _benchmark(args) -> int:
         + "; --full runs every row, SLEB in full, "
         f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
         f"{FULL['budgets']}.")
-    kwargs = {"seeds": args.seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut}
+    kwargs = {"seeds": seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut}
+    if args.leave_one_out:
+        from trsp_ray.benchmark.comparison import leave_one_out, leave_one_out_configs
+
+        leave_one_out_configs(cfg)  # a text file or a one-domain mixture: refused before any work
+        if args.workers > 0:
+            from trsp_ray.benchmark.cluster import leave_one_out_ray
+
+            leave_one_out_ray(cfg, rows, workers=args.workers, **kwargs)
+        else:
+            leave_one_out(cfg, rows, **kwargs)
+        return 0
     if args.workers > 0:
         from trsp_ray.benchmark.cluster import run_benchmark_ray
 
@@ -217,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--full", action="store_true",
                    help=f"every row, SLEB in full, LAMBADA {FULL['lambada']}, zero-shot {FULL['zeroshot']}, "
                         f"budgets {FULL['budgets']} (hours on CPU; the default is the README's 15-minute cut)")
-    b.add_argument("--seeds", type=int, default=1, help="seeds per row (mean and spread are printed)")
+    b.add_argument("--seeds", type=int, default=None,
+                   help=f"seeds per row (mean and spread are printed; default 1, --budget-curve {CURVE['seeds']})")
     b.add_argument("--zeroshot", type=int, default=None, metavar="N",
                    help=f"score every model on the paper's 5 zero-shot tasks, N items each (0 = off; "
                         f"default {QUICK['zeroshot']}, --full {FULL['zeroshot']})")
@@ -226,6 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{QUICK['lambada']}, --full {FULL['lambada']}); reported, never used to select")
     b.add_argument("--budgets", default=None, metavar="B,B",
                    help="heal budgets of the trained rows, multiples of stage2.steps (default 1; --full 1,4)")
+    b.add_argument("--left-out", default=None, metavar="DOMAIN",
+                   help=f"the domain the table's calibration leaves out, scored as its left-out column (default "
+                        f"{domains.BENCHMARK_LEFT_OUT}; 'none' calibrates on the product's whole default mixture "
+                        f"{domains.DEFAULT_MIX})")
+    b.add_argument("--leave-one-out", action="store_true",
+                   help="leave every domain of the mixture out in turn (one run each) and print the transfer table: "
+                        "pipelines x left-out domain, PPL relative to dense and LAMBADA, and the worst case")
+    b.add_argument("--budget-curve", action="store_true",
+                   help=f"the heal-budget curve: the recovery rows (CE, distillation, partial heals) at budgets "
+                        f"{CURVE['budgets']} x {CURVE['seeds']} seeds, LAMBADA {CURVE['lambada']}, with each budget's "
+                        "paired difference against the smallest and a retention-vs-compute PNG")
     b.add_argument("--full-baselines", action="store_true",
                    help="run SLEB on as many calibration windows as make its drop set stable (slow on CPU); "
                         "the default cuts it to fit 15 minutes on 2 cores, and the report says so")

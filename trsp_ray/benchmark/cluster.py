@@ -160,3 +160,10 @@ def run_benchmark_ray(cfg, rows, *, workers: int = 2, **kwargs) -> list[dict]:
     from trsp_ray.benchmark.comparison import run_benchmark
 
     return run_benchmark(cfg, rows, runner=RayRunner(workers), zeroshot_actors=workers, **kwargs)
+
+
+def leave_one_out_ray(cfg, rows, *, workers: int = 2, **kwargs) -> dict:
+    """comparison.leave_one_out with each left-out run's jobs on Ray (a fresh local instance per run)."""
+    from trsp_ray.benchmark.comparison import leave_one_out
+
+    return leave_one_out(cfg, rows, runner_for=lambda: RayRunner(workers), zeroshot_actors=workers, **kwargs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trsp_ray.benchmark.jobs import dense_nlls, row_job, selection_job
+from trsp_ray.benchmark.jobs import dense_lambada, dense_nlls, row_job, selection_job
 from trsp_ray.common.errors import TrspError
 from trsp_ray.config import registry
 from trsp_ray.config.run_config import RunConfig, compensated
@@ -98,13 +98,14 @@ def run_local(jobs: list[Job], *, cfg_dict: dict, export_dir: str | None, on_don
 
 def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot_limit: int = 0,
                   lambada_limit: int = 0, budgets: tuple[int, ...] = (1,), runner=None, zeroshot_actors: int = 1,
-                  cut: str = "") -> list[dict]:
+                  cut: str = "", show: bool = True) -> list[dict]:
     """Run every row for `seeds` seeds (trained rows for every budget), print the tables and log
     everything to MLflow (tables, JSON, the PPL bars and quality against total compute as PNGs).
 
     `runner(jobs, cfg_dict=, export_dir=, on_done=, options=)` executes the plan (default:
     `run_local`, in this process); benchmark/cluster.py passes one that runs Ray tasks. `cut`
-    says what a shortened run left out (printed under the tables)."""
+    says what a shortened run left out (printed under the tables); `show=False` logs the report
+    without printing it (leave_one_out prints its own table)."""
     import shutil
     import tempfile
 
@@ -166,8 +167,9 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
                 _zeroshot(results, limit=zeroshot_limit, actors=zeroshot_actors, tracker=tracker, log=log)
             # the dense row's job scored the original on every domain (cached); without that row, scored here
             dense_nll = dense_nlls(bench)
+            dense_scores = {"LAMBADA acc": dense_lambada(bench, limit=lambada_limit)["acc"]} if lambada_limit else {}
             summary = summarize(results, selected, dense_params=kept_parameters(bench.model), dense_nll=dense_nll,
-                                left_out=left_out)
+                                left_out=left_out, dense_scores=dense_scores)
             report = render_report(summary, calibration_source=bench.calibration.source, left_out=left_out,
                                    cfg=cfg, seeds=seed_list, zeroshot_limit=zeroshot_limit,
                                    lambada_limit=lambada_limit, cut=cut)
@@ -177,19 +179,71 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
                              "benchmark.json")
             tracker.log_figure(plots.benchmark_bars(summary), "benchmark_ppl.png")
             tracker.log_figure(plots.quality_vs_compute(summary), "quality_vs_compute.png")
+            retention = plots.retention_vs_compute(summary)
+            if retention is not None:
+                tracker.log_figure(retention, "retention_vs_compute.png")
             for s in summary:
                 prefix = f"{s['row']}/x{s['budget']}"
                 tracker.log_metrics({f"{prefix}/geo_mean_x_dense": s["geo-mean x dense"]["mean"],
                                      **{f"{prefix}/{d}_ppl": s[f"{d} PPL"]["mean"] for d in s["domains"]},
                                      f"{prefix}/total_cost": s["total cost"],
                                      **({f"{prefix}/lambada_acc": s["LAMBADA acc"]["mean"]}
-                                        if "LAMBADA acc" in s else {})})
+                                        if "LAMBADA acc" in s else {}),
+                                     **({f"{prefix}/lambada_pct_dense": s["LAMBADA % dense"]["mean"]}
+                                        if "LAMBADA % dense" in s else {})})
     finally:
         getattr(runner, "close", lambda: None)()  # a runner warmed but never run (MLflow failed) stops too
         if export_dir:
             shutil.rmtree(export_dir, ignore_errors=True)
-    print(report)
+    if show:
+        print(report)
     return summary
+
+
+def leave_one_out_configs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """(left-out domain, the config that calibrates on the others) for every domain of the configured
+    mixture: the runs of `trsp-ray benchmark --leave-one-out`. A calibration text file has no
+    domains to leave out: refused in one line."""
+    from trsp_ray.config.run_config import replace
+    from trsp_ray.data import domains
+
+    if cfg.data.calib_text:
+        raise TrspError(f"--leave-one-out leaves each domain of data.calib_mix out in turn; data.calib_text="
+                        f"{cfg.data.calib_text!r} is one text: drop it, or pass --calib-mix")
+    mix = domains.parse_mix(cfg.data.calib_mix)
+    names = [d for d in mix if d in domains.DOMAINS]
+    if len(names) < 2:
+        raise TrspError(f"--leave-one-out needs a mixture of at least 2 domains; data.calib_mix={cfg.data.calib_mix!r} "
+                        f"has {len(names)}")
+    return [(d, replace(cfg, **{"data.calib_mix": domains.without(cfg.data.calib_mix, d)})) for d in names]
+
+
+def leave_one_out(cfg: RunConfig, rows=DEFAULT_ROWS, *, runner_for=None, **kwargs) -> dict[str, list[dict]]:
+    """Every domain of the mixture left out in turn (`leave_one_out_configs`): each run calibrates on
+    the others and is scored on all, so its left-out column is what the pipelines do to a kind of
+    text they never saw. Prints and logs the transfer table (pipelines x left-out domain, PPL
+    relative to dense and LAMBADA accuracy, their worst case, the default's paired verdicts).
+    `runner_for()` gives each run a fresh runner (benchmark/cluster.py); kwargs go to run_benchmark."""
+    from trsp_ray.benchmark.report import transfer_report
+    from trsp_ray.common.logs import log
+    from trsp_ray.run.tracking import make_tracker
+
+    runs = leave_one_out_configs(cfg)
+    per_domain: dict[str, list[dict]] = {}
+    for k, (name, run_cfg) in enumerate(runs, 1):
+        log(f"leave-one-out {k}/{len(runs)}: calibrating on {run_cfg.data.calib_mix}, {name} left out")
+        runner = runner_for() if runner_for else None
+        per_domain[name] = run_benchmark(run_cfg, rows, runner=runner, show=False, **kwargs)
+    report = transfer_report(per_domain, mixture=cfg.data.calib_mix)
+    t = cfg.tracking
+    tracker = make_tracker(enabled=t.enabled, tracking_uri=t.tracking_uri, experiment=t.experiment)
+    with tracker.run(f"leave-one-out-r{cfg.ratio}", tags={"kind": "leave-one-out", "model": cfg.model}):
+        tracker.log_params({"data.calib_mix": cfg.data.calib_mix, "left_out": ",".join(per_domain)})
+        tracker.log_text(report, "transfer.txt")
+        tracker.log_dict({d: [{k: v for k, v in s.items() if k != "items"} for s in summary]
+                          for d, summary in per_domain.items()}, "transfer.json")
+    print(report)
+    return per_domain
 
 
 def _tracker_while_warming(t, warm):

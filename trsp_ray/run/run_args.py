@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from trsp_ray.data.domains import DEFAULT_MIX
+
 
 def method_type(*, workers: bool = False):
     """argparse type of a --method flag: a registered method, a composed pipeline (registry.method) or
@@ -38,7 +40,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-text", default=None, help="calibration text file (default: the domain mixture)")
     p.add_argument("--calib-mix", default=None, metavar="SPEC",
                    help="calibration mixture: SOURCE:WEIGHT,... of domains (wiki, news, code, math, prose) or text "
-                        "files, or a YAML file of source: weight (default: wiki:1,news:1,code:1,math:1)")
+                        "files, or a YAML file of source: weight (default: " + DEFAULT_MIX + ")")
     p.add_argument("--eval-text", default=None, help="held-out text file (default: Wikipedia excerpt)")
     p.add_argument("--config", default=None, help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
