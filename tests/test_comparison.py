@@ -702,3 +702,35 @@ def test_retention_plot_draws_seed_ranges_as_error_bars():
     assert [round(s[1][1] - s[0][1], 6) for s in segments] == [4.0, 8.0]  # the seed range
     close(fig)
     assert retention_vs_compute([summary[0]]) is None
+
+
+def test_leave_one_out_runs_each_domain_out_and_its_transfer_table_reads_their_left_out_columns(tiny_dir, capsys):
+    """`--leave-one-out` on the tiny model with a two-domain mixture: one run per domain, each
+    calibrated on the other (its left-out column is that domain), and the transfer table's
+    'D x dense' is the run's held-out PPL of D over the dense model's, its worst the larger."""
+    import math
+
+    from trsp_ray.benchmark.comparison import leave_one_out
+    from trsp_ray.benchmark.report import transfer_rows
+
+    cfg = load_config(None, [*SMALL, "data.calib_mix=news:1,code:1", "data.eval_domains=news,code",
+                             "compensation.windows=16"], base={"model": str(tiny_dir / "model"), "ratio": 0.25})
+    names = ["dense", "shortgpt+heal@comp", "shortgpt+comp+heal"]
+    per_domain = leave_one_out(cfg, names, lambada_limit=4)
+    assert list(per_domain) == ["news", "code"]
+    out = capsys.readouterr().out
+    assert "Leave-one-out transfer" in out and "news x dense" in out and "worst x dense" in out
+    entries = {e["row"]: e for e in transfer_rows(per_domain)}
+    assert set(entries) == {"shortgpt+heal@comp", "shortgpt+comp+heal"}
+    for left, summary in per_domain.items():
+        by = {s["row"]: s for s in summary}
+        assert "left-out PPL" in by["shortgpt+comp+heal"]  # the run scored a domain it never calibrated on
+        left_ppl = by["shortgpt+comp+heal"]["left-out PPL"]["mean"]
+        assert left_ppl == pytest.approx(by["shortgpt+comp+heal"][f"{left} PPL"]["mean"])
+        for name, e in entries.items():
+            assert e["x dense"][left] == pytest.approx(by[name][f"{left} PPL"]["mean"] / by["dense"][f"{left} PPL"]["mean"])
+            assert math.isfinite(e["x dense"][left]) and e["x dense"][left] != 1.0
+        assert "shortgpt+heal@comp" in by["shortgpt+comp+heal"]["default vs"]
+    for e in entries.values():
+        assert e["worst x dense"] == max(e["x dense"].values())
+        assert e["worst domain"] in ("news", "code") and len(e["lambada"]) == 2
