@@ -3,7 +3,7 @@
 The default method is shortgpt+comp+heal (Block Influence scored data-parallel on the workers; a
 norm-weighted least-squares map of each removed block, its float64 sums all-reduced over the ranks,
 solved once and folded into the down_proj before the block; then a heal with stage 2's budget): the
-best pipeline the comparison found at equal total compute (README). `--method shortgpt+heal` skips
+best pipeline the comparison found at equal total compute (docs/results.md). `--method shortgpt+heal` skips
 the fold, `--method trsp+heal` selects with TRSP's stage 1 instead, `--method trsp` runs the paper's
 stage 2.
 
@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method", default=registry.DEFAULT_METHOD, type=method_type(workers=True),
                    help="shortgpt+comp+heal (default): Block-Influence selection on the workers, a least-squares "
                         "fold of each cut fitted data-parallel, then the stage-2 budget spent healing the pruned "
-                        "model (best at equal total compute, README); shortgpt+heal: the same without the fold; "
+                        "model (best at equal total compute, docs/results.md); shortgpt+heal: the same without the fold; "
                         "trsp+heal: TRSP's stage-1 selection + the heal; trsp: the paper's stage 2")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

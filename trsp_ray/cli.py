@@ -144,7 +144,7 @@ def _benchmark(args) -> int:
 
     cut = "" if not quick else (
         f"quick run (the README's): CUT the rows {', '.join(r for r in DEFAULT_ROWS if r not in QUICK_ROWS)} "
-        f"(the README has the equal-compute rows' figures), the zero-shot mean and "
+        f"(docs/results.md has the equal-compute rows' figures), the zero-shot mean and "
         f"the 4x heal budget, LAMBADA on {lambada} passages"
         + (", TRSP's swap refinement (stage1.refine=0; `prune` refines)" if cut_refine else "")
         + (f", the held-out windows to {QUICK_EVAL_WINDOWS} per domain (data.eval_max_windows="
@@ -223,10 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default=None, type=method_type(),
                    help="default shortgpt+comp+heal: ShortGPT's Block-Influence selection, a least-squares fold "
                         "of each cut (compensation.*), then a heal with stage 2's budget (the best pipeline at "
-                        "equal total compute, README); shortgpt+heal = the same without the fold; trsp+heal = "
+                        "equal total compute, docs/results.md); shortgpt+heal = the same without the fold; trsp+heal = "
                         "TRSP's stage-1 selection + the heal; trsp = the paper's stage 2. Registered: "
                         f"{', '.join(METHOD_NAMES)}; or any pipeline {GRAMMAR}; or a YAML file of "
-                        "selector, fit, heal (README, pipelines)")
+                        "selector, fit, heal (docs/pipelines.md)")
     p.add_argument("--output", default=None, help="export directory (written atomically)")
     p.add_argument("--compute-budget", type=_tokens, default=None, metavar="TOKENS",
                    help="total dense-forward tokens (e.g. 200k, 1.5M) for selection + compensation + heal: the "

@@ -5,7 +5,7 @@ the recovery that follows by default: TRSP's stage 2, a heal of the pruned model
 without a closed-form compensation of the cut before it. `shortgpt+comp+heal` (ShortGPT's
 Block-Influence selection, a norm-weighted least-squares fold of each removed block's boundary, then
 a heal with stage 2's weight-update budget) is the default: it is the best pipeline the comparison
-found at equal total compute (README, "What wins": against `shortgpt+heal` given the compensation's
+found at equal total compute (docs/results.md: against `shortgpt+heal` given the compensation's
 compute as extra heal steps it wins held-out perplexity beyond the seed spread and ties news
 perplexity, LAMBADA and the zero-shot tasks; `trsp+heal` wins held-out perplexity at equal
 weight-update tokens only, at 3x the compute, and loses LAMBADA). A *row* of the comparison is a
