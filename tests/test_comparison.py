@@ -734,3 +734,31 @@ def test_leave_one_out_runs_each_domain_out_and_its_transfer_table_reads_their_l
     for e in entries.values():
         assert e["worst x dense"] == max(e["x dense"].values())
         assert e["worst domain"] in ("news", "code") and len(e["lambada"]) == 2
+
+
+def test_a_rerun_reads_finished_rows_back_and_runs_only_what_is_new(tiny_dir, tmp_path, monkeypatch):
+    """The row cache: a second run of the same config reads every row back (no job runs, the same
+    figures); adding a heal budget runs only that budget's rows and the selection they need; a
+    changed config recomputes."""
+    from trsp_ray.benchmark import comparison
+
+    monkeypatch.setenv("TRSP_RAY_CACHE", str(tmp_path / "cache"))
+    ran = []
+
+    def runner(jobs, **kwargs):
+        ran.append([j.key for j in jobs])
+        comparison.run_local(jobs, **kwargs)
+
+    names = ["dense", "shortgpt+heal"]
+    first = comparison.run_benchmark(_cfg(tiny_dir), names, runner=runner, cache=True, show=False)
+    again = comparison.run_benchmark(_cfg(tiny_dir), names, runner=runner, cache=True, show=False)
+    assert len(ran) == 1  # the second run ran nothing
+    assert [s["geo-mean x dense"]["mean"] for s in again] == \
+        [s["geo-mean x dense"]["mean"] for s in first]
+    grown = comparison.run_benchmark(_cfg(tiny_dir), names, budgets=(1, 2), runner=runner, cache=True, show=False)
+    assert ran[1] == ["selection:shortgpt:0:1", "row:shortgpt+heal:0:2"]  # only the new budget
+    assert {(s["row"], s["budget"]) for s in grown} == {("dense", 1), ("shortgpt+heal", 1), ("shortgpt+heal", 2)}
+    comparison.run_benchmark(_cfg(tiny_dir, "stage2.steps=2"), names, runner=runner, cache=True, show=False)
+    assert len(ran[2]) == 3  # another config: every job again
+    comparison.run_benchmark(_cfg(tiny_dir), names, runner=runner, show=False)  # the library default: no cache
+    assert len(ran[3]) == 3

@@ -152,7 +152,8 @@ def _benchmark(args) -> int:
         + "; --full runs every row, SLEB in full, "
         f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
         f"{FULL['budgets']}.")
-    kwargs = {"seeds": seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut}
+    kwargs = {"seeds": seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut,
+              "cache": not args.no_cache}
     if args.leave_one_out:
         from trsp_ray.benchmark.comparison import leave_one_out, leave_one_out_configs
 
@@ -261,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the heal-budget curve: the recovery rows (CE, distillation, partial heals) at budgets "
                         f"{CURVE['budgets']} x {CURVE['seeds']} seeds, LAMBADA {CURVE['lambada']}, with each budget's "
                         "paired difference against the smallest and a retention-vs-compute PNG")
+    b.add_argument("--no-cache", action="store_true",
+                   help="recompute every row; by default a row finished by an earlier run with the same config, "
+                        "code and model is read back (a stopped run, or one that adds a budget, seed or row, "
+                        "loses no finished row)")
     b.add_argument("--full-baselines", action="store_true",
                    help="run SLEB on as many calibration windows as make its drop set stable (slow on CPU); "
                         "the default cuts it to fit 15 minutes on 2 cores, and the report says so")

@@ -96,16 +96,71 @@ def run_local(jobs: list[Job], *, cfg_dict: dict, export_dir: str | None, on_don
         on_done(job, out)
 
 
+class RowCache:
+    """Finished rows of a benchmark on disk, so that a run that stops (or a later run that adds a heal
+    budget, a seed or a row) loses no finished row: keyed on the run's config, the row, its seed and
+    budget, the scoring options, the model's files and the source of trsp_ray itself (a code change
+    recomputes everything). Written atomically; `trsp-ray benchmark --no-cache` ignores it."""
+
+    def __init__(self, cfg_dict: dict, options: dict):
+        from trsp_ray.run.stage1_store import model_fingerprint
+
+        self.base = {"cfg": cfg_dict, "options": options, "model": model_fingerprint(cfg_dict["model"]),
+                     "source": source_fingerprint()}
+
+    def path(self, job: Job):
+        from trsp_ray.data import assets
+        from trsp_ray.run.stage1_store import content_key
+
+        key = content_key({**self.base, "job": job.key}, length=24)
+        return assets.cache_dir() / "benchmark" / f"{job.name.replace('/', '_')}-{key}.pt"
+
+    def get(self, job: Job) -> dict | None:
+        import torch
+
+        path = self.path(job)
+        return torch.load(path, weights_only=False) if path.exists() else None
+
+    def put(self, job: Job, out: dict) -> None:
+        from trsp_ray.common import atomic
+
+        atomic.save_torch(self.path(job), out)
+
+
+def source_fingerprint() -> str:
+    """A hash of every Python source file of the trsp_ray package (what a cached result was computed by)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_jobs(jobs: list[Job], cache: RowCache) -> tuple[list[Job], list[tuple[Job, dict]]]:
+    """(the jobs still to run, the finished rows read from `cache`): a cached row is not run, nor a
+    selection that no row left to run needs."""
+    hits = [(j, out) for j in jobs if j.kind == "row" for out in [cache.get(j)] if out is not None]
+    done = {j.key for j, _ in hits}
+    rest = [j for j in jobs if j.key not in done]
+    needed = set().union(*(job_needs(j) for j in rest if j.kind == "row"))
+    return [j for j in rest if j.kind == "row" or (j.name, j.seed) in needed], hits
+
+
 def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot_limit: int = 0,
                   lambada_limit: int = 0, budgets: tuple[int, ...] = (1,), runner=None, zeroshot_actors: int = 1,
-                  cut: str = "", show: bool = True) -> list[dict]:
+                  cut: str = "", show: bool = True, cache: bool = False) -> list[dict]:
     """Run every row for `seeds` seeds (trained rows for every budget), print the tables and log
     everything to MLflow (tables, JSON, the PPL bars and quality against total compute as PNGs).
 
     `runner(jobs, cfg_dict=, export_dir=, on_done=, options=)` executes the plan (default:
     `run_local`, in this process); benchmark/cluster.py passes one that runs Ray tasks. `cut`
     says what a shortened run left out (printed under the tables); `show=False` logs the report
-    without printing it (leave_one_out prints its own table)."""
+    without printing it (leave_one_out prints its own table); `cache=True` reads finished rows from
+    and writes them to a RowCache (not with zero-shot, whose exported models do not outlive the run)."""
     import shutil
     import tempfile
 
@@ -161,8 +216,24 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
 
             log(f"benchmark: {len(selected)} rows x {seeds} seed(s) x budgets {list(budgets)} = {len(jobs)} jobs "
                 f"({sum(j.kind == 'selection' for j in jobs)} selections)")
-            runner(jobs, cfg_dict=cfg.to_dict(), export_dir=export_dir, on_done=on_done,
-                   options={"lambada": lambada_limit})
+            options = {"lambada": lambada_limit}
+            store = RowCache(cfg.to_dict(), options) if cache and not zeroshot_limit else None
+            todo = jobs
+            if store is not None:
+                todo, hits = cached_jobs(jobs, store)
+                if hits:
+                    log(f"{len(hits)} finished row(s) read from {store.path(hits[0][0]).parent} (same config, code "
+                        "and model; --no-cache recomputes them)")
+                for job, out in hits:
+                    on_done(job, out)
+
+            def finished(job: Job, out: dict) -> None:
+                if store is not None and job.kind == "row":
+                    store.put(job, out)
+                on_done(job, out)
+
+            if todo:
+                runner(todo, cfg_dict=cfg.to_dict(), export_dir=export_dir, on_done=finished, options=options)
             if zeroshot_limit:
                 _zeroshot(results, limit=zeroshot_limit, actors=zeroshot_actors, tracker=tracker, log=log)
             # the dense row's job scored the original on every domain (cached); without that row, scored here
