@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method", default=registry.DEFAULT_METHOD, type=method_type(workers=True),
                    help="shortgpt+comp+heal (default): Block-Influence selection on the workers, a least-squares "
                         "fold of each cut fitted data-parallel, then the stage-2 budget spent healing the pruned "
-                        "model (best at equal total compute, docs/results.md); shortgpt+heal: the same without the fold; "
+                        "model (best at equal total compute, docs/results.md); shortgpt+heal: the same without the "
+                        "fold; "
                         "trsp+heal: TRSP's stage-1 selection + the heal; trsp: the paper's stage 2")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

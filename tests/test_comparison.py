@@ -728,7 +728,8 @@ def test_leave_one_out_runs_each_domain_out_and_its_transfer_table_reads_their_l
         left_ppl = by["shortgpt+comp+heal"]["left-out PPL"]["mean"]
         assert left_ppl == pytest.approx(by["shortgpt+comp+heal"][f"{left} PPL"]["mean"])
         for name, e in entries.items():
-            assert e["x dense"][left] == pytest.approx(by[name][f"{left} PPL"]["mean"] / by["dense"][f"{left} PPL"]["mean"])
+            ratio = by[name][f"{left} PPL"]["mean"] / by["dense"][f"{left} PPL"]["mean"]
+            assert e["x dense"][left] == pytest.approx(ratio)
             assert math.isfinite(e["x dense"][left]) and e["x dense"][left] != 1.0
         assert "shortgpt+heal@comp" in by["shortgpt+comp+heal"]["default vs"]
     for e in entries.values():

@@ -1,7 +1,7 @@
 """Every trsp-ray and jobs/ command the documentation shows parses with the program it names: the
 README's blocks, docs/*.md (blocks and inline commands), cluster/README.md, the jobs' and the package
-modules' docstrings and the KubeRay entrypoints. A renamed or removed flag (or a narrowed choice, like a default method) fails here
-instead of on a user's cluster."""
+modules' docstrings and the KubeRay entrypoints. A renamed or removed flag (or a narrowed choice, like a
+default method) fails here instead of on a user's cluster."""
 
 import functools
 import importlib.util
@@ -132,7 +132,8 @@ def test_docs_commands_are_read_and_a_renamed_flag_in_prose_fails(tmp_path, caps
     doc.write_text("Run `trsp-ray benchmark --seeds 3\n--lambada 200` (a mention: `trsp-ray plan`), then\n"
                    "`trsp-ray benchmark --lambada-passages 200`.\n")
     found = commands(code_lines(doc))
-    assert found == [["trsp-ray", "benchmark", "--seeds", "3", "--lambada", "200"], ["trsp-ray", "benchmark", "--lambada-passages", "200"]]
+    assert found == [["trsp-ray", "benchmark", "--seeds", "3", "--lambada", "200"],
+                     ["trsp-ray", "benchmark", "--lambada-passages", "200"]]
     parse(found[0])
     with pytest.raises(SystemExit):
         parse(found[1])
