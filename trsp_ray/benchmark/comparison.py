@@ -113,18 +113,33 @@ class RowCache:
         from trsp_ray.run.stage1_store import content_key
 
         key = content_key({**self.base, "job": job.key}, length=24)
-        return assets.cache_dir() / "benchmark" / f"{job.name.replace('/', '_')}-{key}.pt"
+        return assets.cache_dir() / "benchmark" / f"{job.name.replace('/', '_')}-{key}.json"
 
     def get(self, job: Job) -> dict | None:
-        import torch
+        import json
 
         path = self.path(job)
-        return torch.load(path, weights_only=False) if path.exists() else None
+        return json.loads(path.read_text()) if path.exists() else None
 
     def put(self, job: Job, out: dict) -> None:
+        """JSON, never a pickle (nothing trsp_ray reads back can run code); a row whose result holds
+        something JSON cannot say is not cached."""
+        import json
+
         from trsp_ray.common import atomic
 
-        atomic.save_torch(self.path(job), out)
+        try:
+            text = json.dumps(out, default=_plain)
+        except (TypeError, ValueError):
+            return
+        atomic.write_text(self.path(job), text)
+
+
+def _plain(value):
+    """A numpy or torch scalar as the Python number it is (json.dumps' fallback)."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def source_fingerprint() -> str:

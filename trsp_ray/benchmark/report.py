@@ -169,7 +169,8 @@ def budget_curve_table(summary: list[dict]) -> str:
         cell = {"row": e["row"], "budget": f"x{e['budget']}", "total k": s["total cost"] / 1e3,
                 stats.GEO: fmt(s[stats.GEO], 3), "LAMBADA acc": fmt(s.get("LAMBADA acc"), 3),
                 "LAMBADA % dense": fmt(s.get("LAMBADA % dense"), 1),
-                "zero-shot % dense": fmt(s.get("zero-shot % dense"), 1), "accuracy as budget grows": e["accuracy trend"]}
+                "zero-shot % dense": fmt(s.get("zero-shot % dense"), 1),
+                "accuracy as budget grows": e["accuracy trend"]}
         for col, _ in stats.CURVE_COLUMNS:
             cell[f"{col} vs smallest"] = (f"{vs[col]['verdict']} {_signed(col, vs[col])}" if col in vs
                                           else "-" if vs else "(reference)")
