@@ -92,6 +92,16 @@ def benchmark_bars(summary: list[dict]):
     return fig
 
 
+def _lines(rows: list[dict], col: str) -> dict[str, list[tuple[float, dict]]]:
+    """{row name: [(total compute in thousands of tokens, the column's seed statistics)] in compute
+    order} of the summary rows that have `col`: one line per row across heal budgets."""
+    out: dict[str, list] = {}
+    for s in rows:
+        if s.get(col):
+            out.setdefault(s["row"], []).append((s["total cost"] / 1e3, s[col]))
+    return {name: sorted(pts, key=lambda p: p[0]) for name, pts in out.items()}
+
+
 def quality_vs_compute(summary: list[dict]):
     """What compute buys: the geometric-mean PPL relative to dense and LAMBADA accuracy (where
     measured) of every pruned row against its total compute (selection + recovery, dense-forward
@@ -102,10 +112,8 @@ def quality_vs_compute(summary: list[dict]):
     panels = [c for c in ("geo-mean x dense", "LAMBADA acc") if any(s.get(c) for s in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, col in zip(axes[0], panels):
-        for name in dict.fromkeys(s["row"] for s in rows):
-            pts = sorted((s["total cost"], s[col]["mean"]) for s in rows if s["row"] == name and s.get(col))
-            if pts:
-                ax.plot([p[0] / 1e3 for p in pts], [p[1] for p in pts], marker="o", lw=1.2, label=name)
+        for name, pts in _lines(rows, col).items():
+            ax.plot([x for x, _ in pts], [stat["mean"] for _, stat in pts], marker="o", lw=1.2, label=name)
         if dense is not None and dense.get(col):
             ax.axhline(dense[col]["mean"], color="0.3", ls="--", lw=1, label="dense")
         ax.set_xlabel("total compute (thousands of dense-forward tokens)")
@@ -129,10 +137,7 @@ def retention_vs_compute(summary: list[dict]):
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, col in zip(axes[0], panels):
-        for name in dict.fromkeys(s["row"] for s in rows):
-            pts = sorted((s["total cost"] / 1e3, s[col]) for s in rows if s["row"] == name and s.get(col))
-            if not pts:
-                continue
+        for name, pts in _lines(rows, col).items():
             ys = [p[1]["mean"] for p in pts]
             if all(p[1]["n"] > 1 for p in pts):
                 err = [[y - p[1]["min"] for y, p in zip(ys, pts)], [p[1]["max"] - y for y, p in zip(ys, pts)]]
