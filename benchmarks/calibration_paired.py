@@ -3,12 +3,14 @@ what it costs each domain's perplexity (issue 42: choose the default mixture on 
 domains, paired, never on one kind of text).
 
     python benchmarks/calibration_paired.py [--rows dense,shortgpt+comp+heal] [--seeds 2] [--budgets 1]
-        [--lambada 500] [--mix NAME=SPEC ...] [--workers 2]
+        [--lambada 500] [--mix NAME=SPEC[;KEY=VALUE...] ...] [--workers 2]
 
 Each mixture is one `trsp-ray benchmark` run (the rows' row cache: a row finished by an earlier run
 of the same config, code and model, `--budget-curve --left-out none` included, is read back, not
 recomputed). Every row is scored on the same held-out windows and the same LAMBADA passages
-whatever it was calibrated on, so rows of two mixtures pair item by item: the table gives, for each
+whatever it was calibrated on, so rows of two mixtures pair item by item (a mixture may also carry config
+settings after ';', e.g. 'protected=DEFAULT;gates.protect_head=4', to pair one change of the pipeline on the
+same calibration): the table gives, for each
 row and budget, each mixture's figures and its paired difference against the first mixture (± 2
 paired SE; PPL columns clustered on held-out documents; the seeds' spread too).
 """
@@ -39,14 +41,17 @@ def main(argv=None) -> int:
                         f"default {' '.join(DEFAULT_MIXES)}")
     p.add_argument("--workers", type=int, default=2, help="Ray workers (0 = in this process)")
     args = p.parse_args(argv)
-    mixes = [m.partition("=") for m in (args.mix or DEFAULT_MIXES)]
-    mixes = [(name, domains.DEFAULT_MIX if spec == "DEFAULT" else spec) for name, _, spec in mixes]
+    mixes, settings = [], {}
+    for entry in args.mix or DEFAULT_MIXES:
+        name, _, rest = entry.partition("=")
+        spec, *sets = rest.split(";")
+        mixes.append((name, domains.DEFAULT_MIX if spec == "DEFAULT" else spec))
+        settings[name] = sets
     rows = args.rows.split(",")
     budgets = tuple(int(b) for b in args.budgets.split(","))
-    base = load_config(None, [])
     summaries = {}
     for name, spec in mixes:
-        cfg = replace(base, **{"data.calib_mix": spec})
+        cfg = replace(load_config(None, settings[name]), **{"data.calib_mix": spec})
         runner = RayRunner(args.workers) if args.workers else None
         summaries[name] = run_benchmark(cfg, rows, seeds=args.seeds, lambada_limit=args.lambada, budgets=budgets,
                                         runner=runner, cache=True, show=False)
