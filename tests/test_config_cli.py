@@ -40,7 +40,7 @@ def _cli(tmp_path, *args):
 
 @pytest.mark.parametrize("args, needle", [
     (["--ratio", "1.2"], "ratio=1.2"),
-    (["--ratio", "0.97"], "only 28 are candidates"),
+    (["--ratio", "0.97"], "only 25 are candidates (layers 4..28)"),
     (["--set", "stage1.lambda1=-1"], "stage1.lambda1=-1"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--calib-text", "/nonexistent/calib.txt"], "/nonexistent/calib.txt"),

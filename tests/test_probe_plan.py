@@ -41,9 +41,10 @@ def test_probe_memory_per_gpu_is_the_chunk_logprobs_and_the_teacher(name, vocab)
 
 def test_probe_and_refinement_compute_of_llama2_70b():
     pp = _plan("llama-2-70b.json")
-    # 80 layers, 25%: 20 rounds of 4 probes; refinement: 2 passes x 20 x a pool of min(78 - 20, 20 x 3) = 2,320
-    # calls unbounded, capped at the default budget of 320
-    assert (pp.n_drop, pp.probe_calls, pp.refine_unbounded, pp.refine_calls) == (20, 80, 2320, 320)
+    # 80 layers, 25%: 20 rounds of 4 probes; 80 - 10 (auto: one layer in eight) - 1 = 69 candidates;
+    # refinement: 2 passes x 20 x a pool of min(69 - 20, 20 x 3) = 1,960 calls unbounded, capped at the default
+    # budget of 320
+    assert (pp.n_drop, pp.probe_calls, pp.refine_unbounded, pp.refine_calls) == (20, 80, 1960, 320)
     assert pp.window_tokens == 8 * 2048
     assert pp.compute == (80 + 320 + 1) * 8 * 2048  # + the cached teacher's one pass
     assert pp.compute_per_gpu(2048) == (80 + 320 + 1) * 2048
@@ -70,7 +71,7 @@ def test_plan_command_prints_the_probes(cached_70b):  # noqa: F811
     for figure in ("stage 1 probes: 14.5 GB per worker (fits)",
                    "probe chunk (student log-probs + teacher): 0.73 GB",
                    "probe teacher cache: 0.12 GB", "80 scorer calls in 20 rounds + at most 320 refinement calls",
-                   "the passes alone allow 2320", "= 6.6M dense-forward tokens (all GPUs; 0.8M per GPU)"):
+                   "the passes alone allow 1960", "= 6.6M dense-forward tokens (all GPUs; 0.8M per GPU)"):
         assert figure in out, figure
     assert out.index("stage 1 probes") < out.index("checkpoint:")
 

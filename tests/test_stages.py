@@ -5,7 +5,7 @@ import torch
 
 from trsp_ray.method.gates import attach_gates
 from trsp_ray.method.selectors import block_influence, random_drop, shortgpt_drop, sleb_drop
-from trsp_ray.method.stage1 import run_stage1
+from trsp_ray.method.stage1 import candidate_layers, head_protected, run_stage1
 from trsp_ray.method.stage2 import run_stage2
 from trsp_ray.method.surgery import remove_layers
 from trsp_ray.method.training import Batches, TorchStepper, freeze
@@ -390,8 +390,10 @@ def test_refine_budget_bounds_the_scorer_calls():
     _refine(wide, scorer=scorer, passes=2, current=1.0, report=seen.append)
     assert wide.refine_calls == 21 and seen == [{"stage1/refine_calls_so_far": 20, "stage1/swaps_so_far": 0}]
     s1 = load_config(None, []).stage1
-    # SmolLM2 at 8 of 30 (2 protected): a pool of at most 30 - 2 - 8 = 20, two whole passes
-    assert s1.refine_budget == s1.refine * 8 * (30 - 2 - 8) == 320
+    # SmolLM2 at 8 of 30 (4 + 1 protected: gates.protect_head=auto): a pool of at most 30 - 5 - 8 = 17, and
+    # the budget keeps two whole passes
+    pool = len(candidate_layers(30, protect_head="auto", protect_tail=1)) - 8
+    assert pool == 17 and s1.refine * 8 * pool <= s1.refine_budget == 320
     with pytest.raises(TrspError, match="stage1.refine_budget=0"):
         load_config(None, ["stage1.refine_budget=0"])
 
@@ -413,3 +415,18 @@ def test_refinement_cost_is_counted_in_the_stage1_result(trained):
                         steps_per_round=1, probe=3, scorer=scorer, refine=2, refine_budget=2)
     assert result.refine_calls == 2 and result.refine_cost == 2 * 64
     assert result.probe_cost == 64 * (2 * 3 + 2)  # 2 rounds of 3 probes + the 2 refinement calls
+
+
+def test_auto_head_protection_is_one_layer_in_eight():
+    """gates.protect_head=auto keeps the first ceil(L / 8) layers (Kim et al.'s 4 of 32, scaled to the
+    depth); a count is taken as given; anything else is refused in one line."""
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config.run_config import load_config
+
+    assert [head_protected("auto", n) for n in (2, 8, 9, 18, 30, 32, 80)] == [1, 1, 2, 3, 4, 4, 10]
+    assert load_config(None, []).gates.protect_head == "auto"
+    assert candidate_layers(30, protect_head="auto", protect_tail=1) == list(range(4, 29))
+    assert candidate_layers(30, protect_head=0, protect_tail=1) == list(range(0, 29))
+    for bad in ("-1", "two", "1.5", "true"):
+        with pytest.raises(TrspError, match="gates.protect_head=.* is not valid; it must be an integer >= 0 or auto"):
+            load_config(None, [f"gates.protect_head={bad}"])

@@ -10,6 +10,7 @@ the drop set for a smaller ratio is a prefix of it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,8 +51,18 @@ class Stage1Result:
         return (self.round1_ranking if ranking == "round1" else self.drop_order)[:n_drop]
 
 
-def candidate_layers(num_layers: int, *, protect_head: int, protect_tail: int) -> list[int]:
-    return list(range(protect_head, num_layers - protect_tail))
+HEAD_SHARE = 8  # gates.protect_head=auto protects one layer in HEAD_SHARE, rounded up
+
+
+def head_protected(protect_head: int | str, num_layers: int) -> int:
+    """How many first layers gates.protect_head keeps: its count, or for auto ceil(num_layers / 8)
+    (SmolLM2's 30: 4; a 32-layer 8B: 4; an 80-layer 70B: 10; a model of 8 layers or fewer: 1)."""
+    return math.ceil(num_layers / HEAD_SHARE) if protect_head == "auto" else protect_head
+
+
+def candidate_layers(num_layers: int, *, protect_head: int | str, protect_tail: int) -> list[int]:
+    """The layers a selection may drop: all but the protected first and last ones."""
+    return list(range(head_protected(protect_head, num_layers), num_layers - protect_tail))
 
 
 def n_drop_for(ratio: float, num_layers: int) -> int:

@@ -99,17 +99,18 @@ def cosine_host_gb(*, share: int, hidden: int, dtype_bytes: int, blocks: int) ->
     return cosine_bytes(tokens=share, hidden=hidden, dtype_bytes=dtype_bytes, blocks=blocks)["host"] / GB
 
 
-def compensation_plan(s: Shape, st: Setup, *, ratio: float, windows: int, protect_head: int = 0,
+def compensation_plan(s: Shape, st: Setup, *, ratio: float, windows: int, protect_head: int | str = 0,
                       protect_tail: int = 0, objective: str = "mse") -> CompensationPlan:
     """The fit's memory per worker: stage 1's model state (the fit is a no-grad pass under its
     engine) and the fit's working set over `windows` calibration windows of st.seqlen tokens, split
     over st.workers in batches of the run's batch size (st.micro_batch x st.workers)."""
     from trsp_ray.method.compensation_forms import check_objective
-    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.method.stage1 import candidate_layers, n_drop_for
 
     check_objective(objective, method="lstsq")
     n_drop = n_drop_for(ratio, s.layers)
-    blocks = max_blocks(n_drop=n_drop, candidates=s.layers - protect_head - protect_tail)
+    blocks = max_blocks(n_drop=n_drop, candidates=len(candidate_layers(s.layers, protect_head=protect_head,
+                                                                         protect_tail=protect_tail)))
     rows = fit_rows(windows=windows, batch=st.micro_batch * st.workers, world=st.workers)
     share = math.ceil(windows / st.workers) * st.seqlen if objective == "cosine" else 0
     phases = fit_phases(s, dtype_bytes=st.dtype_bytes, tokens=rows * st.seqlen, blocks=blocks, sharded=True,

@@ -36,7 +36,7 @@ class ProbeSetup:
     probe: int  # stage1.probe: layers measured per round (0 with one-shot selection)
     refine: int  # stage1.refine: passes of swap refinement
     refine_budget: int  # stage1.refine_budget: scorer calls refinement may spend
-    protect_head: int
+    protect_head: int | str  # gates.protect_head (a count, or auto)
     protect_tail: int
     criterion: str
 
@@ -94,10 +94,10 @@ def refine_calls(*, candidates: int, n_drop: int, probe: int, refine: int) -> in
 
 def probe_plan(s: Shape, st: Setup, ps: ProbeSetup) -> ProbePlan:
     from trsp_ray.method.probes import probe_memory_bytes, teacher_cached
-    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.method.stage1 import candidate_layers, n_drop_for
 
     n_drop = n_drop_for(ps.ratio, s.layers)
-    candidates = s.layers - ps.protect_head - ps.protect_tail
+    candidates = len(candidate_layers(s.layers, protect_head=ps.protect_head, protect_tail=ps.protect_tail))
     per_gpu = math.ceil(ps.windows / st.workers)
     chunk = min(per_gpu, st.micro_batch * st.workers)  # forwards of at most data.batch_size windows
     cached = ps.criterion == "kl" and teacher_cached(windows=ps.windows, scored_positions=st.seqlen, world=st.workers,

@@ -193,13 +193,14 @@ def fit_setup(cfg, *, methods: tuple[str, ...] | None, layers: int, hidden: int)
     """The largest least-squares fit any of `methods` (default cfg.method) runs, None when none does
     (the scalar fold's six sums per block are left out)."""
     from trsp_ray.config.run_config import for_method, sized
-    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.method.stage1 import candidate_layers, n_drop_for
 
     fits = [sized(for_method(cfg, m), hidden=hidden).compensation for m in methods or (cfg.method,) if _fits(cfg, m)]
     if not fits:
         return None
     g = cfg.gates
-    blocks = max_blocks(n_drop=n_drop_for(cfg.ratio, layers), candidates=layers - g.protect_head - g.protect_tail)
+    candidates = len(candidate_layers(layers, protect_head=g.protect_head, protect_tail=g.protect_tail))
+    blocks = max_blocks(n_drop=n_drop_for(cfg.ratio, layers), candidates=candidates)
     worst = max(fits, key=lambda c: c.windows)
     return FitSetup(windows=worst.windows, blocks=blocks, objective="cosine" if any(
         c.objective == "cosine" for c in fits) else "mse", activations=worst.activations)
