@@ -92,3 +92,20 @@ def test_gpu_check_smoke_mode_passes_every_part_a_cpu_can_run(tmp_path, own_ray_
 def test_probe_kl_the_in_place_sum_equals_kl_div_to_the_bit():
     out = run_script("probe_kl.py", "--vocab", "4096", "--reps", "2")
     assert "equal to the bit: True" in out  # the timing ratio is printed, not asserted (it depends on load)
+
+
+def test_selection_by_domain_prints_each_drop_set_and_its_margin_at_the_cut():
+    """Block Influence on two calibrations with the old one-layer head protection: each drop set holds
+    n_drop candidates, and each margin is the printed first-out BI minus the printed last-in BI (> 0)."""
+    out = run_script("selection_by_domain.py", "--mix", "wiki:1", "--mix", "news:1", "--set", "gates.protect_head=1")
+    rows = re.findall(r"\n(\w+:1)\s+(\d+)\s+([\d ]+?)\s{2,}(\d+) \(([\d.]+)\)\s+(\d+) \(([\d.]+)\)\s+([\d.]+)", out)
+    assert [r[0] for r in rows] == ["wiki:1", "news:1"], out
+    sets = []
+    for _, _, drop, last_in, bi_in, first_out, bi_out, margin in rows:
+        layers = [int(x) for x in drop.split()]
+        assert len(set(layers)) == 8 and all(1 <= j <= 28 for j in layers), drop  # 8 of 30, candidates 1..28
+        assert int(last_in) in layers and int(first_out) not in layers
+        assert float(margin) == pytest.approx(float(bi_out) - float(bi_in), abs=1.5e-4) and float(margin) > 0
+        sets.append(set(layers))
+    common = sorted(sets[0] & sets[1])
+    assert f"dropped on every calibration: {common}" in out

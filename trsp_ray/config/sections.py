@@ -62,7 +62,7 @@ class GateConfig:
     gate: str = "delta"  # delta: x + s*(f(x)-x); output: s*f(x)
     # First layers never dropped: a count, or auto = one layer in eight, rounded up (stage1.head_protected):
     # Kim et al.'s 4 of 32 ("Shortened LLaMA", 2024), scaled to the depth. Block Influence ranks an early
-    # layer of SmolLM2 (3) among the 8 of 30 to drop on every domain but Wikipedia, within 0.002 of a late
+    # layer of SmolLM2 (3) among the 8 of 30 to drop on every domain but Wikipedia, within 0.003 of a late
     # one (26), and removing it costs 2.6 +- 1.9 points of LAMBADA accuracy after the same heal
     # (docs/results.md).
     protect_head: int | str = "auto"
