@@ -41,17 +41,16 @@ def main(argv=None) -> int:
                         f"default {' '.join(DEFAULT_MIXES)}")
     p.add_argument("--workers", type=int, default=2, help="Ray workers (0 = in this process)")
     args = p.parse_args(argv)
-    mixes, settings = [], {}
+    mixes = []  # (name, mixture, config settings)
     for entry in args.mix or DEFAULT_MIXES:
         name, _, rest = entry.partition("=")
         spec, *sets = rest.split(";")
-        mixes.append((name, domains.DEFAULT_MIX if spec == "DEFAULT" else spec))
-        settings[name] = sets
+        mixes.append((name, domains.DEFAULT_MIX if spec == "DEFAULT" else spec, sets))
     rows = args.rows.split(",")
     budgets = tuple(int(b) for b in args.budgets.split(","))
     summaries = {}
-    for name, spec in mixes:
-        cfg = replace(load_config(None, settings[name]), **{"data.calib_mix": spec})
+    for name, spec, sets in mixes:
+        cfg = replace(load_config(None, sets), **{"data.calib_mix": spec})
         runner = RayRunner(args.workers) if args.workers else None
         summaries[name] = run_benchmark(cfg, rows, seeds=args.seeds, lambada_limit=args.lambada, budgets=budgets,
                                         runner=runner, cache=True, show=False)
@@ -62,7 +61,7 @@ def main(argv=None) -> int:
     for s_ref in summaries[ref]:
         if s_ref["group"] == "dense":
             continue
-        for name, _ in mixes:
+        for name, _, _ in mixes:
             s = next(o for o in summaries[name] if o["row"] == s_ref["row"] and o["budget"] == s_ref["budget"])
             cell = {"row": f"{s['row']} x{s['budget']}", "calibration": name, "total k": s["total cost"] / 1e3,
                     "LAMBADA % dense": fmt(s.get("LAMBADA % dense"), 1)}
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
                 v = verdicts.get(col)
                 cell[col] = figure + (f" ({v['verdict']} {_signed(col, v)})" if v else "")
             cells.append(cell)
-    print(f"\nOne pipeline, several calibration mixtures ({', '.join(f'{n} = {m}' for n, m in mixes)}); each "
+    print(f"\nOne pipeline, several calibration mixtures ({', '.join(f'{n} = {m}' for n, m, _ in mixes)}); each "
           f"against {ref}, paired on the same windows and passages over {args.seeds} seed(s):")
     print(render(cells, ["row", "calibration", "total k"] + [c for c, _ in cols] + ["LAMBADA % dense"]))
     return 0

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     from trsp_ray.data import domains
     from trsp_ray.method import selectors
     from trsp_ray.method.gates import attach_gates, detach_gates
-    from trsp_ray.run.methods import _windows, shortgpt_windows
+    from trsp_ray.method.training import SELECTION_STREAM
+    from trsp_ray.run.methods import fixed_windows, shortgpt_windows
     from trsp_ray.run.workbench import prepare
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
         gates = attach_gates(model, gate_mode=cfg.gates.gate)
         n_drop, candidates = bench.n_drop(), bench.candidates()
         windows = shortgpt_windows(cfg, n_drop)
-        bi = selectors.block_influence(model, gates, _windows(bench, windows))
+        bi = selectors.block_influence(model, gates, fixed_windows(bench.batches(SELECTION_STREAM), windows))
         detach_gates(model)
         order = sorted(candidates, key=lambda i: bi[i])
         last_in, first_out = order[n_drop - 1], order[n_drop]
