@@ -83,7 +83,8 @@ def test_interrupted_stage1_resumes_after_last_round(tiny_dir, tmp_path, monkeyp
     assert again["dropped_layers"] == resumed["dropped_layers"] and len(again["dropped_layers"]) == 3
     # The finished stage 1 sits in the one stage-1 store, under the key a search or a reproduction
     # of the same model, text and stage-1 settings would look up; the round checkpoints are gone.
-    from trsp_ray.run.stage1_store import Stage1Store, data_fingerprint, stage1_key
+    from trsp_ray.run.content import data_fingerprint
+    from trsp_ray.run.stage1_store import Stage1Store, stage1_key
 
     key = stage1_key(cfg.to_dict(), data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text))
     stored = Stage1Store(tmp_path / "ck").get(key, 3)

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from trsp_ray.method.stage1 import Stage1Result
-from trsp_ray.run.stage1_store import Stage1Store, model_fingerprint, prefix_serves
+from trsp_ray.run.content import model_fingerprint
+from trsp_ray.run.stage1_store import Stage1Store, prefix_serves
 
 REFINED = {"stage1": {"selection": "iterative", "probe": 4, "refine": 2}}
 GREEDY = {"stage1": {"selection": "iterative", "probe": 4, "refine": 0}}

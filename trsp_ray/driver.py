@@ -21,8 +21,9 @@ def run_stage1(cfg: RunConfig, bench, *, report):
     (Ctrl-C, a lost machine) restarts after its last finished round."""
     from pathlib import Path
 
+    from trsp_ray.run.content import data_fingerprint
     from trsp_ray.run.methods import run_stage1_for
-    from trsp_ray.run.stage1_store import Stage1Store, data_fingerprint, stage1_content, stage1_key
+    from trsp_ray.run.stage1_store import Stage1Store, stage1_content, stage1_key
 
     cfg_dict = cfg.to_dict()
     fingerprint = data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text, calib_mix=cfg.data.calib_mix)

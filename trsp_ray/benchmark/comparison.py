@@ -98,21 +98,25 @@ def run_local(jobs: list[Job], *, cfg_dict: dict, export_dir: str | None, on_don
 
 class RowCache:
     """Finished rows of a benchmark on disk, so that a run that stops (or a later run that adds a heal
-    budget, a seed or a row) loses no finished row: keyed on the run's config, the row, its seed and
-    budget, the scoring options, the model's files and the source of trsp_ray itself (a code change
-    recomputes everything). Written atomically; `trsp-ray benchmark --no-cache` ignores it."""
+    budget, a seed or a row) loses no finished row. Keyed (run.content.store_key) on the run's
+    config, the row, its seed and budget, the scoring options, the source of trsp_ray itself (a code
+    change recomputes everything), the bytes of everything a row reads (the model's files, the
+    calibration text, every scored domain, the evaluation text, the task data the options score),
+    the library versions and the device and dtype the config resolves to. Written atomically;
+    `trsp-ray benchmark --no-cache` ignores it."""
 
     def __init__(self, cfg_dict: dict, options: dict):
-        from trsp_ray.run.stage1_store import model_fingerprint
+        from trsp_ray.run.content import run_inputs
 
-        self.base = {"cfg": cfg_dict, "options": options, "model": model_fingerprint(cfg_dict["model"]),
-                     "source": source_fingerprint()}
+        self.cfg = cfg_dict
+        self.base = {"cfg": cfg_dict, "options": options, "source": source_fingerprint()}
+        self.data = run_inputs(cfg_dict, files=tuple(scored_task_files(options)))
 
     def path(self, job: Job):
         from trsp_ray.data import assets
-        from trsp_ray.run.stage1_store import content_key
+        from trsp_ray.run.content import store_key
 
-        key = content_key({**self.base, "job": job.key}, length=24)
+        key = store_key({**self.base, "job": job.key}, cfg=self.cfg, data=self.data, length=24)
         return assets.cache_dir() / "benchmark" / f"{job.name.replace('/', '_')}-{key}.json"
 
     def get(self, job: Job) -> dict | None:
@@ -133,6 +137,13 @@ class RowCache:
         except (TypeError, ValueError):
             return
         atomic.write_text(self.path(job), text)
+
+
+def scored_task_files(options: dict) -> list:
+    """The source files of the task data a row's scoring `options` read (LAMBADA's passages)."""
+    from trsp_ray.evaluation.tasks import CAPABILITY_TASK, source_files
+
+    return source_files(CAPABILITY_TASK) if options.get("lambada") else []
 
 
 def _plain(value):

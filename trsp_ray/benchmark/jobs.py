@@ -170,18 +170,21 @@ def domain_ppl(bench, model, name: str) -> float:
     return ppl_of(nlls_of(model, domain_windows(bench, name).windows, batch_size=4))
 
 
-def _dense_cached(bench, what: dict, compute):
+def _dense_cached(bench, what: dict, compute, *, files: tuple = ()):
     """`compute()` of the original model, computed once and cached on disk under what determines it
-    (the model's files and dtype, and `what`): every seed's dense row and every row's ratio to dense
-    read the same figures, whichever process computes them."""
+    (run.content.store_key: `what`, the model's files, the bytes of `files`, the library versions
+    and the resolved precision): every seed's dense row and every row's ratio to dense read the same
+    figures, whichever process computes them."""
     import json
 
     from trsp_ray.common import atomic
+    from trsp_ray.common.digest import content_key, file_digest
     from trsp_ray.data import assets
-    from trsp_ray.run.stage1_store import content_key, model_fingerprint
+    from trsp_ray.run.content import model_fingerprint, store_key
 
-    key = content_key({"model": model_fingerprint(bench.cfg.model), "dtype": str(bench.model.dtype), **what})
-    path = assets.cache_dir() / "scores" / f"dense-{key}.json"
+    cfg = bench.cfg.to_dict()
+    data = content_key({"model": model_fingerprint(bench.cfg.model), "files": sorted(map(file_digest, files))})
+    path = assets.cache_dir() / "scores" / f"dense-{store_key(what, cfg=cfg, data=data)}.json"
     if path.exists():
         return json.loads(path.read_text())
     out = compute()
@@ -203,10 +206,11 @@ def dense_nlls(bench) -> dict[str, list[float]]:
 
 def dense_lambada(bench, *, limit: int) -> dict:
     """`lambada` of the original model, per passage (cached: _dense_cached)."""
-    from trsp_ray.evaluation.harness import lm_eval_version
+    from trsp_ray.evaluation.tasks import CAPABILITY_TASK, source_files
 
-    what = {"task": "lambada", "limit": limit, "lm_eval": lm_eval_version()}
-    return _dense_cached(bench, what, lambda: lambada(bench, bench.scoring_model(), limit=limit))
+    what = {"task": CAPABILITY_TASK, "limit": limit}
+    return _dense_cached(bench, what, lambda: lambada(bench, bench.scoring_model(), limit=limit),
+                         files=tuple(source_files(CAPABILITY_TASK)))
 
 
 def row_config(run_cfg: RunConfig, row: registry.Row) -> RunConfig:

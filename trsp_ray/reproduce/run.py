@@ -76,8 +76,9 @@ class CellPlan:
 def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[str, CellPlan]:
     """Every cell's config, route and shared stage 1, from config files alone (no weights, no
     writes); a bad override, a ratio that drops nothing or a cell that fits no route fails here."""
+    from trsp_ray.common.digest import content_key
     from trsp_ray.method.stage1 import n_drop_for
-    from trsp_ray.run.stage1_store import content_key, prefix_serves, stage1_content
+    from trsp_ray.run.stage1_store import prefix_serves, stage1_content
     from trsp_ray.run.workbench import check_inputs
 
     plans: dict[str, CellPlan] = {}
@@ -110,7 +111,8 @@ def plan_grid(preset: Preset, cells: list[Cell], overrides: list[str]) -> dict[s
 
 def _attach_keys(plans: dict[str, CellPlan], eval_dict: dict) -> None:
     """Content keys of every cell and stage 1 (reads the model's and texts' files: after the checks)."""
-    from trsp_ray.run.stage1_store import data_fingerprint, stage1_key, text_fingerprint
+    from trsp_ray.run.content import data_fingerprint, text_fingerprint
+    from trsp_ray.run.stage1_store import stage1_key
 
     fps: dict[tuple, str] = {}
     for p in plans.values():

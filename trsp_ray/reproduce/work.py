@@ -17,11 +17,12 @@ import dataclasses
 import time
 from pathlib import Path
 
+from trsp_ray.common.digest import content_key
 from trsp_ray.common.errors import TrspError
 from trsp_ray.config import registry
 from trsp_ray.config.run_config import RunConfig, load_config, replace
 from trsp_ray.reproduce.presets import grid_method
-from trsp_ray.run.stage1_store import content_key, model_fingerprint, text_fingerprint
+from trsp_ray.run.content import model_fingerprint, text_fingerprint
 
 # Config sections that do not change what a cell exports or scores.
 NOT_RESULTS = ("tracking", "output", "threads", "checkpoint_dir", "distributed")

@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from trsp_ray.common import atomic
+from trsp_ray.run.content import store_key
 
 if TYPE_CHECKING:
     from trsp_ray.method.stage1 import Stage1Result
@@ -44,53 +44,6 @@ if TYPE_CHECKING:
 STAGE1_TOP = ("model", "seed", "device", "dtype")
 STAGE1_DATA = ("calib_text", "calib_mix", "seqlen", "batch_size")
 STAGE1_SECTIONS = ("gates", "stage1")
-
-
-def content_key(obj: Any, length: int = 16) -> str:
-    """A short stable hash of a JSON-able object (sorted keys)."""
-    blob = json.dumps(obj, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:length]
-
-
-def model_fingerprint(model: str) -> str:
-    """What identifies a model's weights beyond its name: size + mtime of config and weight files
-    (cheap, and changes whenever the weights are rewritten); a hub id with its revision."""
-    from trsp_ray.data import assets
-
-    path = Path(assets.resolve_model(model))
-    if not path.is_dir():
-        return f"hub:{model}@{hub_revision(model)}"
-    h = hashlib.sha256()
-    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
-    return h.hexdigest()[:16]
-
-
-def hub_revision(repo_id: str) -> str:
-    """The commit a hub id resolves to now: the name of the snapshot directory its config.json is
-    read from (`hf download` and from_pretrained name it by the commit hash, transformers'
-    `config._commit_hash`)."""
-    from trsp_ray.data import hub
-
-    return hub.config_file(repo_id).parent.name
-
-
-def text_fingerprint(path: str | None, calib_mix: str | None = None) -> str:
-    """The bytes of a calibration text file, or the mixture's sources and weights (a file source by
-    its bytes, a domain by its text: domains.text_key, a hash of its source files and split rule)."""
-    from trsp_ray.data import domains
-
-    if path:
-        return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
-    mix = domains.parse_mix(calib_mix or domains.DEFAULT_MIX)
-    return content_key({(f"{s}:{domains.text_key(s)}" if s in domains.DOMAINS else text_fingerprint(s)): w
-                        for s, w in mix.items()})
-
-
-def data_fingerprint(*, model: str, calib_text: str | None, calib_mix: str | None = None) -> str:
-    """Fingerprint of the model files and the calibration data: what the key needs beyond the config."""
-    return content_key({"model": model_fingerprint(model), "calib": text_fingerprint(calib_text, calib_mix)})
 
 
 def calibration_content(data: dict) -> dict:
@@ -109,8 +62,9 @@ def stage1_content(cfg: dict) -> dict:
 
 
 def stage1_key(cfg: dict, fingerprint: str) -> str:
-    """Content key of a stage-1 result: `stage1_content(cfg)` and the data fingerprint."""
-    return content_key({"config": stage1_content(cfg), "data": fingerprint})
+    """Content key of a stage-1 result (content.store_key): `stage1_content(cfg)`, the data
+    fingerprint (content.data_fingerprint), the library versions and the resolved precision."""
+    return store_key({"config": stage1_content(cfg)}, cfg=cfg, data=fingerprint)
 
 
 def prefix_serves(content: dict) -> bool:

@@ -67,7 +67,9 @@ def selection_content(cfg, n_drop: int, *, spec: registry.Method) -> dict:
 def search_fingerprint(base: dict) -> str:
     """What every trial of a search started from `base` shares beyond its config: the model's files and
     the validation text (the base calibration's tail, which no trial trains on: search/objective.py)."""
-    from trsp_ray.run.stage1_store import calibration_content, content_key, data_fingerprint
+    from trsp_ray.common.digest import content_key
+    from trsp_ray.run.content import data_fingerprint
+    from trsp_ray.run.stage1_store import calibration_content
 
     d = base["data"]
     return content_key({"data": data_fingerprint(model=base["model"], calib_text=d["calib_text"],
@@ -79,7 +81,8 @@ def trial_fingerprint(cfg_dict: dict, fingerprint: str) -> str:
     """`fingerprint` (what every trial of a search shares: the model's files, the validation text no
     trial trains on) with the trial's own calibration text (a file's bytes, a mixture's sources): a
     trial that asks for another mixture gets other keys, whatever the base config calibrates on."""
-    from trsp_ray.run.stage1_store import content_key, text_fingerprint
+    from trsp_ray.common.digest import content_key
+    from trsp_ray.run.content import text_fingerprint
 
     d = cfg_dict["data"]
     return content_key({"search": fingerprint, "calib": text_fingerprint(d["calib_text"], d["calib_mix"])})
@@ -89,9 +92,10 @@ def selection_key(cfg_dict: dict, fingerprint: str, *, spec: registry.Method, nu
     """Content key of a baseline selection: trials of any pipeline with the same selector, windows,
     drop count, model, calibration (its settings and its text: trial_fingerprint), precision, seed
     and gates share it. `spec`: the trial's pipeline's registry entry."""
+    from trsp_ray.common.digest import content_key
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.method.stage1 import n_drop_for
-    from trsp_ray.run.stage1_store import calibration_content, content_key
+    from trsp_ray.run.stage1_store import calibration_content
 
     cfg = from_dict(cfg_dict)
     return content_key({"selection": selection_content(cfg, n_drop_for(cfg.ratio, num_layers), spec=spec),
@@ -137,8 +141,8 @@ LSTSQ_ONLY = ("ridge", "form", "rank", "weighting")
 def fit_key(cfg_dict: dict, *, selection: str, drop: list[int]) -> str:
     """Content key of a trial's fit: its selection's key, the drop set and every fit setting
     (_fit_content) with the calibration windows' seqlen; trials that differ only in their heal share it."""
+    from trsp_ray.common.digest import content_key
     from trsp_ray.config.run_config import for_method, from_dict
-    from trsp_ray.run.stage1_store import content_key
 
     cfg = for_method(from_dict(cfg_dict))  # the fit the name spells (a trial's config is resolved already)
     return content_key({"fit_of": selection, "drop": sorted(drop), "fit": _fit_content(cfg.compensation),
@@ -352,7 +356,8 @@ def trial_stage1_key(cfg_dict: dict, fingerprint: str, *, n_drop: int) -> str:
     shared by every ratio as stage1_store says, except under a compute budget, where a trial is
     charged what its own selection costs, so each drop count gets its own stage 1 (a longer one would
     charge it the rounds it does not use)."""
-    from trsp_ray.run.stage1_store import content_key, stage1_key
+    from trsp_ray.common.digest import content_key
+    from trsp_ray.run.stage1_store import stage1_key
 
     key = stage1_key(cfg_dict, trial_fingerprint(cfg_dict, fingerprint))
     return content_key({"stage1": key, "n_drop": n_drop}) if cfg_dict["heal"]["compute_budget"] else key

@@ -13,9 +13,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from trsp_ray.common.digest import content_key
 from trsp_ray.common.errors import TrspError
 from trsp_ray.config.run_config import RunConfig, from_dict
-from trsp_ray.run.stage1_store import content_key
 
 # What a search may vary: the pipeline (`method`), the ratio, the seed, and any key of the sections
 # that shape a trial's result, found in the config tree itself (so a key a section gains is
