@@ -314,14 +314,31 @@ def eval_domain_names(spec: str) -> tuple[str, ...]:
 class TextSplit:
     heldout: str
     heldout_source: str
-    documents: tuple[str, ...] = ()  # the held-out documents `heldout` joins (a user's file is one)
+    documents: tuple[str, ...] = ()  # the held-out documents `heldout` joins
+
+
+def file_document_starts(text: str) -> list[int]:
+    """Where each document of a user's text file starts: after a blank line (the separator documents
+    are joined with everywhere here); a file without one is one document. Calibration and held-out
+    files are read the same way."""
+    import re
+
+    return [0] + [m.end() for m in re.finditer(r"\n[ \t]*\n\s*", text) if m.end() < len(text)]
+
+
+def file_documents(text: str) -> list[str]:
+    """The documents of a user's text file (file_document_starts), without the blank lines between."""
+    starts = file_document_starts(text)
+    parts = (text[a:b].rstrip() for a, b in zip(starts, starts[1:] + [len(text)]))
+    return [p for p in parts if p.strip()]
 
 
 def load_texts(eval_text: str | None = None) -> TextSplit:
-    """The held-out text of a run: the given file (one document: its parts are unknown), else the
-    held-out Wikipedia articles (the calibration data is trsp_ray.data.calibration's)."""
+    """The held-out text of a run: the given file (its documents separated by blank lines: a file read
+    as one document gave every window the same document, and every such run "TOO FEW held-out
+    documents"), else the held-out Wikipedia articles (the calibration data is trsp_ray.data.calibration's)."""
     from trsp_ray.data.assets import WIKI_SOURCE, read_text_file
 
-    docs = [read_text_file(eval_text, "evaluation text")] if eval_text else split_texts("wiki")[1]
+    docs = file_documents(read_text_file(eval_text, "evaluation text")) if eval_text else split_texts("wiki")[1]
     return TextSplit(heldout="\n\n".join(docs), heldout_source=eval_text or f"{WIKI_SOURCE}, held-out articles "
                      "(every 5th)", documents=tuple(docs))
