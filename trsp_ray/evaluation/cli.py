@@ -54,18 +54,24 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _settings(args):
-    from trsp_ray.evaluation.evaluator import EvalSettings
+def eval_request(args):
+    """The settings of `trsp-ray eval`'s flags, with every check the command makes before the pool
+    starts: the settings' values and the candidate directories (the tests check documented commands
+    with it)."""
+    from trsp_ray.evaluation.evaluator import EvalSettings, check_candidate
     from trsp_ray.evaluation.speed import SpeedSettings
 
     tasks = [] if args.tasks in ([], ["none"]) else args.tasks
-    return EvalSettings(
+    settings = EvalSettings(
         tasks=tuple(tasks), limit=args.limit, batch_size=args.batch_size,
         ppl=args.ppl_windows != 0, eval_text=args.eval_text, ppl_windows=args.ppl_windows or None,
         ppl_seqlen=args.ppl_seqlen,
         speed=None if args.no_speed else SpeedSettings(prompt_len=args.prompt_len),
         dense=args.dense,
     )
+    for path in args.models:
+        check_candidate(path)  # a missing or weightless directory is known before any actor starts
+    return settings
 
 
 def _footer(settings) -> str:
@@ -83,13 +89,10 @@ def run_eval(args) -> int:
     """Validate everything cheap first, then run the pool; returns the process exit code (a TrspError
     reaches `trsp-ray`'s one error line)."""
     from trsp_ray.evaluation import report
-    from trsp_ray.evaluation.evaluator import check_candidate
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
     from trsp_ray.run.tracking import make_tracker
 
-    settings = _settings(args)
-    for path in [*args.models, *([args.dense] if args.dense else [])]:
-        check_candidate(path)  # a missing or weightless directory is known before any actor starts
+    settings = eval_request(args)
     cpus = args.cpus_per_actor or max(1, (os.cpu_count() or 1) // max(1, args.actors))
     resources = ActorResources(num_cpus=cpus, num_gpus=args.gpus_per_actor,
                                placement_group=args.placement_group)
