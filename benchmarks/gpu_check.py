@@ -12,7 +12,7 @@ its own time limit, cut to what is left of the overall `--budget`; a part whose 
 (no CUDA, one GPU, no Ray, no model) is SKIP with why. The summary table (part, status, seconds, key
 figure) ends the output and is written with each part's record to OUT/gpu_check.json; each part's output
 is in OUT/logs/PART.log. Exit code 1 when a part FAILED or hit its TIMEOUT. DEVELOPERS.md: how to run it
-on a lent GPU machine.
+on a GPU node without network (build a bundle where there is network, copy it over, install, run).
 """
 
 from __future__ import annotations

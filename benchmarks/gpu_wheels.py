@@ -1,23 +1,25 @@
-"""The wheels and assets the GPU check needs on a machine that can download nothing (DEVELOPERS.md).
+"""The wheels and assets the GPU check needs on a GPU node that can download nothing (DEVELOPERS.md).
 
-On this machine (network), from the checkout's root:
+On a machine with network, from the checkout's root:
 
-    python benchmarks/gpu_wheels.py build --python-version 3.12      # = assets + gather + pack, into .gpu/
+    python benchmarks/gpu_wheels.py build --python-version 3.12 [--part-mb MB]   # assets + gather + pack, into .gpu/
     python benchmarks/gpu_wheels.py gather --python-version 3.12 --dest DIR [--platform TAG ...]
     python benchmarks/gpu_wheels.py assets --dest DIR
 
-On the GPU machine (no network), after each call's carried folder arrived:
+On the GPU node (no network), after the parts were copied there (all at once, or one at a time):
 
-    python benchmarks/gpu_wheels.py install --from .gpu/carry1 --stage /tmp/stage --target /tmp/stage/site
+    python benchmarks/gpu_wheels.py install --from .gpu/part1 [--from .gpu/part2 ...] \
+        --stage /tmp/stage --target /tmp/stage/site
 
 `gather` runs `pip download --only-binary=:all: --no-deps --python-version X --platform Y` once per
 requirement (WANTED: ray, deepspeed, transformers and what they import that a bare torch + transformers GPU
 image lacks), at the version pyproject.toml pins, else the one installed here (the project's tested set),
 else FALLBACK; a wheel already in the folder or in an `--extra-wheels` folder is not downloaded again
 (DeepSpeed ships no wheel: build one, the error says how). It writes wheels.json (name, version, pinned,
-sha256). `pack` cuts the folder into carry folders of at most `--carry-mb` each (a call's carry limit is
-64 MiB with the checkout), a file too big for what is left split in parts. `install` copies a call's
-folder into the stage folder, joins a wheel whose parts have all arrived (sha256 checked), and installs
+sha256). `pack` puts the wheels in part folders: one holding every wheel, or with `--part-mb` as many as
+needed of at most that size each (for a transfer that limits a file or a copy), a wheel too big for what
+is left split across parts. `install` copies the parts given into the stage folder, joins a wheel whose
+pieces have all arrived (sha256 checked), and installs
 with `pip install --no-index --find-links STAGE --no-deps --target TARGET` every complete wheel the
 machine lacks: a project pin unless that version is there, another unless that version or a newer one is.
 """
@@ -121,31 +123,36 @@ def gather(*, python_version: str, platforms, dest: Path, extra: list[Path],
     return entries
 
 
-def pack(source: Path, carries: list[Path], *, limit: int) -> list[int]:
-    """Fills the carry folders in order, each up to `limit` bytes; a wheel that does not fit in what is left
-    is cut (FILE.partKofN): transformers first (the first call needs it), then by size. Returns each folder's bytes."""
+def pack(source: Path, dest: Path, *, limit: int | None = None) -> list[Path]:
+    """The wheels of `source` in part folders dest/part1, part2, ...: one holding every wheel, or with
+    `limit` (bytes) as many as needed of at most `limit` each, a wheel that does not fit in what is left
+    cut (FILE.pieceKofN): transformers first (the one-process parts need it), then by size."""
     manifest = json.loads((source / MANIFEST).read_text())
     order = sorted(manifest["wheels"], key=lambda w: (w["name"] != "transformers", w["bytes"]))
-    room, index = [limit] * len(carries), 0
-    for folder in carries:
-        shutil.rmtree(folder, ignore_errors=True)
+    for old in dest.glob("part*"):
+        shutil.rmtree(old)
+    parts: list[Path] = []
+
+    def next_part() -> int:
+        folder = dest / f"part{len(parts) + 1}"
         folder.mkdir(parents=True)
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        parts.append(folder)
+        return limit or sum(w["bytes"] for w in order)  # the room it has
+
+    room = next_part()
     for wheel in order:
-        data, offset, parts = (source / wheel["file"]).read_bytes(), 0, []
+        data, offset, pieces = (source / wheel["file"]).read_bytes(), 0, []
         while offset < len(data):
-            if index >= len(carries):
-                raise SystemExit(f"gpu_wheels: the wheels do not fit in {len(carries)} folders of {limit} bytes")
-            take = min(room[index], len(data) - offset)
-            if take > 0:
-                parts.append((index, data[offset:offset + take]))
-                offset, room[index] = offset + take, room[index] - take
-            if offset < len(data):
-                index += 1
-        for k, (i, chunk) in enumerate(parts, start=1):
-            name = wheel["file"] if len(parts) == 1 else f"{wheel['file']}.part{k}of{len(parts)}"
-            (carries[i] / name).write_bytes(chunk)
-    return [limit - r for r in room]
+            if room == 0:
+                room = next_part()
+            take = min(room, len(data) - offset)
+            pieces.append((parts[-1], data[offset:offset + take]))
+            offset, room = offset + take, room - take
+        for k, (folder, chunk) in enumerate(pieces, start=1):
+            name = wheel["file"] if len(pieces) == 1 else f"{wheel['file']}.piece{k}of{len(pieces)}"
+            (folder / name).write_bytes(chunk)
+    return parts
 
 
 def install(sources: list[Path], *, stage: Path, target: Path) -> int:
@@ -168,38 +175,38 @@ def install(sources: list[Path], *, stage: Path, target: Path) -> int:
 
 
 def stage_wheels(sources: list[Path], *, stage: Path) -> tuple[list[dict], list[str]]:
-    """(complete wheels, wheels still waiting for parts): the call's files copied into the stage folder,
-    each wheel whose parts have all arrived joined and checked against its sha256."""
+    """(complete wheels, wheels still waiting for pieces): the parts' files copied into the stage folder,
+    each wheel whose pieces have all arrived joined and checked against its sha256."""
     stage.mkdir(parents=True, exist_ok=True)
     for folder in sources:
         for path in folder.iterdir():
-            if path.is_file():  # a file a former call staged is replaced (carried files may be read-only)
+            if path.is_file():  # a file an earlier install staged is replaced (copied files may be read-only)
                 (stage / path.name).unlink(missing_ok=True)
                 shutil.copyfile(path, stage / path.name)
     manifest = json.loads((stage / MANIFEST).read_text())
     complete, waiting = [], []
     for wheel in manifest["wheels"]:
         path = stage / wheel["file"]
-        parts = sorted(stage.glob(wheel["file"] + ".part*of*"), key=part_number)
-        if not path.exists() and parts and len(parts) == int(parts[0].name.rsplit("of", 1)[1]):
+        pieces = sorted(stage.glob(wheel["file"] + ".piece*of*"), key=piece_number)
+        if not path.exists() and pieces and len(pieces) == int(pieces[0].name.rsplit("of", 1)[1]):
             with open(path, "wb") as out:
-                for part in parts:
-                    out.write(part.read_bytes())
+                for piece in pieces:
+                    out.write(piece.read_bytes())
         if not path.exists():
-            waiting.append(f"{wheel['file']} ({len(parts)} part(s) here)")
+            waiting.append(f"{wheel['file']} ({len(pieces)} piece(s) here)")
             continue
         if sha256(path) != wheel["sha256"]:
             path.unlink()
-            raise SystemExit(f"gpu_wheels: {wheel['file']} does not match its sha256: parts from another build?")
-        for part in parts:
-            part.unlink()
+            raise SystemExit(f"gpu_wheels: {wheel['file']} does not match its sha256: pieces from another build?")
+        for piece in pieces:
+            piece.unlink()
         complete.append(wheel)
     return complete, waiting
 
 
-def part_number(path: Path) -> int:
-    """K of FILE.partKofN."""
-    return int(path.name.rsplit(".part", 1)[1].split("of")[0])
+def piece_number(path: Path) -> int:
+    """K of FILE.pieceKofN."""
+    return int(path.name.rsplit(".piece", 1)[1].split("of")[0])
 
 
 def installed_version(name: str, target: Path) -> str | None:
@@ -241,13 +248,6 @@ def assets(dest: Path, *, calib_chars: int = 800_000, eval_chars: int = 120_000)
     (dest / "text" / "eval.txt").write_text(held[:eval_chars], encoding="utf-8")
 
 
-def checkout_bytes() -> int:
-    """What every call carries besides its folders: the tracked and untracked-not-ignored files."""
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
-
-
 def build(args) -> int:
     dest = args.dest
     exclude = Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=REPO, capture_output=True,
@@ -256,20 +256,19 @@ def build(args) -> int:
     rel = f"/{dest.resolve().relative_to(REPO)}/" if dest.resolve().is_relative_to(REPO) else None
     if rel and rel not in (exclude.read_text().splitlines() if exclude.exists() else []):
         with open(exclude, "a") as f:
-            f.write(rel + "\n")  # ignored: only the folders a call carries travel
+            f.write(rel + "\n")  # ignored: a bundle is not part of the checkout
     assets(dest / "assets")
     wheels = dest / "dl" / f"cp{args.python_version.replace('.', '')}"
     gather(python_version=args.python_version, platforms=args.platform or PLATFORMS, dest=wheels,
            extra=args.extra_wheels)
-    carries = [dest / f"carry{i}" for i in range(1, args.calls + 1)]
-    sizes = pack(wheels, carries, limit=int(args.carry_mb * 1e6))
-    common = checkout_bytes() + sum(p.stat().st_size for p in (dest / "assets").rglob("*") if p.is_file())
-    for folder, size in zip(carries, sizes):
-        total = size + common
-        print(f"  {folder.relative_to(dest.parent) if dest.parent in folder.parents else folder}: {size / 1e6:.1f} MB; "
-              f"with the checkout and assets {total / 2**20:.1f} MiB of 64")
-        if total > 64 * 2**20:
-            raise SystemExit(f"gpu_wheels: {folder} would carry {total / 2**20:.1f} MiB: lower --carry-mb")
+    parts = pack(wheels, dest, limit=int(args.part_mb * 1e6) if args.part_mb else None)
+    assets_mb = sum(p.stat().st_size for p in (dest / "assets").rglob("*") if p.is_file()) / 1e6
+    print(f"  {dest / 'assets'}: {assets_mb:.1f} MB (the tokenizer and texts)")
+    for folder in parts:
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        print(f"  {folder}: {size / 1e6:.1f} MB of wheels")
+    print("copy the checkout, the assets and the parts to the GPU node; there: gpu_wheels.py install "
+          + " ".join(f"--from {p.relative_to(dest.parent) if dest.parent in p.parents else p}" for p in parts))
     return 0
 
 
@@ -280,12 +279,12 @@ def main(argv=None) -> int:
         s = sub.add_parser(name)
         s.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
         s.add_argument("--platform", action="append", default=[], help=f"wheel platform tags (default {PLATFORMS})")
-        s.add_argument("--extra-wheels", type=Path, action="append",
-                       default=[REPO.parent / "shared" / "gpu" / "wheels"], help="folders of wheels built here")
+        s.add_argument("--extra-wheels", type=Path, action="append", default=[],
+                       help="a folder of wheels built elsewhere (DeepSpeed publishes none)")
         s.add_argument("--dest", type=Path, default=REPO / ".gpu" if name == "build" else None,
                        required=name == "gather")
-    sub.choices["build"].add_argument("--calls", type=int, default=2)
-    sub.choices["build"].add_argument("--carry-mb", type=float, default=56.0, help="wheels per call (MB)")
+    sub.choices["build"].add_argument("--part-mb", type=float, default=None,
+                                      help="split the wheels into parts of at most this many MB (default: one part)")
     a = sub.add_parser("assets")
     a.add_argument("--dest", type=Path, required=True)
     i = sub.add_parser("install")

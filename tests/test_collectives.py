@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,35 +25,60 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "barrier", "send", "recv", "isend", "irecv", "monitored_barrier"}
 
 
-def collective_calls(source: str) -> list[str]:
-    """The torch.distributed collectives `source` calls (by alias or by imported name), as 'line: name'."""
-    tree = ast.parse(source)
-    aliases, names = set(), {}
+# the modules whose collectives reach the backend: torch.distributed (and its c10d module, where the
+# functions live) and DeepSpeed's comm, which wraps them
+COMMS = {"torch.distributed", "torch.distributed.distributed_c10d", "deepspeed.comm", "deepspeed.comm.comm"}
+
+
+def _paths(expr: ast.AST, bound: dict[str, set[str]]) -> set[str]:
+    """The dotted names `expr` can stand for ('dist.all_reduce' -> {'torch.distributed.all_reduce'})."""
+    if isinstance(expr, ast.Name):
+        return bound.get(expr.id, set())
+    if isinstance(expr, ast.Attribute):
+        return {f"{base}.{expr.attr}" for base in _paths(expr.value, bound)}
+    return set()
+
+
+def _bindings(tree: ast.AST) -> dict[str, set[str]]:
+    """{local name: the dotted names it is bound to}: every import (lazy ones too, under any alias) and
+    every plain assignment of a bound name (`dist = torch.distributed`, `ar = comm.all_reduce`)."""
+    bound: dict[str, set[str]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name == "torch.distributed":
-                    aliases.add(a.asname or "torch.distributed")
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+                name = a.asname or a.name.split(".")[0]
+                bound.setdefault(name, set()).add(a.name if a.asname else name)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             for a in node.names:
-                if a.name in COLLECTIVES:
-                    names[a.asname or a.name] = a.name
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
-            for a in node.names:
-                if a.name == "distributed":
-                    aliases.add(a.asname or "distributed")
+                bound.setdefault(a.asname or a.name, set()).add(f"{node.module}.{a.name}")
+    grew = True
+    while grew:  # an alias of an alias: until nothing new is bound
+        grew = False
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value else [])
+            for target in (t for t in targets if isinstance(t, ast.Name)):
+                new = _paths(node.value, bound) - bound.get(target.id, set())
+                if new:
+                    bound.setdefault(target.id, set()).update(new)
+                    grew = True
+    return bound
+
+
+def collective_calls(source: str) -> list[str]:
+    """The collectives `source` calls through torch.distributed or deepspeed.comm, by any alias, imported
+    name or assigned name, as 'line: name'."""
+    tree = ast.parse(source)
+    bound = _bindings(tree)
     found = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        f = node.func
-        if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
-            owner = ast.unparse(f.value)
-            if owner in aliases or owner == "torch.distributed":
-                found.append(f"{node.lineno}: {f.attr}")
-        elif isinstance(f, ast.Name) and f.id in names:
-            found.append(f"{node.lineno}: {names[f.id]}")
-    return found
+        if isinstance(node, ast.Call):
+            for path in sorted(_paths(node.func, bound)):
+                owner, _, name = path.rpartition(".")
+                if owner in COMMS and name in COLLECTIVES:
+                    found.append(f"{node.lineno}: {name}")
+                    break
+    return sorted(found, key=lambda f: int(f.split(":")[0]))
 
 
 def test_the_check_sees_a_collective_called_by_any_spelling():
@@ -62,6 +88,18 @@ def test_the_check_sees_a_collective_called_by_any_spelling():
         "from torch.distributed import all_gather_object as ago\nago(out, x)\n": ["2: all_gather_object"],
         "from torch import distributed as d\nd.barrier()\n": ["2: barrier"],
         "import torch.distributed as dist\ndist.get_rank()\nx.all_reduce()\n": [],
+        # DeepSpeed's comm reaches the same backend (issue 49: the scan did not see it)
+        "import deepspeed.comm as dist\ndist.all_reduce(t)\n": ["2: all_reduce"],
+        "from deepspeed import comm\ncomm.all_gather(out, t)\n": ["2: all_gather"],
+        "import deepspeed\ndeepspeed.comm.broadcast(t, 0)\n": ["2: broadcast"],
+        "from deepspeed.comm import reduce_scatter_tensor as rs\nrs(out, t)\n": ["2: reduce_scatter_tensor"],
+        # any alias of torch.distributed, however it is bound
+        "import torch\nd = torch.distributed\nd.all_reduce(t)\n": ["3: all_reduce"],
+        "import torch as th\nth.distributed.all_reduce(t)\n": ["2: all_reduce"],
+        "import torch.distributed as dist\nfn = dist.all_reduce\nfn(t)\n": ["3: all_reduce"],
+        "import torch.distributed as dist\na = dist\nb = a\nb.barrier()\n": ["4: barrier"],
+        "def f():\n    from torch.distributed import distributed_c10d as c\n    c.all_reduce(t)\n": ["3: all_reduce"],
+        "import deepspeed\nimport torch\ndeepspeed.init_distributed()\ntorch.cuda.synchronize()\n": [],
     }
     for source, expected in snippets.items():
         assert collective_calls(source) == expected, source
@@ -171,10 +209,21 @@ class _Probed(torch.nn.Module):
 
     def __init__(self, gates, mode):
         super().__init__()
-        self.gates, self.mode = gates, mode
+        self.gates, self.mode, self.entries = gates, mode, []
         self.weight = torch.nn.Parameter(torch.zeros(1))  # the input ids stay on the host
 
     def base_model(self, input_ids, use_cache=False):
+        self.entries.append("decoder")
+        self._layers(input_ids)
+
+    def forward(self, input_ids, labels=None, use_cache=False):
+        """The whole model, LM head and loss included (what `head=True` runs: ZeRO-3's hooks)."""
+        self.entries.append("model")
+        self._layers(input_ids)
+        with self.mode:
+            return SimpleNamespace(loss=torch.zeros((), device="cuda"))
+
+    def _layers(self, input_ids):
         rows, seq = input_ids.shape
         with self.mode:  # the forward runs "on the GPU"; the caller's bookkeeping on the host
             for w in self.gates.wrappers:
@@ -205,3 +254,31 @@ def test_block_influence_masks_gpu_activations_with_a_host_padding_mask():
     assert {v.device for v in sums.values()} == {torch.device("cuda", 0)}
     assert all(v.dtype == torch.float64 for v in sums.values())
     assert count == 2 * 4  # the padding window counts nowhere
+
+
+def test_the_workers_block_influence_path_runs_on_gpu_activations(monkeypatch):
+    """What the Ray Train workers run (ranks.block_influence_on_ranks: their share of the windows, a
+    padding row with a host mask, the whole model with its head, head=True), on fake CUDA
+    activations. The test above runs head=False, the one-process path; the workers' path differs."""
+    from trsp_ray.distributed import ranks
+    from trsp_ray.method import selectors
+
+    calls = []
+
+    def on_gpu(model, gates, batches, **kwargs):  # the workers' call, run on the fake GPU
+        sums, count = selectors.influence_tensors(model, gates, batches, **kwargs)
+        calls.append({"kwargs": kwargs, "devices": {v.device for v in sums.values()}, "count": count})
+        return {i: 0.0 for i in sums}, count
+
+    monkeypatch.setattr(selectors, "influence_sums", on_gpu)
+    monkeypatch.setattr(ranks, "forward_engine", lambda bench, fresh=False: None)
+    gates = _Gates(3)
+    model = _Probed(gates, FakeTensorMode(allow_non_fake_inputs=True))
+    bench = SimpleNamespace(model=model, gates=gates, world=2)
+    cfg = SimpleNamespace(data=SimpleNamespace(batch_size=2))
+    windows = [torch.zeros(1, 4, dtype=torch.long) for _ in range(3)]  # rank 1 holds one, then pads
+    ranks.block_influence_on_ranks(cfg, bench, windows, rank=1)
+    (call,) = calls
+    assert call["kwargs"]["head"] is True and set(model.entries) == {"model"}  # the whole model, as on workers
+    assert [m.tolist() for m in call["kwargs"]["masks"]] == [[1.0], [0.0]]  # host masks, one padding row
+    assert call["devices"] == {torch.device("cuda", 0)} and call["count"] == 4  # the padding row counts nowhere

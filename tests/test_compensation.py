@@ -292,12 +292,15 @@ def _reload(path):
 
 
 def _eval_windows(root, *, count: int, seqlen: int) -> torch.Tensor:
-    """The first `count` windows of `seqlen` tokens of a tiny workspace's eval.txt, [count, seqlen]
-    (its SmolLM2 tokenizer adds no BOS)."""
+    """The held-out windows `prune` scores of a tiny workspace's eval.txt (data.heldout's reader),
+    [count, seqlen] (its SmolLM2 tokenizer adds no BOS)."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(root / "model")((root / "eval.txt").read_text(), add_special_tokens=False)
-    return torch.tensor(ids.input_ids[:count * seqlen]).view(count, seqlen)
+    from trsp_ray.data.domains import load_texts
+    from trsp_ray.data.heldout import text_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    return text_windows(tokenizer, load_texts(str(root / "eval.txt")), seqlen=seqlen, max_windows=count).windows
 
 
 @torch.no_grad()

@@ -322,3 +322,28 @@ def test_two_gloo_ranks_fit_the_one_process_cosine_maps(tmp_path):
             assert result["cosine"][k] == pytest.approx(got["cosine"], rel=1e-9)
             assert result["cosine_steps"][k] == got["cosine_steps"] >= 1
             assert torch.allclose(t, want, rtol=1e-8, atol=1e-10), (t - want).abs().max()
+
+
+@pytest.mark.parametrize("tolerance, bound", [(1.0, 10), (0.0, 10), (0.0, 2)])
+def test_the_fit_is_charged_the_passes_it_ran(monkeypatch, tolerance, bound):
+    """Issue 49: a fit that stopped on its tolerance was charged one Gauss-Newton pass more than it
+    ran (steps + 1, as if a last pass had found no gain). Tolerance 1.0 stops after the first step; 0.0
+    runs until no step gains (or the bound): then the pass that found none ran and is charged."""
+    from trsp_ray.config.run_config import for_method, load_config
+    from trsp_ray.plan import compute
+
+    gen = torch.Generator().manual_seed(0)
+    x, r, y = (torch.randn(256, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    samples = compensation_cosine.Samples((1, 2), [(x, r, y)])
+    calls = []
+    gradient = compensation_cosine._gradient
+    monkeypatch.setattr(compensation_cosine, "_gradient", lambda s, t: calls.append(1) or gradient(s, t))
+    monkeypatch.setattr(compensation_cosine, "TOLERANCE", tolerance)
+    t0 = torch.linalg.lstsq(x, y - r).solution
+    _, info = compensation_cosine.fit(samples, t0, steps=bound)
+    steps, passes = info["cosine_steps"], len(calls)
+    assert steps >= 1 and passes == (1 if tolerance else min(steps + 1, bound))
+    cfg = for_method(load_config(overrides=["method=shortgpt+cos+heal"]))
+    done = {"tokens": 256, "blocks": [(1, 2)], **{k: [v] for k, v in info.items()}}  # as compensate reports it
+    assert compute.measured_solve_cost(cfg, cfg.compensation, done) == pytest.approx(
+        compute.solve_cost(cfg, cfg.compensation, tokens=256, blocks=1, cosine_steps=[passes]))

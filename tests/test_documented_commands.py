@@ -1,4 +1,5 @@
-"""Every trsp-ray and jobs/ command the documentation shows parses with the program it names: the
+"""Every trsp-ray and jobs/ command the documentation shows parses with the program it names, and passes
+what its command checks before any work (config, pipeline, budget; issue 49): the
 README's blocks, docs/*.md (blocks and inline commands), cluster/README.md, the jobs' and the package
 modules' docstrings and the KubeRay entrypoints. A renamed or removed flag (or a narrowed choice, like a
 default method) fails here instead of on a user's cluster."""
@@ -139,3 +140,106 @@ def test_docs_commands_are_read_and_a_renamed_flag_in_prose_fails(tmp_path, caps
         parse(found[1])
     assert "--lambada-passages" in capsys.readouterr().err
 
+
+
+# Models and files a documented command names that this machine does not hold, each replaced by one of
+# the same shape (a hub id by a cached config.json, as the driver reads it): the checks a command makes
+# before work depend on the model's shape, never on its weights.
+NOTATION = "..."  # `--rows ...`: the documentation's notation, not a command
+CANDIDATES = ("pruned/", "other/", "/path/to/dense", "out/trsp-25", "out/shortgpt-25",
+              "~/.cache/trsp_ray/models/smollm2-135m-instruct")
+
+
+@pytest.fixture
+def stand_ins(tmp_path, monkeypatch):
+    """{documented argument: a local stand-in}, with a Hugging Face cache holding the hub ids' config.json."""
+    import json
+
+    from test_distributed_hub import fake_hub_snapshot
+
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.reproduce.presets import _llama
+
+    def config(name: str, shape: dict) -> Path:
+        path = tmp_path / name / "config.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], **shape}))
+        return path
+
+    tiny = tmp_path / "tiny"
+    tiny_model("llama", layers=6, vocab=512).save_pretrained(tiny)
+    home = tmp_path / "hf"
+    for repo, src in (("meta-llama/Llama-2-70b-hf", ROOT / "cluster" / "models" / "llama-2-70b.json"),
+                      ("meta-llama/Llama-3.1-8B", config("llama3-8b", _llama(128256, 4096, 14336, 32, 32, 8))),
+                      ("trsp-test/tiny-llama", tiny / "config.json")):
+        fake_hub_snapshot(home, repo, {"config.json": src})
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("ratio: 0.25\nmethod: shortgpt+comp+heal\nstage2:\n  steps: 20\n")
+    return {"/shared/models/Llama-2-7b-hf": str(config("llama2-7b", _llama(32000, 4096, 11008, 32, 32, 32)).parent),
+            "/tmp/tiny": str(tiny), "run.yaml": str(run_yaml), **{c: str(tiny) for c in CANDIDATES}}
+
+
+def preflight(argv: list[str]) -> None:
+    """What the command refuses before any work (config, pipeline, budget), checked by the functions its
+    CLI calls first; a TrspError (the CLI's exit 2) when it would refuse. The machine's own checks (a GPU
+    for device=cuda, free disk, the output folder) are not the command's and are left out."""
+    from trsp_ray.cli import benchmark_request, prune_config
+    from trsp_ray.evaluation.cli import eval_request
+    from trsp_ray.reproduce.run import dry_run
+    from trsp_ray.run.pipeline import resolve
+    from trsp_ray.search.cli import search_config
+    from trsp_ray.search.run import plan_trials
+
+    program, args = argv[0], parse(argv)
+    command = args.command if program == "trsp-ray" else program
+    if command in ("reproduce", "jobs/reproduce.py"):
+        dry_run(args.preset, models=args.models, methods=args.methods, ratios=args.ratios, overrides=args.overrides)
+    elif command == "prune":
+        resolve(prune_config(args))
+    elif command == "jobs/prune_70b.py":
+        resolve(_job("prune_70b").job_config(args))
+    elif command in ("search", "jobs/search.py"):
+        plan_trials(*search_config(args))
+    elif command == "benchmark":
+        benchmark_request(args)
+    elif command == "eval":
+        eval_request(args)
+    else:
+        assert command == "plan", command
+        args.func(args)  # the plan is the whole command: config.json only
+
+
+def test_every_documented_command_passes_the_checks_the_cli_makes_before_work(stand_ins, capsys):
+    from trsp_ray.common.errors import TrspError
+
+    found = [(doc.relative_to(ROOT), argv) for doc in DOCUMENTS for argv in commands(code_lines(doc))
+             if NOTATION not in " ".join(argv)]
+    assert len(found) >= 60
+    bad = []
+    for doc, argv in found:
+        try:
+            preflight([stand_ins.get(a, a) for a in argv])
+        except TrspError as err:
+            bad.append(f"{doc}: {shlex.join(argv)}\n  {err}")
+    capsys.readouterr()
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("argv, words", [
+    ("trsp-ray prune --model smollm2-135m --ratio 0.25 --method tail+cos+heal.tail --compute-budget 200k",
+     "raise it to at least"),
+    ("trsp-ray search --model smollm2-135m --ratio 0.267 --space fit=none,comp,cos --compute-budget 50000",
+     r"cannot meet shortgpt\+cos\+heal: its selection costs 19968, compensation 242226"),
+    ("trsp-ray benchmark --rows dense,no-such-row", "no-such-row"),
+    ("trsp-ray prune --set stage2.lr=-1", "stage2.lr"),
+])
+def test_a_command_the_cli_refuses_fails_the_check(argv, words):
+    """The cosine fit alone costs ~242k dense-forward tokens on SmolLM2: docs/pipelines.md showed both
+    budgets below it, and the old test only parsed them."""
+    from trsp_ray.common.errors import TrspError
+
+    parse(shlex.split(argv))  # it parses ...
+    with pytest.raises(TrspError, match=words):  # ... and the command would exit 2 before any work
+        preflight(shlex.split(argv))

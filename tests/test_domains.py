@@ -18,7 +18,9 @@ def test_no_calibration_document_is_held_out(name):
     assert calib and held, name
     assert not set(calib) & set(held), name  # deduplicated first: a repeated document cannot be in both
     assert len(calib) + len(held) == len(set(d for d in docs if d.strip()))
-    assert len(held) == pytest.approx(len(calib) / 4, abs=1)  # every 5th document
+    unique = list(dict.fromkeys(d for d in docs if d.strip()))
+    moved = sum(g != i for i, g in enumerate(domains.near_duplicate_groups(unique)))
+    assert abs(len(held) - len(unique) // 5) <= moved  # every 5th document, but near-duplicates follow their group
     calib_text, held_text = domains.texts(name)
     assert calib_text == "\n\n".join(calib) and held_text == "\n\n".join(held)
     if len(held_text) < 400_000:  # the small domains: not even a held-out document inside the calibration text
@@ -29,6 +31,44 @@ def test_split_removes_duplicates_before_holding_out():
     docs = [f"doc {i}" for i in range(10)] + ["doc 4", "doc 9", " "]
     calib, held = domains.split_documents(docs)
     assert held == ["doc 4", "doc 9"] and "doc 4" not in calib and len(calib) == 8
+
+
+def _runs(doc: str) -> set[str]:
+    words = doc.lower().split()
+    return {" ".join(words[k: k + 13]) for k in range(len(words) - 12)}
+
+
+@pytest.mark.parametrize("name", domains.DOMAIN_NAMES)
+def test_no_held_out_document_shares_most_of_its_text_with_a_calibration_document(name):
+    """Issue 49: 11 of MATH's 1,000 held-out documents shared more than half their 13-word runs with
+    a calibration document (a re-stated problem), so held-out PPL partly measured calibration text."""
+    calib, held = domains.split_documents(domains.DOMAINS[name].documents())
+    owners: dict[str, set[int]] = {}
+    for j, doc in enumerate(calib):
+        for run in _runs(doc):
+            owners.setdefault(run, set()).add(j)
+    sizes = [len(_runs(doc)) for doc in calib]
+    leaks = []
+    for doc in held:
+        mine = _runs(doc)
+        shared = collections.Counter(j for run in mine for j in owners.get(run, ()))
+        leaks += [(doc[:60], n) for j, n in shared.items() if n > 0.5 * min(len(mine), sizes[j])]
+    assert leaks == [], leaks[:3]
+
+
+def test_near_duplicates_stay_on_the_side_of_their_groups_first_document():
+    words = [f"w{k}" for k in range(40)]
+    base = " ".join(words)
+    near = " ".join(words[:30] + ["x", "y"])  # shares 18 of its 20 runs with base
+    small = " ".join(words[5:20])  # 3 runs, all inside base: more than half of the smaller one's
+    docs = [f"doc {i}" for i in range(4)] + [base] + [f"doc {i}" for i in range(5, 9)] + [near, "doc 10", small]
+    assert domains.near_duplicate_groups(docs) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 4, 10, 4]
+    calib, held = domains.split_documents(docs)
+    assert held == [base, near, small]  # 9 and 11 follow document 4 (held out); 10 is no 5th
+    assert domains.near_duplicate_groups([base, " ".join(words[:14] + ["z"] * 30)]) == [0, 1]  # 2 of 32 runs
+    # transitive: a chain of near-duplicates is one group, on the side of its first document
+    chain = [" ".join(words[k: k + 26]) for k in (0, 4, 8)]  # neighbours share 10 of 14 runs, the ends 6
+    assert domains.near_duplicate_groups(["a", "b", "c", "d"] + chain) == [0, 1, 2, 3, 4, 4, 4]
 
 
 def test_round_robin_spreads_every_source_over_the_first_documents():

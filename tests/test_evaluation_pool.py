@@ -91,7 +91,7 @@ def test_evaluator_measures_ppl_tasks_and_speed(candidates):
     assert result["status"] == "ok" and result["layers"] == 3 and result["layers_original"] == 4
     assert result["manifest"]["dropped_layers"] == [2]
     model, tok = load_candidate(candidates["pruned"])
-    held = text_windows(tok, load_texts(), seqlen=64, max_windows=2, bos=None)  # two held-out articles
+    held = text_windows(tok, load_texts(), seqlen=64, max_windows=2)  # two held-out articles
     assert held.clusters == 2
     expected = ppl_of(nlls_of(model, held.windows))
     assert result["ppl"] == pytest.approx(expected, rel=1e-6)

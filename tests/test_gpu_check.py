@@ -91,30 +91,42 @@ def _fake_wheels(folder: Path) -> dict:
     return manifest
 
 
-def test_a_wheel_cut_across_two_calls_installs_only_when_whole(tmp_path):
+def test_a_wheel_cut_across_two_parts_installs_only_when_whole(tmp_path):
     _fake_wheels(tmp_path / "dl")
-    carries = [tmp_path / "carry1", tmp_path / "carry2"]
-    sizes = gpu_wheels.pack(tmp_path / "dl", carries, limit=800)
+    parts = gpu_wheels.pack(tmp_path / "dl", tmp_path / "bundle", limit=800)
+    assert [p.name for p in parts] == ["part1", "part2"]
+    sizes = [sum(f.stat().st_size for f in p.glob("*.whl*")) for p in parts]
     assert sizes == [800, 550]  # transformers 300 + hjson 50 + ray's first 450 bytes; ray's other 550
-    assert (carries[0] / "transformers-1.0-py3-none-any.whl").exists()
+    assert (parts[0] / "transformers-1.0-py3-none-any.whl").exists()
     stage = tmp_path / "stage"
-    ready, waiting = gpu_wheels.stage_wheels([carries[0]], stage=stage)  # call 1
+    ready, waiting = gpu_wheels.stage_wheels([parts[0]], stage=stage)  # the first part arrived
     assert [w["name"] for w in ready] == ["transformers", "hjson"] and waiting[0].startswith("ray-1.0")
-    ready, waiting = gpu_wheels.stage_wheels([carries[1]], stage=stage)  # call 2
+    ready, waiting = gpu_wheels.stage_wheels([parts[1]], stage=stage)  # then the second
     assert "ray" in [w["name"] for w in ready] and not waiting
     wheel = "ray-1.0-py3-none-any.whl"
     assert (stage / wheel).read_bytes() == (tmp_path / "dl" / wheel).read_bytes()
-    assert not list(stage.glob("*.part*"))
+    assert not list(stage.glob("*.piece*"))
 
 
-def test_a_part_from_another_build_is_refused(tmp_path):
+def test_without_a_part_size_the_bundle_is_one_part_of_whole_wheels(tmp_path):
+    """How the bundle is split is the bundle script's option (--part-mb), not the product's."""
+    manifest = _fake_wheels(tmp_path / "dl")
+    (part,) = gpu_wheels.pack(tmp_path / "dl", tmp_path / "bundle")
+    assert sorted(f.name for f in part.glob("*.whl")) == sorted(w["file"] for w in manifest["wheels"])
+    assert not list(part.glob("*.piece*"))
+    ready, waiting = gpu_wheels.stage_wheels([part], stage=tmp_path / "stage")
+    assert len(ready) == 3 and not waiting
+    assert len(gpu_wheels.pack(tmp_path / "dl", tmp_path / "bundle", limit=400)) == 4  # re-packed: old parts gone
+    assert not (tmp_path / "bundle" / "part5").exists()
+
+
+def test_a_piece_from_another_build_is_refused(tmp_path):
     _fake_wheels(tmp_path / "dl")
-    carries = [tmp_path / "carry1", tmp_path / "carry2"]
-    gpu_wheels.pack(tmp_path / "dl", carries, limit=800)
-    part = next(carries[1].glob("ray-*.part2of2"))
-    part.write_bytes(b"x" + part.read_bytes()[1:])
+    parts = gpu_wheels.pack(tmp_path / "dl", tmp_path / "bundle", limit=800)
+    piece = next(parts[1].glob("ray-*.piece2of2"))
+    piece.write_bytes(b"x" + piece.read_bytes()[1:])
     with pytest.raises(SystemExit, match="does not match its sha256"):
-        gpu_wheels.stage_wheels(carries, stage=tmp_path / "stage")
+        gpu_wheels.stage_wheels(parts, stage=tmp_path / "stage")
 
 
 def test_a_pinned_wheel_replaces_another_version_a_dependency_only_an_older_one():
@@ -146,3 +158,24 @@ def test_the_zero3_parts_put_each_planned_stage_beside_the_workers_peak_the_fit_
     plain = load_config(overrides=[f"model={root / 'model'}", "distributed.workers=1", "method=shortgpt+heal"])
     assert [r["event"] for r in gpu_parts.zero3_plan_vs_peaks(plain, events, gpu=False)] == [
         "stage1_done", "stage2_done"]  # no fit, no row
+
+
+def test_the_gpu_check_is_described_for_a_users_node_without_network():
+    """Issue 49: DEVELOPERS.md described the check for one particular machine (its per-call transfer
+    limit, how long it stays up between calls, who lent it); the documents speak of the product: build a
+    bundle where there is network, copy it, install, run, the bundle's split an option of its script."""
+    import re
+
+    developers = (REPO / "DEVELOPERS.md").read_text()
+    section = developers.split("### On a GPU node without network", 1)[1].split("\n### ", 1)[0]
+    steps = re.findall(r"^\d\. \*\*(\w+)", section, flags=re.M)
+    assert steps == ["Build", "Copy", "Install", "Run"], steps
+    assert "--part-mb" in section and "--part-mb" in (REPO / "benchmarks" / "gpu_wheels.py").read_text()
+    machine = [r"\blent\b", r"64 MiB", r"warm between", r"\bcarry\d", r"\.\./shared", r"timeout_s"]
+    files = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "benchmarks").glob("gpu_*.py"))]
+    found = []
+    for f in files:
+        for pattern in machine + ([r"\bsessions?\b"] if f.suffix == ".md" else []):
+            found += [f"{f.name}: {m.group(0)!r}" for m in re.finditer(pattern, f.read_text())]
+    assert found == [], found

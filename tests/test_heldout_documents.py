@@ -94,7 +94,7 @@ def test_the_wiki_columns_windows_span_one_held_out_article_each(tokenizer, max_
     assert cov["tokens"] == max_windows * 256 and cov["held_out"] == len(domains.split_texts("wiki")[1])
     # each window is the start of another held-out article
     held = domains.split_texts("wiki")[1]
-    w = heldout.domain_windows(tokenizer, "wiki", seqlen=256, max_windows=max_windows, bos=None)
+    w = heldout.domain_windows(tokenizer, "wiki", seqlen=256, max_windows=max_windows)
     for row, d in zip(w.windows, w.docs):
         assert held[d].startswith(tokenizer.decode(row[:20]))
 
@@ -103,10 +103,10 @@ def test_prunes_held_out_figure_spans_the_held_out_articles(tokenizer):
     from trsp_ray.data import domains
 
     texts = domains.load_texts(None)
-    w = heldout.text_windows(tokenizer, texts, seqlen=256, max_windows=8, bos=None)
+    w = heldout.text_windows(tokenizer, texts, seqlen=256, max_windows=8)
     assert w.clusters == 8 and w.documents == 8
     one_file = domains.TextSplit(heldout=texts.documents[0], heldout_source="file", documents=(texts.documents[0],))
-    single = heldout.text_windows(tokenizer, one_file, seqlen=256, max_windows=8, bos=None)
+    single = heldout.text_windows(tokenizer, one_file, seqlen=256, max_windows=8)
     assert single.clusters == 1 and single.too_few()  # a file is one document: its windows say so
     assert "TOO FEW" in single.describe()
 

@@ -23,7 +23,7 @@ def _bench(model, device: str, **overrides):
     from trsp_ray.run.workbench import Workbench
 
     cfg = load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
-    return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10), heldout_ids=torch.arange(10),
+    return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10),
                      texts=None, device=device)
 
 

@@ -114,8 +114,11 @@ def test_prune_reports_bos_convention_dense_ppl(tmp_path):
 
 
 def test_smollm2_tokenizer_windows_unchanged(tmp_path):
-    """SmolLM2's tokenizer adds no BOS, so the Workbench scores exactly the windows it always did."""
+    """SmolLM2's tokenizer adds no BOS, so the Workbench's held-out windows are plain runs of the
+    text's tokens, as they always were."""
     from trsp_ray.config.run_config import load_config
+    from trsp_ray.data.calibration import encode_cached
+    from trsp_ray.data.perplexity import nlls_of, ppl_of
     from trsp_ray.models.tiny import tiny_workspace
     from trsp_ray.run.workbench import prepare
 
@@ -123,9 +126,11 @@ def test_smollm2_tokenizer_windows_unchanged(tmp_path):
     bench = prepare(load_config(overrides=[f"model={root / 'model'}", f"data.calib_text={root / 'calib.txt'}",
                                            f"data.eval_text={root / 'eval.txt'}", "data.eval_seqlen=64",
                                            "data.eval_max_windows=4", "tracking.enabled=false"]))
-    assert bench.bos is None
-    plain = perplexity(bench.model, bench.heldout_ids, seqlen=64, batch_size=4, max_windows=4)
-    assert bench.heldout_ppl() == plain
+    assert bench.bos is None and bench.heldout.bos is None and bench.heldout.windows.shape == (4, 64)
+    ids = encode_cached(bench.tokenizer, bench.texts.heldout).tolist()
+    for row in bench.heldout.windows.tolist():  # every token is text: a run of the held-out text's tokens
+        assert any(ids[k: k + 64] == row for k in range(len(ids) - 63))
+    assert bench.heldout_ppl() == ppl_of(nlls_of(bench.model, bench.heldout.windows, batch_size=4))
 
 
 def test_every_path_starts_its_windows_with_bos(tmp_path):

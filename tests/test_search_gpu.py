@@ -127,3 +127,30 @@ def test_a_trial_runs_stage2_on_ray_train_inside_the_trial(assets, tmp_path, fak
     assert stored["drop_order"][:2] == record["drop"] and record["stage1_shared"] is True
     assert record["kept_parameters"] < record["dense_parameters"] and record["evaluation"]["layers"] == 6
     assert [e["route"] for e in RunLog(tmp_path / "search").read() if e["event"] == "stage2_run"] == ["ray-train x1"]
+
+
+@pytest.mark.parametrize("dtype, bf16, scored", [("fp32", True, "float32"), ("auto", True, "bfloat16"),
+                                                  ("auto", False, "float16")])
+def test_a_ray_train_trial_scores_in_the_runs_dtype(assets, monkeypatch, dtype, bf16, scored):
+    """Issue 49: a Ray Train trial's validation scored the export in bf16 whenever a GPU was visible,
+    where a single-device trial scores in the run's dtype (workbench.run_dtype): the same dtype on the
+    same (here faked) GPU, so both kinds of trial rank on the same numbers."""
+    import torch
+
+    from trsp_ray.evaluation import evaluator
+    from trsp_ray.run.workbench import DTYPES, load_model, run_dtype
+    from trsp_ray.search import distributed_trial
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    asked = []
+
+    def load_candidate(path, *, dtype):  # the export loaded on the host, in fp32: what matters is what was asked
+        asked.append(dtype)
+        return load_model(path, device="cpu", dtype="fp32")
+
+    monkeypatch.setattr(evaluator, "load_candidate", load_candidate)
+    base = _base(assets, "device=cuda", f"dtype={dtype}")
+    out = distributed_trial._validation_task(str(assets / "model"), base.to_dict())
+    assert asked == [scored] == [str(DTYPES[run_dtype(base)]).removeprefix("torch.")]  # a single-device trial's
+    assert out["objective"]["windows"] == len(out["val_nlls"]) >= 1

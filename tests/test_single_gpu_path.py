@@ -122,7 +122,7 @@ def _bench(model, device="cpu", ckpt=False):
     from trsp_ray.run.workbench import Workbench
 
     cfg = load_config(overrides=[f"distributed.activation_checkpointing={str(ckpt).lower()}"])
-    return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10), heldout_ids=torch.arange(10),
+    return Workbench(cfg=cfg, model=model, tokenizer=None, calib_ids=torch.arange(10),
                      texts=None, device=device)
 
 

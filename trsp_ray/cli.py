@@ -9,14 +9,22 @@ from trsp_ray.data import domains
 from trsp_ray.run.run_args import add_run_arguments, method_type, run_config
 
 
-def _prune(args) -> int:
-    from trsp_ray.driver import route_for, run
-
+def prune_config(args):
+    """The run config of `trsp-ray prune`'s flags (--compute-budget is heal.compute_budget); what the
+    command then refuses before any work is `run.pipeline.resolve`'s (the tests check every documented
+    command with these two)."""
     cfg = run_config(args, method=args.method, output=args.output)
     if args.compute_budget is not None:
         from trsp_ray.config.run_config import replace
 
         cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
+    return cfg
+
+
+def _prune(args) -> int:
+    from trsp_ray.driver import route_for, run
+
+    cfg = prune_config(args)
     if cfg.output:  # a path no export can use: one line before anything logs, --dry-run included (the
         # free disk the planned export needs is checked in driver.run, once the route is known)
         from trsp_ray.run.export import check_output_dir
@@ -96,8 +104,11 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
         raise TrspError(f"{flag}={text!r} is not valid; pass comma-separated integers, e.g. 1,4") from None
 
 
-def _benchmark(args) -> int:
-    from trsp_ray.benchmark.comparison import DEFAULT_ROWS, QUICK_ROWS, check_request, run_benchmark
+def benchmark_request(args) -> tuple:
+    """(run config, rows, the run's keyword arguments) of `trsp-ray benchmark`'s flags, with every
+    check the command makes before any work but the memory plan of this machine (the tests check every
+    documented command with it)."""
+    from trsp_ray.benchmark.comparison import DEFAULT_ROWS, QUICK_ROWS, check_request
     from trsp_ray.config import registry
     from trsp_ray.config.run_config import replace
 
@@ -137,27 +148,39 @@ def _benchmark(args) -> int:
         cfg = replace(cfg, **{"baselines.sleb_windows": max(cfg.baselines.sleb_windows, FULL_SLEB_WINDOWS)})
     # bad rows / seeds / item counts / budgets fail before Ray starts
     check_request(cfg, rows, seeds, zeroshot, lambada_limit=lambada, budgets=budgets)
-    from trsp_ray.run.workbench import check_single_plan
-
-    check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
-    from trsp_ray.config.sections import DataConfig
-
-    cut = "" if not quick else (
-        f"quick run (the README's): CUT the rows {', '.join(r for r in DEFAULT_ROWS if r not in QUICK_ROWS)} "
-        f"(docs/results.md has the equal-compute rows' figures), the zero-shot mean and "
-        f"the 4x heal budget, LAMBADA on {lambada} passages"
-        + (", TRSP's swap refinement (stage1.refine=0; `prune` refines)" if cut_refine else "")
-        + (f", the held-out windows to {QUICK_EVAL_WINDOWS} per domain (data.eval_max_windows="
-           f"{QUICK_EVAL_WINDOWS}; --full: {DataConfig().eval_max_windows})" if cut_windows else "")
-        + "; --full runs every row, SLEB in full, "
-        f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
-        f"{FULL['budgets']}.")
-    kwargs = {"seeds": seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets, "cut": cut,
-              "cache": not args.no_cache}
     if args.leave_one_out:
-        from trsp_ray.benchmark.comparison import leave_one_out, leave_one_out_configs
+        from trsp_ray.benchmark.comparison import leave_one_out_configs
 
         leave_one_out_configs(cfg)  # a text file or a one-domain mixture: refused before any work
+    cut = "" if not quick else _quick_cut(lambada, cut_refine=cut_refine, cut_windows=cut_windows)
+    return cfg, rows, {"seeds": seeds, "zeroshot_limit": zeroshot, "lambada_limit": lambada, "budgets": budgets,
+                       "cut": cut, "cache": not args.no_cache}
+
+
+def _quick_cut(lambada: int, *, cut_refine: bool, cut_windows: bool) -> str:
+    """What the README's quick run leaves out, for its report."""
+    from trsp_ray.benchmark.comparison import DEFAULT_ROWS, QUICK_ROWS
+    from trsp_ray.config.sections import DataConfig
+
+    return (f"quick run (the README's): CUT the rows {', '.join(r for r in DEFAULT_ROWS if r not in QUICK_ROWS)} "
+            f"(docs/results.md has the equal-compute rows' figures), the zero-shot mean and "
+            f"the 4x heal budget, LAMBADA on {lambada} passages"
+            + (", TRSP's swap refinement (stage1.refine=0; `prune` refines)" if cut_refine else "")
+            + (f", the held-out windows to {QUICK_EVAL_WINDOWS} per domain (data.eval_max_windows="
+               f"{QUICK_EVAL_WINDOWS}; --full: {DataConfig().eval_max_windows})" if cut_windows else "")
+            + "; --full runs every row, SLEB in full, "
+            f"{FULL['lambada']} LAMBADA passages, {FULL['zeroshot']} zero-shot items per task and budgets "
+            f"{FULL['budgets']}.")
+
+
+def _benchmark(args) -> int:
+    from trsp_ray.run.workbench import check_single_plan
+
+    cfg, rows, kwargs = benchmark_request(args)
+    check_single_plan(cfg, methods=rows)  # every row runs in one process: refuse before any work
+    if args.leave_one_out:
+        from trsp_ray.benchmark.comparison import leave_one_out
+
         if args.workers > 0:
             from trsp_ray.benchmark.cluster import leave_one_out_ray
 
@@ -170,6 +193,8 @@ def _benchmark(args) -> int:
 
         run_benchmark_ray(cfg, rows, workers=args.workers, **kwargs)
     else:
+        from trsp_ray.benchmark.comparison import run_benchmark
+
         run_benchmark(cfg, rows, **kwargs)
     return 0
 

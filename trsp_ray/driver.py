@@ -10,7 +10,7 @@ from trsp_ray.common.logs import log
 from trsp_ray.config.run_config import RunConfig
 from trsp_ray.data import domains
 from trsp_ray.data.heldout import text_windows
-from trsp_ray.data.perplexity import bos_token, nlls_of, ppl_of
+from trsp_ray.data.perplexity import nlls_of, ppl_of
 from trsp_ray.run import pipeline, workbench
 
 
@@ -158,9 +158,9 @@ def run_on_workers(cfg: RunConfig, chosen, *, overwrite: bool = False) -> dict:
     texts = domains.load_texts(cfg.data.eval_text)
     for key, name in (("dense_ppl", cfg.model), ("heldout_ppl", result.output)):
         model, tokenizer = workbench.load_model(name, device=cfg.device, dtype=workbench.run_dtype(cfg))
-        held = text_windows(tokenizer, texts, seqlen=cfg.data.eval_seqlen, max_windows=cfg.data.eval_max_windows,
-                            bos=bos_token(tokenizer))  # spread over the held-out documents, as the one-process path
+        held = text_windows(tokenizer, texts, seqlen=cfg.data.eval_seqlen, max_windows=cfg.data.eval_max_windows)
         results[key] = ppl_of(nlls_of(model, held.windows, batch_size=4))
+        results["heldout_windows"] = held.coverage()
         del model
         log(f"{key.replace('_', ' ')} {results[key]:.2f}")
     return results

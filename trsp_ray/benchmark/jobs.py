@@ -138,7 +138,7 @@ def domain_windows(bench, name: str):
     from trsp_ray.data.heldout import domain_windows as windows_of
 
     d = bench.cfg.data
-    return windows_of(bench.tokenizer, name, seqlen=d.eval_seqlen, max_windows=d.eval_max_windows, bos=bench.bos)
+    return windows_of(bench.tokenizer, name, seqlen=d.eval_seqlen, max_windows=d.eval_max_windows)
 
 
 def domain_coverage(bench) -> dict[str, dict]:

@@ -18,6 +18,41 @@ def close(figure) -> None:
     _pyplot().close(figure)
 
 
+def _suptitle(fig, text: str, *, fontsize: float = 11.0) -> None:
+    """`text` as the figure's title, wrapped to the figure's width: matplotlib centres a title wider
+    than a one-panel figure and cuts it at both edges (the README job's retention_vs_compute.png)."""
+    import textwrap
+
+    # ~0.62 em per character of DejaVu Sans (matplotlib's default font), 72 points per inch
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.62 * fontsize)))
+    fig.suptitle(textwrap.fill(text, chars), fontsize=fontsize)
+
+
+def _log_x(ax) -> None:
+    """A log x axis labelled with plain numbers at 1-2-5 steps, no minor labels: matplotlib's default
+    labels every minor tick as "3x10^1", and within one decade they print on top of each other."""
+    from matplotlib import ticker
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=8))
+    # four significant digits below 10,000: a range inside one 1-2-5 step gets linear ticks (50, 50.25, ...)
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1e4 else f"{v:.4g}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _error_bars(pts: list[tuple[float, dict]]) -> list | None:
+    """yerr of a line's points as the results table prints them: the seeds' range where every point
+    has several seeds, else ± 1 standard error where the column has one, else none."""
+    means = [stat["mean"] for _, stat in pts]
+    if all(stat["n"] > 1 for _, stat in pts):
+        # max(0, .): a mean of equal values can land an ulp outside [min, max], and matplotlib refuses
+        return [[max(0.0, y - stat["min"]) for y, (_, stat) in zip(means, pts)],
+                [max(0.0, stat["max"] - y) for y, (_, stat) in zip(means, pts)]]
+    if all("se" in stat for _, stat in pts):
+        return [stat["se"] for _, stat in pts]
+    return None
+
+
 def gate_trajectories(gate_history: list[list[float]], round_ends: list[int], drop_order: list[int]):
     """Each layer's gate value per stage-1 step; dashed lines end rounds, dropped layers in colour."""
     plt = _pyplot()
@@ -60,8 +95,6 @@ def benchmark_bars(summary: list[dict]):
     domain is left out) per benchmark row (mean over seeds, bars = min..max), one panel per metric,
     rows grouped by budget (dense, selection only, trained)."""
     plt = _pyplot()
-    from matplotlib import ticker
-
     rows = [s for s in summary if s["group"] != "dense"]
     dense = next((s for s in summary if s["group"] == "dense"), None)
     panels = [c for c in ("geo-mean x dense", "left-out PPL") if all(s.get(c) for s in rows)]
@@ -79,15 +112,10 @@ def benchmark_bars(summary: list[dict]):
             ax.axvline(dense[col]["mean"], color="0.3", ls="--", lw=1, label="dense")
             ax.legend(fontsize=8)
         ax.set_xlabel(f"{col} (lower is better)")
-        ax.set_xscale("log")
-        # plain numbers at 1-2-5 steps, no minor labels: matplotlib's default labels every minor tick
-        # as "3x10^1", and within one decade they print on top of each other
-        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=8))
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}"))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        _log_x(ax)
     axes[0].set_yticks(range(len(rows)), [f"{s['row']} ({s['group']})" for s in rows], fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle("trsp-ray benchmark: mean over seeds, bars span min..max")
+    _suptitle(fig, "trsp-ray benchmark: mean over seeds, bars span min..max")
     fig.tight_layout()
     return fig
 
@@ -113,14 +141,16 @@ def quality_vs_compute(summary: list[dict]):
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, col in zip(axes[0], panels):
         for name, pts in _lines(rows, col).items():
-            ax.plot([x for x, _ in pts], [stat["mean"] for _, stat in pts], marker="o", lw=1.2, label=name)
+            ax.errorbar([x for x, _ in pts], [stat["mean"] for _, stat in pts], yerr=_error_bars(pts), marker="o",
+                        lw=1.2, capsize=3, label=name)
         if dense is not None and dense.get(col):
             ax.axhline(dense[col]["mean"], color="0.3", ls="--", lw=1, label="dense")
         ax.set_xlabel("total compute (thousands of dense-forward tokens)")
         ax.set_ylabel(f"{col} ({'higher' if 'acc' in col else 'lower'} is better)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("trsp-ray benchmark: quality against total compute (mean over seeds)")
+    _suptitle(fig, "trsp-ray benchmark: quality against total compute (mean over seeds; bars: seed range, or "
+                   "± 1 SE where the table has one)")
     fig.tight_layout()
     return fig
 
@@ -138,18 +168,14 @@ def retention_vs_compute(summary: list[dict]):
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, col in zip(axes[0], panels):
         for name, pts in _lines(rows, col).items():
-            ys = [p[1]["mean"] for p in pts]
-            if all(p[1]["n"] > 1 for p in pts):
-                err = [[y - p[1]["min"] for y, p in zip(ys, pts)], [p[1]["max"] - y for y, p in zip(ys, pts)]]
-            else:
-                err = [p[1].get("se", 0.0) for p in pts]
-            ax.errorbar([p[0] for p in pts], ys, yerr=err, marker="o", lw=1.2, capsize=3, label=name)
+            ax.errorbar([x for x, _ in pts], [stat["mean"] for _, stat in pts], yerr=_error_bars(pts), marker="o",
+                        lw=1.2, capsize=3, label=name)
         ax.axhline(100.0, color="0.3", ls="--", lw=1, label="dense")
-        ax.set_xscale("log")
+        _log_x(ax)
         ax.set_xlabel("total compute (thousands of dense-forward tokens, log scale)")
         ax.set_ylabel(f"{col} (higher is better)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("trsp-ray benchmark: accuracy kept against total compute (bars: seed range, or ± 1 SE)")
+    _suptitle(fig, "trsp-ray benchmark: accuracy kept against total compute (bars: seed range, or ± 1 SE)")
     fig.tight_layout()
     return fig

@@ -101,15 +101,13 @@ def interleave(counts: list[int]) -> list[int]:
 def _source_stream(tokenizer, source: str) -> tuple[torch.Tensor, list[int]]:
     """(ids, document starts) of a calibration source: a domain's calibration documents, or a text
     file whose documents are its blank-line-separated parts (a plain file marks no other)."""
-    import re
-
     from trsp_ray.data.assets import read_text_file
 
     if source in domains.DOMAINS:
         text, starts = document_text(domains.split_texts(source)[0])
     else:
         text = read_text_file(source, "calibration text")
-        starts = [0] + [m.end() for m in re.finditer(r"\n[ \t]*\n\s*", text) if m.end() < len(text)]
+        starts = domains.file_document_starts(text)
     return encode_documents_cached(tokenizer, text, starts)
 
 

@@ -6,7 +6,7 @@ backend type associated with device type cpu" for a host tensor), gloo only host
 caller hands over a tensor wherever it is (host counters, GPU activation sums); it is moved to the
 backend's device for the collective and comes back on the caller's device (or `to=`), so no stage
 needs to know which backend the workers run. `tests/test_collectives.py` keeps every other module
-from calling a collective itself.
+from calling a collective itself, through torch.distributed or deepspeed.comm under any alias.
 
 Outside a process group (one process, or a group of one) every function is the identity, so the
 same code runs on a laptop.

@@ -141,7 +141,7 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     """The maps of every block of `drop`, from the dense model's activations over all `windows`
     (every rank passes the same list; each runs its own shard). Returns {"maps": [(block, T [d, d]
     float64 on the host)], "blocks", "tokens", "cost", "residual", "residual_identity", "seconds"},
-    and for the cosine `objective` "cosine_lstsq", "cosine", "cosine_steps" per block."""
+    and for the cosine `objective` "cosine_lstsq", "cosine", "cosine_steps", "cosine_passes" per block."""
     t0 = time.time()
     num = families.num_layers(model)
     layers = families.decoder_layers(model)

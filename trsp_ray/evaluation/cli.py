@@ -17,6 +17,7 @@ import time
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `eval` subcommand to the top-level CLI's subparsers."""
+    from trsp_ray.config.sections import DataConfig
     from trsp_ray.evaluation.tasks import DEFAULT_TASKS
 
     p = subparsers.add_parser("eval", help="evaluate exported candidates (PPL, zero-shot tasks, speed)",
@@ -34,7 +35,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="reserve each actor's resources as one placement-group bundle (multi-GPU candidates)")
     p.add_argument("--dense", metavar="DIR", help="dense model timed beside each candidate for speed-ups")
     p.add_argument("--eval-text", metavar="FILE", help="held-out text for PPL (default: Wikipedia excerpt)")
-    p.add_argument("--ppl-windows", type=int, default=48, help="PPL windows of 256 tokens (0 skips PPL)")
+    data = DataConfig()  # `prune`'s held-out windows, so that `eval` of an export prints the PPL `prune` did
+    p.add_argument("--ppl-windows", type=int, default=data.eval_max_windows,
+                   help=f"held-out PPL windows, one per document first (default {data.eval_max_windows}, as "
+                        "prune's data.eval_max_windows; 0 skips PPL)")
+    p.add_argument("--ppl-seqlen", type=int, default=data.eval_seqlen,
+                   help=f"tokens per PPL window (default {data.eval_seqlen}, as prune's data.eval_seqlen)")
     p.add_argument("--no-speed", action="store_true", help="skip the speed benchmark")
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prefill prompt length in tokens (default: the device's, see evaluation/speed.py)")
@@ -48,17 +54,24 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _settings(args):
-    from trsp_ray.evaluation.evaluator import EvalSettings
+def eval_request(args):
+    """The settings of `trsp-ray eval`'s flags, with every check the command makes before the pool
+    starts: the settings' values and the candidate directories (the tests check documented commands
+    with it)."""
+    from trsp_ray.evaluation.evaluator import EvalSettings, check_candidate
     from trsp_ray.evaluation.speed import SpeedSettings
 
     tasks = [] if args.tasks in ([], ["none"]) else args.tasks
-    return EvalSettings(
+    settings = EvalSettings(
         tasks=tuple(tasks), limit=args.limit, batch_size=args.batch_size,
         ppl=args.ppl_windows != 0, eval_text=args.eval_text, ppl_windows=args.ppl_windows or None,
+        ppl_seqlen=args.ppl_seqlen,
         speed=None if args.no_speed else SpeedSettings(prompt_len=args.prompt_len),
         dense=args.dense,
     )
+    for path in args.models:
+        check_candidate(path)  # a missing or weightless directory is known before any actor starts
+    return settings
 
 
 def _footer(settings) -> str:
@@ -66,7 +79,8 @@ def _footer(settings) -> str:
     from trsp_ray.evaluation.harness import lm_eval_version
 
     text = settings.eval_text or f"{WIKI_SOURCE}, held-out articles"
-    return (f"PPL: {settings.ppl_seqlen}-token windows (max {settings.ppl_windows}) of {text}. "
+    return (f"PPL: {settings.ppl_seqlen}-token windows (max {settings.ppl_windows}, one per held-out document "
+            f"first, BOS first where the tokenizer adds one) of {text}. "
             f"Zero-shot: lm-eval {lm_eval_version()}, 0-shot, limit={settings.limit}. "
             "mean5 = mean over PIQA, WinoGrande, HellaSwag, ARC-e, ARC-c (the paper's 5 tasks).")
 
@@ -75,13 +89,10 @@ def run_eval(args) -> int:
     """Validate everything cheap first, then run the pool; returns the process exit code (a TrspError
     reaches `trsp-ray`'s one error line)."""
     from trsp_ray.evaluation import report
-    from trsp_ray.evaluation.evaluator import check_candidate
     from trsp_ray.evaluation.pool import ActorResources, evaluate_pool
     from trsp_ray.run.tracking import make_tracker
 
-    settings = _settings(args)
-    for path in [*args.models, *([args.dense] if args.dense else [])]:
-        check_candidate(path)  # a missing or weightless directory is known before any actor starts
+    settings = eval_request(args)
     cpus = args.cpus_per_actor or max(1, (os.cpu_count() or 1) // max(1, args.actors))
     resources = ActorResources(num_cpus=cpus, num_gpus=args.gpus_per_actor,
                                placement_group=args.placement_group)

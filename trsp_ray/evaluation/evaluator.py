@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trsp_ray.common.errors import TrspError
 from trsp_ray.common.logs import log
+from trsp_ray.config.sections import DataConfig
 from trsp_ray.evaluation.harness import check_limit
 from trsp_ray.evaluation.speed import SpeedSettings
 from trsp_ray.evaluation.tasks import DEFAULT_TASKS, STOCK_PREFIX, check_task_names
@@ -33,8 +34,10 @@ class EvalSettings:
     batch_size: int = 8  # lm-eval batch
     ppl: bool = True
     eval_text: str | None = None  # any text file; default: the Wikipedia held-out articles
-    ppl_seqlen: int = 256
-    ppl_windows: int | None = 48
+    # `prune`'s held-out windows (data.eval_seqlen, data.eval_max_windows): `eval` of an export scores
+    # what `prune` printed for it
+    ppl_seqlen: int = DataConfig.eval_seqlen
+    ppl_windows: int | None = DataConfig.eval_max_windows
     speed: SpeedSettings | None = field(default_factory=SpeedSettings)
     dense: str | None = None  # dense model dir timed beside each candidate (speed-up vs L / L_kept)
     dtype: str = "float32"
@@ -106,6 +109,17 @@ def load_candidate(path: str, *, dtype: str = "float32"):
     return model, tokenizer
 
 
+def other_windows(manifest: dict | None, coverage: dict) -> str:
+    """A note when the export's manifest says `prune` scored other held-out windows than these (another
+    text, length or count): its PPL and this one are then not the same figure."""
+    theirs = ((manifest or {}).get("metrics") or {}).get("heldout_windows") or {}
+    keys = ("source", "seqlen", "windows", "bos")
+    if not theirs or all(theirs.get(k) == coverage[k] for k in keys if k in theirs):
+        return ""
+    what = ", ".join(f"{k} {theirs.get(k)!r}" for k in keys if theirs.get(k) != coverage[k])
+    return f"; prune scored other held-out windows ({what}): its PPL is not comparable with this one"
+
+
 class Evaluator:
     """Scores candidates one at a time; keeps the dense reference and tokenized text between them."""
 
@@ -129,7 +143,8 @@ class Evaluator:
         return f"{socket.gethostname()}:{os.getpid()} ({self.threads} threads)"
 
     def _heldout_windows(self, tokenizer):
-        """The held-out windows (spread over the held-out documents, as `prune` scores them)."""
+        """The held-out windows: `prune`'s reader (data.heldout), spread over the held-out documents,
+        BOS first where the tokenizer adds one."""
         from trsp_ray.data.domains import load_texts
         from trsp_ray.data.heldout import text_windows
 
@@ -137,7 +152,7 @@ class Evaluator:
         if key not in self._text_ids:
             s = self.settings
             self._text_ids[key] = text_windows(tokenizer, load_texts(eval_text=s.eval_text), seqlen=s.ppl_seqlen,
-                                               max_windows=s.ppl_windows, bos=None).windows
+                                               max_windows=s.ppl_windows)
         return self._text_ids[key]
 
     def _speed(self, model) -> dict:
@@ -165,8 +180,10 @@ class Evaluator:
         if manifest and manifest.get("num_layers_original"):
             out["layers_original"] = int(manifest["num_layers_original"])
         if s.ppl:
-            out["ppl"] = ppl_of(nlls_of(model, self._heldout_windows(tokenizer)))
-            log(f"{name}: held-out PPL {out['ppl']:.2f} ({time.perf_counter() - start:.1f} s)")
+            held = self._heldout_windows(tokenizer)
+            out["ppl"], out["heldout_windows"] = ppl_of(nlls_of(model, held.windows)), held.coverage()
+            log(f"{name}: held-out PPL {out['ppl']:.2f} ({time.perf_counter() - start:.1f} s)"
+                + other_windows(manifest, held.coverage()))
         if s.tasks:
             scored = run_tasks(model, tokenizer, tasks=list(s.tasks), limit=s.limit,
                                batch_size=s.batch_size, task_dir=self._task_dir, items=s.items)

@@ -323,7 +323,7 @@ def compensate(*, model, dense, drop, windows, method: str = "lstsq", ridge: flo
     `weighting`: "norm" fits the tokens' relative boundary errors, "none" their absolute ones (module doc);
     `objective`: "mse" folds the least-squares map, "cosine" that map refined to the lowest mean
     1 - cos of the repaired stream (trsp_ray/method/compensation_cosine.py; it adds "cosine_lstsq",
-    "cosine" and "cosine_steps" per block to the result).
+    "cosine", "cosine_steps" and "cosine_passes" per block to the result).
     `reduce(t)` returns the sum of tensor `t` over ranks (float64, on the activations' device; an
     NCCL caller moves it); every rank gets the same sums, solves the same T and folds it.
     Returns {"blocks", "tokens" (after `reduce`), "residual", "residual_identity"} (the summed

@@ -156,10 +156,12 @@ def _preconditioner(a: torch.Tensor, t0: torch.Tensor, *, form: str, rank: int |
 def fit(samples: Samples, t0: torch.Tensor, *, form: str = "full", rank: int | None = None, ridge: float = 1e-2,
         steps: int = COSINE_STEPS, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         ) -> tuple[torch.Tensor, dict]:
-    """(T [d, d] float64 on t0's device, {"cosine_lstsq", "cosine", "cosine_steps"}): the map of `form`
-    (`rank` for lowrank) lowering L from the least-squares map `t0`, the mean 1 - cos over all ranks'
-    tokens at t0 and at T, and the steps taken. `ridge` only shifts the curvature A (compensation.ridge,
-    relative to A's mean diagonal); `reduce` sums over ranks (module doc)."""
+    """(T [d, d] float64 on t0's device, {"cosine_lstsq", "cosine", "cosine_steps", "cosine_passes"}): the
+    map of `form` (`rank` for lowrank) lowering L from the least-squares map `t0`, the mean 1 - cos over
+    all ranks' tokens at t0 and at T, the steps taken and the passes run (what the fit costs: one more
+    than the steps when the last pass found no gain, as many when a step's gain stopped it). `ridge`
+    only shifts the curvature A (compensation.ridge, relative to A's mean diagonal); `reduce` sums over
+    ranks (module doc)."""
     t = t0.double().clone()
     summed = reduce(_curvature(samples, t))
     d = t.shape[0]
@@ -167,8 +169,9 @@ def fit(samples: Samples, t0: torch.Tensor, *, form: str = "full", rank: int | N
     step_of = _preconditioner(summed[:-1].view(d, d), t, form=form, rank=rank, ridge=ridge)
     del summed
     start = current = None
-    taken = 0
+    taken = passes = 0
     for _ in range(steps):
+        passes += 1  # a pass: the gradient and the ladder, whether a step is taken or not
         got = reduce(_gradient(samples, t))
         current = float(got[-1])
         start = current if start is None else start
@@ -185,4 +188,4 @@ def fit(samples: Samples, t0: torch.Tensor, *, form: str = "full", rank: int | N
     if start is None:  # steps=0
         start = current = float(reduce(loss(samples, t).reshape(1))[0])
     n = max(tokens, 1.0)
-    return t, {"cosine_lstsq": start / n, "cosine": current / n, "cosine_steps": taken}
+    return t, {"cosine_lstsq": start / n, "cosine": current / n, "cosine_steps": taken, "cosine_passes": passes}

@@ -144,10 +144,12 @@ def solve_cost(cfg, comp, *, tokens: float, blocks: int, cosine_steps: list[int]
 
 def measured_solve_cost(cfg, comp, done: dict) -> float:
     """solve_cost of a fit that ran (compensation.compensate's result `done`): every block's
-    Gauss-Newton steps as taken plus the pass that found no further gain, at most the bound."""
+    Gauss-Newton passes as run (a fit that stops on its tolerance runs no pass after its last step). A
+    fit stored before its passes were recorded is charged its steps plus one, at most the bound."""
     from trsp_ray.method.compensation_cosine import COSINE_STEPS
 
-    steps = [min(s + 1, COSINE_STEPS) for s in done["cosine_steps"]] if "cosine_steps" in done else None
+    steps = (done["cosine_passes"] if "cosine_passes" in done else
+             [min(s + 1, COSINE_STEPS) for s in done["cosine_steps"]] if "cosine_steps" in done else None)
     return solve_cost(cfg, comp, tokens=done["tokens"], blocks=len(done["blocks"]), cosine_steps=steps)
 
 

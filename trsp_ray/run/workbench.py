@@ -69,14 +69,13 @@ class Workbench:
     model: object
     tokenizer: object
     calib_ids: torch.Tensor
-    heldout_ids: torch.Tensor
     texts: domains.TextSplit
     val_ids: torch.Tensor | None = None  # calibration tail, never trained on (for tuning)
     device: str = "cpu"  # where methods train and score; `model` (the original) stays in host memory
     bos: int | None = None  # the BOS id every evaluation window starts with (perplexity.bos_token)
     calib_strata: torch.Tensor | None = None  # source of each calibration window (calibration.Calibration)
     calibration: calibration.Calibration | None = None  # the stream calib_ids, val_ids and calib_strata come from
-    heldout: HeldoutWindows | None = None  # what heldout_ppl scores: windows spread over held-out documents
+    heldout: HeldoutWindows | None = None  # what heldout_ppl scores (data.heldout, the one reader of them)
 
     @property
     def num_layers(self) -> int:
@@ -98,12 +97,8 @@ class Workbench:
                        bos=self.bos, strata=self.calib_strata)
 
     def heldout_ppl(self, model=None) -> float:
-        d = self.cfg.data
         progress = _progress_printer("held-out PPL")
-        if self.heldout is not None:
-            return ppl_of(nlls_of(self.scoring_model(model), self.heldout.windows, batch_size=4, progress=progress))
-        return perplexity(self.scoring_model(model), self.heldout_ids, seqlen=d.eval_seqlen, batch_size=4,
-                          max_windows=d.eval_max_windows, bos=self.bos, progress=progress)
+        return ppl_of(nlls_of(self.scoring_model(model), self.heldout.windows, batch_size=4, progress=progress))
 
     def validation_ppl(self, model=None) -> float:
         return perplexity(self.scoring_model(model), self.val_ids, seqlen=self.cfg.data.eval_seqlen, batch_size=4,
@@ -211,16 +206,11 @@ def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbe
     model, tokenizer = load_model(cfg.model, device="cpu", dtype=run_dtype(cfg))
     bos = bos_token(tokenizer)
     cal = calibration_of(cfg, tokenizer, bos=bos)
-    heldout_ids = calibration.encode_cached(tokenizer, texts.heldout)
-    if heldout_ids.numel() < cfg.data.eval_seqlen + 1:
-        raise TrspError(f"evaluation text has {heldout_ids.numel()} tokens, fewer than one window of "
-                        f"{cfg.data.eval_seqlen}; pass a longer text")
     if cfg.compensation.method == "lstsq":  # a d x d fit needs that many distinct windows
         calibration.check_windows(cal, windows=cfg.compensation.windows,
                                   what=f"compensation.windows={cfg.compensation.windows}")
-    heldout = text_windows(tokenizer, texts, seqlen=cfg.data.eval_seqlen, max_windows=cfg.data.eval_max_windows,
-                           bos=bos)
-    return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=cal.ids, heldout_ids=heldout_ids,
+    heldout = text_windows(tokenizer, texts, seqlen=cfg.data.eval_seqlen, max_windows=cfg.data.eval_max_windows)
+    return Workbench(cfg=cfg, model=model, tokenizer=tokenizer, calib_ids=cal.ids,
                      texts=texts, val_ids=cal.val_ids, device=str(device), bos=bos, calib_strata=cal.strata,
                      calibration=cal, heldout=heldout)
 

@@ -44,17 +44,21 @@ def _stage1_task(run: dict, n_drop: int) -> dict:
 def _validation_task(model_dir: str, base: dict) -> dict:
     """Ray task body: per-window NLLs (nats) of an export on the search's validation text (the `base`
     config's calibration tail: search/objective.py), its parameters and layers, and the dense model's
-    parameter count (from its config, on the meta device: no weights)."""
+    parameter count (from its config, on the meta device: no weights). Scored in the run's dtype
+    (workbench.run_dtype, `dtype` resolved on this task's device), as a single-device trial scores:
+    bf16 whenever a GPU was visible made the two kinds of trial rank on different numbers."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trsp_ray.config.run_config import from_dict
     from trsp_ray.data import assets
     from trsp_ray.data.perplexity import bos_token, window_nlls
     from trsp_ray.evaluation.evaluator import load_candidate
-    from trsp_ray.run.workbench import kept_parameters
+    from trsp_ray.run.workbench import DTYPES, kept_parameters, run_dtype
     from trsp_ray.search.objective import text_id, validation_text
 
-    model, tokenizer = load_candidate(model_dir, dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    dtype = str(DTYPES[run_dtype(from_dict(base))]).removeprefix("torch.")
+    model, tokenizer = load_candidate(model_dir, dtype=dtype)
     bos = bos_token(tokenizer)
     val = validation_text(base, tokenizer, bos=bos)
     nlls = window_nlls(model, val.val_ids, seqlen=base["data"]["eval_seqlen"], batch_size=4, bos=bos)
