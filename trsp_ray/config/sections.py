@@ -173,9 +173,23 @@ class HealConfig:
     # total dense-forward tokens (selection + compensation + heal, SPEC section 5) a heal method may
     # spend: its heal gets the steps the budget leaves (trsp_ray/run/budget.py); 0 = off (stage2.steps)
     compute_budget: float = 0.0
+    # the heal's windows (run/budget.heal_shape): 0 = sized by the budget, data.seqlen / data.batch_size
+    # without one, longer and larger as the budget grows (long-range cloze needs the context)
+    seqlen: int = 0
+    batch_size: int = 0
+    # passes over each calibration source the heal stream may read (data/stream.py) before that source
+    # stops and the others share its weight; a heal needing more than every source gives is refused
+    max_passes: float = 4.0
+    # the learning rate over the heal: constant, or cosine (5% linear warmup, then cosine to 10%);
+    # auto: cosine for a budget's grown heal (run/budget.heal_shape), else constant
+    schedule: str = "auto"
 
     def __post_init__(self):
         _positive("heal.steps", self.steps, allow_zero=True)
+        _positive("heal.seqlen", self.seqlen, allow_zero=True)
+        _positive("heal.batch_size", self.batch_size, allow_zero=True)
+        _positive("heal.max_passes", self.max_passes)
+        _choice("heal.schedule", self.schedule, ("auto", "constant", "cosine"))
         _positive("heal.compute_budget", self.compute_budget, allow_zero=True)
         _positive("heal.lr", self.lr)
         _choice("heal.trainable", self.trainable, HEAL_RECIPES)

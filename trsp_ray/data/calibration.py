@@ -14,7 +14,7 @@ never from a document that is trained on: never trained on, what settings are tu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,27 @@ class Calibration:
     chunk: int  # tokens per chunk of the stream (= a training window's text)
     source: str  # what it was drawn from, for the manifest and MLflow
     shares: dict  # {source: share of the training chunks}
+    # {source: its whole training text}: every document before the validation cut, not only the
+    # chunks the scarcest source's share leaves in `ids` (the heal streams these: data/stream.py)
+    parts: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)  # {source: the mixture's stated weight}
+
+
+@dataclass(frozen=True)
+class SourceText:
+    """One calibration source's training text: its tokens and where each document starts (the
+    documents are the source's calibration documents in order, up to the validation cut:
+    document_ids names them)."""
+    name: str
+    ids: torch.Tensor
+    starts: list[int]
+
+    def documents_of(self, begin: int, end: int) -> range:
+        """Indices of the documents tokens [begin, end) lie in."""
+        import bisect
+
+        first = max(0, bisect.bisect_right(self.starts, begin) - 1)
+        return range(first, max(first, bisect.bisect_left(self.starts, end) - 1) + 1)
 
 
 def _token_key(tokenizer, text: str, *extra) -> str:
@@ -111,6 +132,19 @@ def _source_stream(tokenizer, source: str) -> tuple[torch.Tensor, list[int]]:
     return encode_documents_cached(tokenizer, text, starts)
 
 
+def document_ids(source: str) -> list[str]:
+    """The content id (digest.content_key of its text) of each calibration document of `source`, in
+    the order _source_stream joins them: what a test checks no held-out document is trained on by."""
+    from trsp_ray.common.digest import content_key
+    from trsp_ray.data.assets import read_text_file
+
+    if source in domains.DOMAINS:
+        docs = domains.split_texts(source)[0]
+    else:
+        docs = domains.file_documents(read_text_file(source, "calibration text"))
+    return [content_key(d.strip()) for d in docs]
+
+
 def _counts(avail: dict[str, int], mix: dict[str, float]) -> list[int]:
     """Chunks of each source: as many as the scarcest source allows at its weight."""
     total = min(avail[s] / w for s, w in mix.items())
@@ -183,8 +217,10 @@ def load(tokenizer, *, calib_text: str | None, calib_mix: str, seqlen: int, bos:
     ids, strata, shares = mixture({s: train for s, (train, _) in parts.items()}, mix, chunk=chunk)
     val_ids, _ = _interleaved({s: val for s, (_, val) in parts.items()}, val_counts, chunk)
     source = calib_text or domains.describe(shares)
+    texts = {s: SourceText(name=s, ids=train, starts=[k for k in streams[s][1] if k < train.numel()] or [0])
+             for s, (train, _) in parts.items()}
     return Calibration(ids=ids, val_ids=val_ids, strata=strata if len(mix) > 1 else None,
-                       chunk=chunk, source=source, shares=shares)
+                       chunk=chunk, source=source, shares=shares, parts=texts, weights=dict(mix))
 
 
 def check_windows(cal: Calibration, *, windows: int, what: str) -> None:

@@ -144,8 +144,9 @@ def _load(config: dict, cfg, *, rank: int, world: int):
     eng.zero_ready_gates(gates)
     factory = eng.StepperFactory(ds_config=config["ds_config"], rank=rank, world=world,
                                  activation_checkpointing=cfg.distributed.activation_checkpointing)
-    return SimpleNamespace(path=path, tokenizer=tokenizer, calib_ids=calib_ids, calib_strata=cal.strata, model=model,
-                           gates=gates, factory=factory, num_layers=families.num_layers(model), world=world)
+    return SimpleNamespace(path=path, tokenizer=tokenizer, calib_ids=calib_ids, calib_strata=cal.strata,
+                           calibration=cal, model=model, gates=gates, factory=factory,
+                           num_layers=families.num_layers(model), world=world)
 
 
 def _batches(cfg, bench, seed_offset: int):
@@ -274,8 +275,13 @@ def _stage2(config: dict, pipe, bench, *, drop: list[int], s1_state: dict, event
     bench.factory.on_build = on_build
     reset_peak_memory()
     if heal:  # the batch stream the single-process heal reads
+        from trsp_ray.data.perplexity import bos_token
+        from trsp_ray.run.workbench import heal_stream
+
+        stream = heal_stream(cfg, bench.calibration, bos=bos_token(bench.tokenizer), seed_offset=HEAL_STREAM,
+                             steps=settings["steps"])
         result = heal_on_workers(pipe, model=bench.model, gates=bench.gates, drop=drop, comp=comp,
-                                 batches=_batches(cfg, bench, HEAL_STREAM), make_stepper=bench.factory, report=report)
+                                 batches=stream, make_stepper=bench.factory, report=report)
         updates = {}  # the drop set is bypassed from the first step: no update of it to measure
     else:
         result = run_stage2(model=bench.model, gates=bench.gates, batches=_batches(cfg, bench, STAGE2_STREAM),

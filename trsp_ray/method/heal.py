@@ -13,6 +13,7 @@ copy or Adam moment for it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -82,7 +83,8 @@ def output_side_only(model):
 
 def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str = "all", lora_rank: int = 8,
              tail_layers: int = 3, map_layers=(), layers=None, mlp_output=families.map_module,
-             make_stepper: MakeStepper = TorchStepper, report: Report = null_report) -> HealResult:
+             make_stepper: MakeStepper = TorchStepper, report: Report = null_report,
+             schedule: str = "constant") -> HealResult:
     """Fine-tune the pruned `model` for `steps` batches with the stepper's objective (next-token CE by
     default). `tail_layers`: the tail recipe's k; `map_layers`: the map recipe's layers (indices into
     the kept layers of those whose down_proj took a map).
@@ -93,7 +95,8 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
     the kept wrappers' inner layers, so the rest of the decoder layers' parameters (the dropped
     layers, the gates) stay frozen, out of the optimizer and without LoRA adapters. `mlp_output`:
     recipe_params'. A resuming stepper (the workers' `skip`) replays the first steps without compute
-    (their "heal/ce" is then a placeholder); `report` sees every step."""
+    (their "heal/ce" is then a placeholder); `report` sees every step. `schedule`: the learning rate
+    over the steps (lr_factor)."""
     kept = families.decoder_layers(model) if layers is None else list(layers)
     hook = None
     if trainable == "lora":
@@ -114,6 +117,7 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
     stepper = make_stepper(train_model, [{"params": params, "lr": lr}])
     first = last = None
     for step in range(1, steps + 1):
+        set_lr(stepper, lr * lr_factor(schedule, step, steps))
         ce = stepper.forward(batches.next())
         stepper.backward(ce)
         stepper.step()
@@ -125,6 +129,33 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
     final = merge_lora(train_model) if trainable == "lora" else model
     freeze(final)
     return HealResult(model=final, steps=steps, tokens=steps * batches.tokens_per_batch, first_ce=first, last_ce=last)
+
+
+WARMUP = 0.05  # of a cosine schedule's steps
+FLOOR = 0.1  # a cosine schedule's last learning rate, of its peak
+
+
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """The learning rate of step `step` (1-based) of `steps`, as a fraction of the peak: 1 for
+    constant; for cosine a linear warmup over the first WARMUP of the steps, then a half cosine from 1
+    down to FLOOR at the last step (a long heal that ends at its peak rate ends on its noisiest steps)."""
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise TrspError(f"heal schedule {schedule!r} is not valid; choose constant or cosine")
+    warm = max(1, round(WARMUP * steps))
+    if step <= warm:
+        return step / warm
+    done = (step - warm) / max(1, steps - warm)
+    return FLOOR + (1.0 - FLOOR) * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+def set_lr(stepper, lr: float) -> None:
+    """Set every param group's learning rate of the stepper's optimizer (a torch optimizer, or a
+    DeepSpeed engine's, whose param groups are the same dicts)."""
+    optimizer = getattr(stepper, "optimizer", None) or stepper.engine.optimizer
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def _outside(model, kept) -> set[int]:

@@ -123,9 +123,51 @@ def token_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None, tra
 
 def step_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None, trainable: str | None = None) -> float:
     """Dense-forward tokens of one training step of `cfg`'s pipeline (`spec`, its resolved registry
-    entry; `trainable` overrides its recipe): data.batch_size x data.seqlen trained tokens at
-    token_cost each (what a --compute-budget buys steps with)."""
-    return token_cost(cfg, spec=spec, drop=drop, trainable=trainable) * cfg.data.batch_size * cfg.data.seqlen
+    entry; `trainable` overrides its recipe): its trained tokens per step (stage 2's data.batch_size x
+    data.seqlen, a heal's heal_shape) at token_cost each (what a --compute-budget buys steps with)."""
+    if spec.stage2 and cfg.stage2.enabled:
+        tokens = cfg.data.batch_size * cfg.data.seqlen
+    else:
+        seqlen, batch = heal_shape(cfg)
+        tokens = seqlen * batch
+    return token_cost(cfg, spec=spec, drop=drop, trainable=trainable) * tokens
+
+
+# The heal's windows as its compute budget grows, where heal.seqlen / heal.batch_size are 0: (budget
+# from, sequence length, batch as a multiple of data.batch_size). Long-range cloze (LAMBADA's last
+# word depends on a passage of ~80 words) is learned only from windows that hold such passages, so a
+# heal that can afford it trains on 512 tokens and more; larger batches keep a long heal's steps
+# stable. Below the first row (today's default budget, ~70k) the heal keeps data.seqlen and batch.
+HEAL_SHAPES = ((200e3, 512, 1), (1e6, 512, 2), (10e6, 1024, 4), (100e6, 2048, 8))
+
+
+def heal_shape(cfg) -> tuple[int, int]:
+    """(sequence length, batch size) of the heal's windows: heal.seqlen / heal.batch_size when set,
+    else HEAL_SHAPES' row for heal.compute_budget (data.seqlen / data.batch_size below it or without a
+    budget), the length capped at the model's max_position_embeddings."""
+    h, d = cfg.heal, cfg.data
+    seqlen, scale = d.seqlen, 1
+    for start, length, times in HEAL_SHAPES:
+        if h.compute_budget >= start:
+            seqlen, scale = max(d.seqlen, length), times
+    if not h.seqlen and seqlen > d.seqlen:
+        seqlen = min(seqlen, _max_positions(cfg.model) or seqlen)
+    return h.seqlen or seqlen, h.batch_size or d.batch_size * scale
+
+
+def heal_schedule(h) -> str:
+    """heal.schedule of heal section `h` resolved: auto is cosine where the budget grew the heal's
+    windows (HEAL_SHAPES), else constant."""
+    if h.schedule != "auto":
+        return h.schedule
+    return "cosine" if h.compute_budget >= HEAL_SHAPES[0][0] else "constant"
+
+
+def _max_positions(model: str) -> int | None:
+    import json
+
+    config = json.loads(model_shape(model).config or "{}")
+    return config.get("max_position_embeddings") or config.get("n_positions")
 
 
 def solve_cost(cfg, comp, *, tokens: float, blocks: int, cosine_steps: list[int] | None = None) -> float:

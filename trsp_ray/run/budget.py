@@ -120,3 +120,4 @@ def describe(cfg, *, spec: registry.Method, num_layers: int) -> str:
     return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
             + (f", compensation {comp / 1e3:.1f}k" if comp else "")
             + f", heal {cfg.stage2.steps} steps ({heal / 1e3:.1f}k)")
+

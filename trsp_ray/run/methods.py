@@ -72,7 +72,7 @@ def heal_settings(heal) -> dict:
     """`run_heal`'s budget and recipe from a `heal` config section (cfg.heal, or method_heal's for a
     heal method): one process and the Ray Train workers heal with these."""
     return {"steps": heal.steps, "lr": heal.lr, "trainable": heal.trainable, "lora_rank": heal.lora_rank,
-            "tail_layers": heal.tail_layers}
+            "tail_layers": heal.tail_layers, "schedule": compute.heal_schedule(heal)}
 
 
 def run_stage1_for(bench, *, model=None, n_drop: int | None = None, report: Report = null_report,
@@ -262,7 +262,10 @@ def _heal(bench, *, model, heal, report: Report, map_layers=()):
         if step % 5 == 0 or step == heal.steps:
             _log(f"  heal step {step}/{heal.steps}: {bench.cfg.recovery.objective} {metrics['heal/ce']:.4f}")
 
-    return run_heal(model=model, batches=bench.batches(HEAL_STREAM), map_layers=map_layers,
+    from trsp_ray.run.workbench import heal_stream
+
+    stream = heal_stream(bench.cfg, bench.calibration, bos=bench.bos, seed_offset=HEAL_STREAM, steps=heal.steps)
+    return run_heal(model=model, batches=stream, map_layers=map_layers,
                     make_stepper=recovery_stepper(bench), report=progress, **heal_settings(heal))
 
 

@@ -250,3 +250,20 @@ def check_single_plan(cfg: RunConfig, *, methods: tuple[str, ...] | None = None)
 def kept_parameters(model) -> int:
     """Parameter count with tied weights counted once."""
     return sum(p.numel() for p in model.parameters())
+
+
+def heal_stream(cfg, cal, *, bos: int | None, seed_offset: int, steps: int | None = None):
+    """The heal's batch stream (data/stream.HealStream) over calibration `cal`'s sources at their
+    weights, in windows of compute.heal_shape(cfg): the one definition for one process and the Ray
+    Train workers, so both heal on the same windows. With `steps`, a heal that needs more windows
+    than the stream gives is refused in one line, and the passes over each source are logged."""
+    from trsp_ray.data.stream import HealStream
+    from trsp_ray.plan import compute
+
+    seqlen, batch = compute.heal_shape(cfg)
+    stream = HealStream(cal.parts, cal.weights, seqlen=seqlen, batch_size=batch, bos=bos,
+                        seed=cfg.seed + seed_offset, max_passes=cfg.heal.max_passes)
+    if steps:
+        stream.check(steps * batch)
+        log(f"  {stream.describe(steps * batch)}")
+    return stream
