@@ -166,11 +166,13 @@ def test_every_trial_is_scored_on_the_base_mixtures_validation_windows(assets, t
                for point in ({}, {"data.calib_mix": _mixes(assets)[1]})]
     tok = AutoTokenizer.from_pretrained(assets / "model")
     val_ids = calibration.load(tok, calib_text=None, calib_mix=_mixes(assets)[0], seqlen=32, bos=bos_token(tok)).val_ids
-    nlls = [_independent_nll(r["model_dir"], val_ids, windows=r["objective"]["windows"], seqlen=64) for r in records]
+    # windows of one chunk of the tail (data.seqlen 32): each one source's text (issue 49)
+    nlls = [_independent_nll(r["model_dir"], val_ids, windows=r["objective"]["windows"], seqlen=32) for r in records]
     assert [r["val_loss"] for r in records] == pytest.approx(nlls, rel=1e-4)
     for record, nll in zip(records, nlls):
         windows = record["objective"]["windows"]
-        assert windows == val_ids.numel() // (64 - (bos_token(tok) is not None))  # every window of the tail
+        assert windows == val_ids.numel() // (32 - (bos_token(tok) is not None))  # every window of the tail
+        assert len(record["val_docs"]) == windows
         assert len(record["val_nlls"]) == windows and sum(record["val_nlls"]) / windows == pytest.approx(nll, rel=1e-4)
     assert records[0]["objective"]["text"] == records[1]["objective"]["text"]
 
@@ -179,8 +181,7 @@ def test_no_trial_trains_on_the_validation_windows():
     """A trial whose stream draws a source past the base's validation cut (another mixture, another
     window length) would train on the base's tail: the chunks holding a run of NGRAM tokens of it leave
     its training stream (and only those), wherever in the chunk the run starts."""
-    from trsp_ray.data.calibration import Calibration
-    from trsp_ray.search.objective import NGRAM, without_text
+    from trsp_ray.data.calibration import NGRAM, Calibration, without_text
 
     gen = torch.Generator().manual_seed(0)
     text = torch.randint(0, 1000, (300,), generator=gen)  # the validation text
@@ -318,3 +319,71 @@ def test_the_cli_takes_seeds_and_refuses_a_mixture_key_it_cannot_hold_in_one_lin
                      "--search-dir", str(tmp_path / "s")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "'data.eval_seqlen' changes nothing" in err[0]
+
+
+def _smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from trsp_ray.data.assets import smollm2_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+def test_each_search_validation_window_is_one_sources_text_and_names_its_document():
+    """Issue 49: a 256-token validation window joined two 128-token chunks of different domains and no
+    record said which documents it held. Now a window is one chunk of the base's tail (one source),
+    and val_docs names the document of each, so the tie band can cluster."""
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.data import domains
+    from trsp_ray.data.perplexity import bos_token, windows
+    from trsp_ray.run.workbench import calibration_of
+    from trsp_ray.search.trial import validation_seqlen
+
+    tok = _smollm2_tokenizer()
+    bos = bos_token(tok)
+    cal = calibration_of(load_config(None, []), tok, bos=bos)
+    wins = windows(cal.val_ids, validation_seqlen(cal, bos), None, bos=bos)
+    assert wins.shape[0] == len(cal.val_docs) == cal.val_ids.numel() // cal.chunk
+    sources = [d.split("#")[0] for d in cal.val_docs]
+    assert set(sources) == set(domains.parse_mix(domains.DEFAULT_MIX))
+    for k in range(0, wins.shape[0], 3):
+        source, index = cal.val_docs[k].split("#")
+        doc = "".join(domains.split_texts(source)[0][int(index)].split())
+        middle = "".join(tok.decode(wins[k][1 + cal.chunk // 2: 1 + cal.chunk // 2 + 6]).split())
+        assert middle in doc, (k, cal.val_docs[k])
+        # no validation document is a training document of the heal stream's sources
+        assert int(index) >= len(cal.parts[source].starts)
+
+
+def test_a_trials_training_text_loses_the_base_validation_text_on_every_route():
+    """Issue 49: only the single-device trial removed the base's validation text; the Ray Train
+    workers read their calibration through workbench.calibration_of, which now removes it (from the
+    mixture and from the heal's sources) for any run whose data.validation_base names another
+    calibration."""
+    import json
+
+    from trsp_ray.config.run_config import load_config, replace
+    from trsp_ray.data.calibration import NGRAM, _hashes
+    from trsp_ray.data.perplexity import bos_token
+    from trsp_ray.run.workbench import calibration_of, validation_base
+
+    tok = _smollm2_tokenizer()
+    bos = bos_token(tok)
+    base_cfg = load_config(None, [])
+    base = calibration_of(base_cfg, tok, bos=bos)
+    seen = _hashes(base.val_ids, NGRAM)
+
+    def shared(cal) -> tuple[int, int]:
+        mixture = int(torch.isin(_hashes(cal.ids, NGRAM), seen).sum())
+        return mixture, sum(int(torch.isin(_hashes(p.ids, NGRAM), seen).sum()) for p in cal.parts.values())
+
+    trial = load_config(None, ["data.seqlen=64"])  # another window length: another validation cut
+    before = calibration_of(trial, tok, bos=bos)
+    assert shared(before)[1] > 0  # the trial's heal sources hold the base's validation text
+    mark = {"data.validation_base": json.dumps(validation_base(base_cfg))}  # what a search trial sets
+    marked = replace(trial, **mark)
+    after = calibration_of(marked, tok, bos=bos)
+    assert shared(after) == (0, 0)
+    assert after.left_out == (before.ids.numel() - after.ids.numel()) // after.chunk
+    own = replace(base_cfg, **mark)
+    assert calibration_of(own, tok, bos=bos).ids.equal(base.ids)  # its own tail: nothing to remove

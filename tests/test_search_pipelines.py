@@ -193,7 +193,7 @@ def _independent_val_ppl(model_dir: str, *, root: Path, windows: int) -> tuple[f
         sources[name] = {tuple(ids[i:i + cal.chunk]) for i in range(0, len(ids) - cal.chunk + 1, cal.chunk)}
     tail = cal.val_ids.view(-1, cal.chunk).tolist()
     seen = {name for row in tail for name, chunks in sources.items() if tuple(row) in chunks}
-    body = 64 - (bos is not None)
+    body = cal.chunk  # a window is one chunk of the tail: one source's text (issue 49)
     nll, count = 0.0, 0
     with torch.no_grad():
         for w in range(windows):

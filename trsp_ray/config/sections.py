@@ -46,6 +46,10 @@ class DataConfig:
     eval_max_windows: int | None = 16
     # the domains whose held-out documents the benchmark scores ('all' = every domain of domains.py)
     eval_domains: str = "all"
+    # another calibration whose validation tail this run must not train on, as JSON {calib_text,
+    # calib_mix, seqlen}: a search sets its base config's, so that no trial (on one device or on Ray
+    # Train workers) is scored on text it trained on (workbench.calibration_of); "" = none
+    validation_base: str = ""
 
     def __post_init__(self):
         for name in ("seqlen", "batch_size", "eval_seqlen"):

@@ -38,6 +38,10 @@ class Calibration:
     # chunks the scarcest source's share leaves in `ids` (the heal streams these: data/stream.py)
     parts: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)  # {source: the mixture's stated weight}
+    # the document of each validation chunk ("source#index" among its calibration documents): the
+    # search's paired SE clusters on them
+    val_docs: tuple = ()
+    left_out: int = 0  # training chunks without_text removed (another calibration's validation text)
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,15 @@ class SourceText:
     name: str
     ids: torch.Tensor
     starts: list[int]
+    index: tuple = ()  # each start's document among the source's calibration documents (() = in order)
 
-    def documents_of(self, begin: int, end: int) -> range:
-        """Indices of the documents tokens [begin, end) lie in."""
+    def documents_of(self, begin: int, end: int) -> list[int]:
+        """Indices (among the source's calibration documents) of the documents tokens [begin, end) lie in."""
         import bisect
 
         first = max(0, bisect.bisect_right(self.starts, begin) - 1)
-        return range(first, max(first, bisect.bisect_left(self.starts, end) - 1) + 1)
+        found = range(first, max(first, bisect.bisect_left(self.starts, end) - 1) + 1)
+        return [self.index[d] for d in found] if self.index else list(found)
 
 
 def _token_key(tokenizer, text: str, *extra) -> str:
@@ -220,7 +226,25 @@ def load(tokenizer, *, calib_text: str | None, calib_mix: str, seqlen: int, bos:
     texts = {s: SourceText(name=s, ids=train, starts=[k for k in streams[s][1] if k < train.numel()] or [0])
              for s, (train, _) in parts.items()}
     return Calibration(ids=ids, val_ids=val_ids, strata=strata if len(mix) > 1 else None,
-                       chunk=chunk, source=source, shares=shares, parts=texts, weights=dict(mix))
+                       chunk=chunk, source=source, shares=shares, parts=texts, weights=dict(mix),
+                       val_docs=_validation_documents(streams, parts, val_counts, chunk))
+
+
+def _validation_documents(streams: dict, parts: dict, counts: list[int], chunk: int) -> tuple[str, ...]:
+    """The document ("source#index") of each validation chunk, in the tail's interleaved order: the
+    one holding the chunk's middle token (a chunk is one source's; it may run past a document's end)."""
+    import bisect
+
+    per_source = []
+    for (s, (train, _)), n in zip(parts.items(), counts):
+        starts, begin = streams[s][1], -(-train.numel() // chunk) * chunk
+        per_source.append([f"{s}#{bisect.bisect_right(starts, begin + j * chunk + chunk // 2) - 1}" for j in range(n)])
+    taken = [0] * len(per_source)
+    out = []
+    for i in interleave(counts):
+        out.append(per_source[i][taken[i]])
+        taken[i] += 1
+    return tuple(out)
 
 
 def check_windows(cal: Calibration, *, windows: int, what: str) -> None:
@@ -230,3 +254,60 @@ def check_windows(cal: Calibration, *, windows: int, what: str) -> None:
         raise TrspError(f"{what} needs {windows} distinct calibration windows; the calibration data "
                         f"({cal.source}) has {have}; pass more text (data.calib_text / data.calib_mix) or ask for "
                         "fewer windows")
+
+
+# tokens two texts must share in a row to count as the same text (a chunk holding such a run is dropped)
+NGRAM = 16
+
+
+def _hashes(x: torch.Tensor, k: int) -> torch.Tensor:
+    """A 64-bit rolling hash of every run of `k` tokens along the last dimension ([..., L-k+1])."""
+    p, mask, weights = 1_000_003, (1 << 64) - 1, []
+    w = 1
+    for _ in range(k):
+        weights.append(w - (1 << 64) if w >= 1 << 63 else w)
+        w = (w * p) & mask
+    return (x.to(torch.int64).unfold(-1, k, 1) * torch.tensor(weights, dtype=torch.int64)).sum(-1)  # wraps mod 2^64
+
+
+def without_text(cal: Calibration, text: torch.Tensor) -> Calibration:
+    """`cal` without the training text that shares a run of NGRAM tokens (fewer for short chunks)
+    with `text` (another calibration's validation tail: a search's base, workbench.calibration_of):
+    the mixture's chunks holding such a run, and in the heal's sources (`parts`) every document
+    holding one; its tail and shares are kept as they were. `left_out` counts the chunks removed."""
+    import dataclasses
+
+    rows = cal.ids.view(-1, cal.chunk)
+    k = min(NGRAM, cal.chunk, text.numel())
+    seen = _hashes(text, k)
+    hit = torch.isin(_hashes(rows, k), seen).any(-1)
+    parts = {s: _part_without(part, seen, k) for s, part in cal.parts.items()}
+    if not hit.any() and all(parts[s] is cal.parts[s] for s in parts):
+        return cal
+    keep = ~hit
+    if not keep.any():
+        raise TrspError(f"every calibration window of {cal.source} is part of the search's validation text; "
+                        "search another mixture or calibrate the base config on another text")
+    strata = cal.strata[keep] if cal.strata is not None else None
+    return dataclasses.replace(cal, ids=rows[keep].reshape(-1), strata=strata, parts=parts,
+                               left_out=cal.left_out + int(hit.sum()))
+
+
+def _part_without(part: SourceText, seen: torch.Tensor, k: int) -> SourceText:
+    """`part` without the documents that hold a run of `k` tokens hashed in `seen`."""
+    if part.ids.numel() < k:
+        return part
+    at = torch.nonzero(torch.isin(_hashes(part.ids, k), seen)).flatten().tolist()
+    if not at:
+        return part
+    ends = part.starts[1:] + [part.ids.numel()]
+    bad = {d for d in range(len(part.starts)) for a in at if part.starts[d] <= a < ends[d]}
+    index = part.index or tuple(range(len(part.starts)))
+    kept = [d for d in range(len(part.starts)) if d not in bad]
+    if not kept:
+        raise TrspError(f"every document of calibration source {part.name!r} is part of the search's validation "
+                        "text; search another mixture or calibrate the base config on another text")
+    ids = torch.cat([part.ids[part.starts[d]:ends[d]] for d in kept])
+    lengths = [ends[d] - part.starts[d] for d in kept]
+    starts = [sum(lengths[:j]) for j in range(len(kept))]
+    return SourceText(name=part.name, ids=ids, starts=starts, index=tuple(index[d] for d in kept))

@@ -71,6 +71,8 @@ class Workbench:
     calib_ids: torch.Tensor
     texts: domains.TextSplit
     val_ids: torch.Tensor | None = None  # calibration tail, never trained on (for tuning)
+    val_docs: list | None = None  # a search's validation chunks' documents (search/trial.with_objective)
+    val_seqlen: int = 0  # and their windows' length
     device: str = "cpu"  # where methods train and score; `model` (the original) stays in host memory
     bos: int | None = None  # the BOS id every evaluation window starts with (perplexity.bos_token)
     calib_strata: torch.Tensor | None = None  # source of each calibration window (calibration.Calibration)
@@ -217,9 +219,26 @@ def prepare(cfg: RunConfig, *, methods: tuple[str, ...] | None = None) -> Workbe
 
 def calibration_of(cfg: RunConfig, tokenizer, *, bos: int | None) -> calibration.Calibration:
     """The run's calibration stream (every path that trains or selects reads this one), with the
-    checks that refuse a method more windows than the data has."""
+    checks that refuse a method more windows than the data has. With data.validation_base (a search's
+    base calibration) the text of that calibration's validation tail is taken out of this one's training
+    text (calibration.without_text): the one place a search trial's training data loses what it is
+    scored on, on one device and on the Ray Train workers alike."""
+    import json
+
     d = cfg.data
-    return calibration.load(tokenizer, calib_text=d.calib_text, calib_mix=d.calib_mix, seqlen=d.seqlen, bos=bos)
+    cal = calibration.load(tokenizer, calib_text=d.calib_text, calib_mix=d.calib_mix, seqlen=d.seqlen, bos=bos)
+    if not d.validation_base:
+        return cal
+    base = json.loads(d.validation_base)
+    if base == validation_base(cfg):  # its own tail: never trained on by construction
+        return cal
+    return calibration.without_text(cal, calibration.load(tokenizer, **base, bos=bos).val_ids)
+
+
+def validation_base(cfg: RunConfig) -> dict:
+    """What data.validation_base names of a calibration: its text, mixture and window length."""
+    d = cfg.data
+    return {"calib_text": d.calib_text, "calib_mix": d.calib_mix, "seqlen": d.seqlen}
 
 
 def device_kind(cfg: RunConfig) -> tuple[str, float]:

@@ -56,19 +56,22 @@ def _validation_task(model_dir: str, base: dict) -> dict:
     from trsp_ray.evaluation.evaluator import load_candidate
     from trsp_ray.run.workbench import DTYPES, kept_parameters, run_dtype
     from trsp_ray.search.objective import text_id, validation_text
+    from trsp_ray.search.trial import validation_seqlen
 
     dtype = str(DTYPES[run_dtype(from_dict(base))]).removeprefix("torch.")
     model, tokenizer = load_candidate(model_dir, dtype=dtype)
     bos = bos_token(tokenizer)
     val = validation_text(base, tokenizer, bos=bos)
-    nlls = window_nlls(model, val.val_ids, seqlen=base["data"]["eval_seqlen"], batch_size=4, bos=bos)
+    seqlen = validation_seqlen(val, bos)
+    nlls = window_nlls(model, val.val_ids, seqlen=seqlen, batch_size=4, bos=bos)
     with torch.device("meta"):
         dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets.resolve_model(base["model"])))
-    return {"val_loss": sum(nlls) / len(nlls), "val_nlls": nlls, "kept_parameters": kept_parameters(model),
+    return {"val_loss": sum(nlls) / len(nlls), "val_nlls": nlls, "val_docs": list(val.val_docs[: len(nlls)]),
+            "kept_parameters": kept_parameters(model),
             "dense_parameters": kept_parameters(dense), "layers": model.config.num_hidden_layers,
             "objective": {"split": "the base config's calibration held-out tail (no trial trains on it)",
                           "source": val.source, "text": text_id(val.val_ids), "tokens": int(val.val_ids.numel()),
-                          "seqlen": base["data"]["eval_seqlen"], "windows": len(nlls)}}
+                          "seqlen": seqlen, "windows": len(nlls)}}
 
 
 def _budgeted(cfg, *, spec: registry.Method, stage1: dict | None, n_drop: int, num_layers: int) -> tuple:
@@ -135,6 +138,7 @@ def run_distributed_trial(config: dict, cfg, *, spec: registry.Method, report, l
     record = {"trial_key": tkey, "stage1_key": skey, "point": config["point"], "config": cfg_dict,
               "status": "finished", "drop": drop, "kept": [i for i in range(num_layers) if i not in drop],
               "num_layers_original": num_layers, "val_loss": scored["val_loss"], "val_nlls": scored["val_nlls"],
+              "val_docs": scored["val_docs"],
               "objective": scored["objective"], "val_ppl": math.exp(scored["val_loss"]),
               "kept_parameters": scored["kept_parameters"],
               "dense_parameters": scored["dense_parameters"],

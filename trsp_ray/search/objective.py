@@ -13,7 +13,6 @@ No Ray here.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -21,10 +20,8 @@ import statistics
 
 import torch
 
-from trsp_ray.common.errors import TrspError
 from trsp_ray.common.paired import paired_se
 
-NGRAM = 16  # tokens two texts must share in a row to count as the same text (a chunk holding such a run is dropped)
 TIE_SE = 2.0  # a difference within this many paired SE is a tie
 
 
@@ -45,33 +42,6 @@ def text_id(ids: torch.Tensor) -> str:
 def same_calibration(a: dict, b: dict) -> bool:
     """Whether two run configs cut the same calibration stream (so the same tail)."""
     return all(a["data"][k] == b["data"][k] for k in ("calib_text", "calib_mix", "seqlen")) and a["model"] == b["model"]
-
-
-def _hashes(x: torch.Tensor, k: int) -> torch.Tensor:
-    """A 64-bit rolling hash of every run of `k` tokens along the last dimension ([..., L-k+1])."""
-    p, mask, weights = 1_000_003, (1 << 64) - 1, []
-    w = 1
-    for _ in range(k):
-        weights.append(w - (1 << 64) if w >= 1 << 63 else w)
-        w = (w * p) & mask
-    return (x.to(torch.int64).unfold(-1, k, 1) * torch.tensor(weights, dtype=torch.int64)).sum(-1)  # wraps mod 2^64
-
-
-def without_text(cal, text: torch.Tensor):
-    """`cal` (calibration.Calibration) without the training chunks that share a run of NGRAM tokens
-    (fewer for short chunks) with `text`; its tail and shares are kept as they were."""
-    rows = cal.ids.view(-1, cal.chunk)
-    k = min(NGRAM, cal.chunk, text.numel())
-    seen = _hashes(text, k)
-    hit = torch.isin(_hashes(rows, k), seen).any(-1)
-    if not hit.any():
-        return cal
-    keep = ~hit
-    if not keep.any():
-        raise TrspError(f"every calibration window of {cal.source} is part of the search's validation text; "
-                        "search another mixture or calibrate the base config on another text")
-    strata = cal.strata[keep] if cal.strata is not None else None
-    return dataclasses.replace(cal, ids=rows[keep].reshape(-1), strata=strata)
 
 
 def _group(record: dict) -> str:

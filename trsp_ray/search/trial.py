@@ -12,6 +12,7 @@ MLflow is written by the driver only, to keep one writer per tracking store.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ def validation_nlls(bench, model, *, windows: int | None = None) -> list[float]:
 
     was_training = model.training
     try:
-        return window_nlls(model, bench.val_ids, seqlen=bench.cfg.data.eval_seqlen, batch_size=4,
+        return window_nlls(model, bench.val_ids, seqlen=bench.val_seqlen, batch_size=4,
                            max_windows=windows, bos=bench.bos)
     finally:
         model.train(was_training)
@@ -48,22 +49,22 @@ def validation_loss(bench, model, *, windows: int) -> float:
 
 def with_objective(bench, config: dict, cfg_dict: dict) -> dict:
     """Point `bench` at the search's validation text (the base config's calibration tail, the same
-    for every trial) and, when the trial cuts another calibration stream, take that text out of its
-    training windows (objective.without_text). Returns what the record says of the objective."""
-    from trsp_ray.search.objective import same_calibration, text_id, validation_text, without_text
+    for every trial: its chunks, each one source's, and their documents). The trial's training text
+    is already without it (data.validation_base, workbench.calibration_of). Returns what the record
+    says of the objective."""
+    from trsp_ray.search.objective import text_id, validation_text
 
-    base = config["run"]
-    val = validation_text(base, bench.tokenizer, bos=bench.bos)
-    bench.val_ids = val.val_ids
-    left_out = 0
-    if not same_calibration(cfg_dict, base):
-        before = bench.calibration.ids.numel()
-        bench.calibration = without_text(bench.calibration, val.val_ids)
-        bench.calib_ids, bench.calib_strata = bench.calibration.ids, bench.calibration.strata
-        left_out = (before - bench.calib_ids.numel()) // bench.calibration.chunk
+    val = validation_text(config["run"], bench.tokenizer, bos=bench.bos)
+    bench.val_ids, bench.val_docs, bench.val_seqlen = val.val_ids, list(val.val_docs), validation_seqlen(val, bench.bos)
     return {"split": "the base config's calibration held-out tail (no trial trains on it)", "source": val.source,
-            "text": text_id(val.val_ids), "tokens": int(val.val_ids.numel()), "seqlen": bench.cfg.data.eval_seqlen,
-            "left_out_training_chunks": left_out}
+            "text": text_id(val.val_ids), "tokens": int(val.val_ids.numel()), "seqlen": bench.val_seqlen,
+            "left_out_training_chunks": bench.calibration.left_out}
+
+
+def validation_seqlen(val, bos: int | None) -> int:
+    """The validation windows' length: one chunk of the base calibration's tail (and BOS), so that
+    each window is one source's text, never two domains joined."""
+    return val.chunk + (bos is not None)
 
 
 def expected_kept_parameters(bench, drop: list[int]) -> int:
@@ -164,7 +165,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     from trsp_ray.models import families
     from trsp_ray.run.methods import apply_method
     from trsp_ray.run.pipeline import resolve
-    from trsp_ray.run.workbench import check_inputs, kept_parameters, prepare
+    from trsp_ray.run.workbench import check_inputs, kept_parameters, prepare, validation_base
     from trsp_ray.search.pipeline import fit_key, search_fingerprint, selection_key_of
     from trsp_ray.search.route import trial_device
 
@@ -172,7 +173,9 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     search_dir = Path(config["search_dir"])
     cfg_dict = apply_point(config["run"], config["point"])
     pipe = resolve(from_dict(cfg_dict), budget_layers=False)  # the trial's pipeline on this model, resolved once
-    cfg, spec = pipe.cfg, pipe.spec
+    spec = pipe.spec
+    # both routes' calibration (workbench.calibration_of) leave out the text the trial is scored on
+    cfg = replace(pipe.cfg, **{"data.validation_base": json.dumps(validation_base(from_dict(config["run"])))})
     tkey = trial_key(cfg_dict)
     num_layers = int(config.get("num_layers") or check_inputs(cfg))
     skey = selection_key_of(cfg_dict, config.get("search_fp") or search_fingerprint(config["run"]), spec=spec,
@@ -215,6 +218,7 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
               "resolved": {"stage2.steps": bench.cfg.stage2.steps, "heal.steps": bench.cfg.heal.steps},
               "status": "finished", "drop": outcome.drop, "kept": outcome.kept,
               "num_layers_original": bench.num_layers, "val_loss": val, "val_ppl": math.exp(val), "val_nlls": nlls,
+              "val_docs": bench.val_docs[: len(nlls)],
               "objective": {**objective, "windows": len(nlls), "report_windows": windows},
               "compute": compute_record(info, budget=bench.cfg.heal.compute_budget),
               "kept_parameters": kept, "dense_parameters": dense, "kept_fraction": kept / dense,
