@@ -42,6 +42,14 @@ def lambada_passages(n: int) -> list[tuple[str, str]]:
 
 def lambada_accuracy(model, tokenizer, passages, *, bos: int | None, batch_size: int = 16) -> tuple[float, float]:
     """(accuracy, standard error) under the lambada_openai rule."""
+    items = lambada_items(model, tokenizer, passages, bos=bos, batch_size=batch_size)
+    acc = sum(items) / len(items)
+    return acc, math.sqrt(acc * (1 - acc) / len(items))
+
+
+def lambada_items(model, tokenizer, passages, *, bos: int | None, batch_size: int = 16) -> list[int]:
+    """1/0 per passage under the lambada_openai rule: the final word is right when every one of its
+    tokens is the greedy argmax given the passage before it."""
     import torch
 
     pairs = []
@@ -50,7 +58,7 @@ def lambada_accuracy(model, tokenizer, passages, *, bos: int | None, batch_size:
         ctx_ids = tokenizer(ctx, add_special_tokens=False).input_ids
         prefix = [bos] if bos is not None else []
         pairs.append((prefix + whole, len(prefix) + len(ctx_ids)))
-    right = 0
+    items = []
     device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
@@ -62,9 +70,8 @@ def lambada_accuracy(model, tokenizer, passages, *, bos: int | None, batch_size:
             logits = model(input_ids=batch.to(device), use_cache=False).logits
             for k, (ids, n_ctx) in enumerate(chunk):
                 pred = logits[k, n_ctx - 1:len(ids) - 1].argmax(-1).cpu()
-                right += int(torch.equal(pred, torch.tensor(ids[n_ctx:])))
-    acc = right / len(pairs)
-    return acc, math.sqrt(acc * (1 - acc) / len(pairs))
+                items.append(int(torch.equal(pred, torch.tensor(ids[n_ctx:]))))
+    return items
 
 
 def late_kl(model, gates, windows, *, drop, start: int, teacher=None):

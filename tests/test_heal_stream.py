@@ -61,15 +61,14 @@ def test_a_window_names_the_documents_it_was_cut_from():
 def test_no_heal_batch_of_a_large_budget_holds_a_held_out_or_validation_document():
     """The default mixture streamed for a 1M-token budget's heal: every window's documents are
     calibration documents of its source, by content id, and the window's text is theirs."""
+    from transformers import AutoTokenizer
+
     from trsp_ray.config.run_config import load_config
     from trsp_ray.data import domains
+    from trsp_ray.data.assets import smollm2_dir
     from trsp_ray.data.calibration import document_ids
     from trsp_ray.data.perplexity import bos_token
     from trsp_ray.run.workbench import calibration_of, heal_stream
-
-    from transformers import AutoTokenizer
-
-    from trsp_ray.data.assets import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     cfg = load_config(None, ["heal.compute_budget=1000000"])

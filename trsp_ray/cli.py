@@ -48,12 +48,12 @@ def _prune(args) -> int:
 
 
 def _tokens(text: str) -> float:
-    """A token count such as 200000, 200k or 1.5M (argparse type)."""
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(text[-1:].lower(), 1.0)
+    """A token count such as 200000, 200k, 1.5M or 1B (argparse type; G is a billion too)."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(text[-1:].lower(), 1.0)
     try:
         value = float(text[:-1] if scale != 1.0 else text) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; pass e.g. 200000, 200k or 1.5M") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; pass e.g. 200000, 200k, 1.5M or 1B") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count > 0")
     return value
