@@ -77,7 +77,13 @@ def test_a_budget_that_is_not_a_token_count_is_an_argparse_error(capsys):
         main(["prune", "--compute-budget", "lots"])
     assert done.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "argument --compute-budget: 'lots' is not a token count; pass e.g. 200000, 200k or 1.5M")
+        "argument --compute-budget: 'lots' is not a token count; pass e.g. 200000, 200k, 1.5M or 1B")
+
+
+def test_a_budget_takes_the_suffixes_of_gpu_scale():
+    from trsp_ray.cli import _tokens
+
+    assert [_tokens(t) for t in ("70k", "4M", "1B", "1.5b", "16m", "300000")] == [7e4, 4e6, 1e9, 1.5e9, 16e6, 3e5]
 
 
 def test_the_benchmark_refuses_a_prune_budget():
@@ -109,3 +115,25 @@ def test_the_planned_compensation_cost_bounds_what_the_compensation_spends():
     default = for_method(load_config(None, ["data.seqlen=32", "compensation.windows=4"]))  # compensates
     solve = fit_solve_cost(model_shape(default.model), tokens=4 * 32, blocks=n_drop_for(default.ratio, 12))
     assert planned_compensation_cost(default, num_layers=12) == pytest.approx(4 * 32 + solve) and solve > 0
+
+
+@pytest.mark.parametrize("budget, objective", [(1e6, "kd"), (3e5, "ce"), (2e7, "kd")])
+def test_a_budgets_selection_fit_teacher_and_heal_add_up_to_it(budget, objective):
+    """budget.Budget, split once from the resolved pipeline: its parts add up to the budget within one
+    heal step, the teacher's forward is one dense forward per heal token, and the heal's windows are
+    the ones the heal stream reads."""
+    from trsp_ray.config import registry
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.plan import compute
+    from trsp_ray.run.pipeline import resolve
+
+    cfg = load_config(None, [f"heal.compute_budget={budget}", f"recovery.objective={objective}",
+                             "tracking.enabled=false"])
+    pipe = resolve(cfg)
+    b = pipe.budget
+    assert b.total == budget and b.steps == pipe.cfg.stage2.steps and (b.seqlen, b.batch) == compute.heal_shape(pipe.cfg)
+    step = compute.step_cost(pipe.cfg, spec=registry.method(pipe.cfg.method))
+    assert b.selection > 0 and b.fit > 0
+    assert budget - step < b.selection + b.fit + b.teacher + b.heal == b.spent <= budget
+    assert b.teacher == (b.tokens if objective == "kd" else 0.0)
+    assert pipe.compute()["total"] == b.spent and pipe.compute()["heal_tokens"] == b.tokens

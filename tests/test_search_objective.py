@@ -337,7 +337,7 @@ def test_each_search_validation_window_is_one_sources_text_and_names_its_documen
     from trsp_ray.data import domains
     from trsp_ray.data.perplexity import bos_token, windows
     from trsp_ray.run.workbench import calibration_of
-    from trsp_ray.search.trial import validation_seqlen
+    from trsp_ray.search.objective import validation_seqlen
 
     tok = _smollm2_tokenizer()
     bos = bos_token(tok)

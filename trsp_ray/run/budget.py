@@ -15,6 +15,8 @@ the single process and the Ray Train workers run the same number of steps and th
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from trsp_ray.common.errors import TrspError
 from trsp_ray.config import registry
 from trsp_ray.plan import compute
@@ -112,12 +114,54 @@ def with_heal_steps(cfg, steps: int):
     return replace(cfg, **{"stage2.steps": steps, "heal.steps": 0})
 
 
-def describe(cfg, *, spec: registry.Method, num_layers: int) -> str:
-    """One line for the log: where a resolved budget goes (`spec`: the pipeline's registry entry)."""
-    select = planned_select_cost(cfg, spec=spec, num_layers=num_layers) or 0.0
-    comp = planned_compensation_cost(cfg, num_layers=num_layers)
-    heal = compute.step_cost(cfg, spec=spec) * cfg.stage2.steps
-    return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
-            + (f", compensation {comp / 1e3:.1f}k" if comp else "")
-            + f", heal {cfg.stage2.steps} steps ({heal / 1e3:.1f}k)")
+@dataclass(frozen=True)
+class Budget:
+    """Where a run's compute goes, in dense-forward tokens, split once from the resolved pipeline and
+    the model's shape (`split`) and handed to the plan, the log, the manifest and the report: the
+    selection (None for TRSP's stage 1, known only after it runs), the fit, the distillation
+    teacher's forward over the heal's tokens, the student's heal steps, and the heal's windows."""
+
+    total: float | None  # what was asked for (heal.compute_budget; None: steps were configured)
+    selection: float | None
+    fit: float
+    teacher: float
+    heal: float  # the student's forward and backward of every heal step (the teacher apart)
+    steps: int
+    seqlen: int
+    batch: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the heal trains on."""
+        return self.steps * self.seqlen * self.batch
+
+    @property
+    def spent(self) -> float | None:
+        """Selection + fit + teacher + heal (None while the selection's cost is unknown)."""
+        return None if self.selection is None else self.selection + self.fit + self.teacher + self.heal
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens": self.tokens, "spent": self.spent}
+
+    def describe(self) -> str:
+        """One line for the log."""
+        asked = f"compute budget {self.total / 1e3:.1f}k" if self.total else "compute"
+        select = "unknown until it runs" if self.selection is None else f"{self.selection / 1e3:.1f}k"
+        return (f"{asked} dense-forward tokens: selection {select}, fit {self.fit / 1e3:.1f}k"
+                + (f", teacher {self.teacher / 1e3:.1f}k" if self.teacher else "")
+                + f", heal {self.steps} steps of {self.batch} x {self.seqlen} tokens ({self.heal / 1e3:.1f}k)")
+
+
+def split(cfg, *, spec: registry.Method, num_layers: int, steps: int) -> Budget:
+    """The Budget of `cfg` (resolved: a budget already turned into `steps`, pipeline.training_steps,
+    by `resolve`) on a model of `num_layers` layers."""
+    seqlen, batch = compute.heal_shape(cfg) if not (spec.stage2 and cfg.stage2.enabled) else (
+        cfg.data.seqlen, cfg.data.batch_size)
+    trained = compute.step_cost(cfg, spec=spec) * steps
+    teacher = compute.KD_TEACHER * steps * seqlen * batch if cfg.recovery.objective == "kd" and steps else 0.0
+    return Budget(total=cfg.heal.compute_budget or None,
+                  selection=planned_select_cost(cfg, spec=spec, num_layers=num_layers),
+                  fit=planned_compensation_cost(cfg, num_layers=num_layers), teacher=teacher,
+                  heal=trained - teacher, steps=steps, seqlen=seqlen, batch=batch)
+
 

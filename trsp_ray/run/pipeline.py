@@ -70,20 +70,27 @@ class Pipeline:
         return registry.on_workers(self.name)
 
     def compute(self) -> dict:
-        """The planned compute split in dense-forward tokens (budget.py): select (None for TRSP's
-        stage 1, known only after it runs), fit, heal (its steps x one step of its recipe,
-        compute.step_cost) and total; None where the model's layers are unknown."""
-        from trsp_ray.plan import compute
+        """The planned compute split in dense-forward tokens (budget.Budget, split once per Pipeline):
+        select (None for TRSP's stage 1, known only after it runs), fit, teacher, heal (steps x one
+        step of its recipe, the teacher's forward included) and total; None where the model's layers
+        are unknown."""
+        b = self.budget
+        if b is None:
+            return {"select": None, "fit": None, "heal_steps": training_steps(self.cfg, spec=self.spec),
+                    "heal": None, "total": None, "budget": self.cfg.heal.compute_budget or None}
+        return {"select": b.selection, "fit": b.fit, "heal_steps": b.steps, "heal": b.heal + b.teacher,
+                "teacher": b.teacher, "heal_tokens": b.tokens, "seqlen": b.seqlen, "batch": b.batch,
+                "total": b.spent, "budget": b.total}
+
+    @functools.cached_property
+    def budget(self):
+        """The run's budget.Budget on this model (None where its layers are unknown)."""
         from trsp_ray.run import budget
 
-        layers = self.num_layers or 0
-        select = budget.planned_select_cost(self.cfg, spec=self.spec, num_layers=layers) if layers else None
-        fit = budget.planned_compensation_cost(self.cfg, num_layers=layers) if layers else None
-        steps = training_steps(self.cfg, spec=self.spec)
-        heal = compute.step_cost(self.cfg, spec=self.spec) * steps if layers else None
-        total = None if select is None or fit is None or heal is None else select + fit + heal
-        return {"select": select, "fit": fit, "heal_steps": steps, "heal": heal, "total": total,
-                "budget": self.cfg.heal.compute_budget or None}
+        if not self.num_layers:
+            return None
+        return budget.split(self.cfg, spec=self.spec, num_layers=self.num_layers,
+                            steps=training_steps(self.cfg, spec=self.spec))
 
     def describe(self) -> str:
         """One line for the log: what runs, and what was decided for this model."""
@@ -183,10 +190,12 @@ def resolve(cfg, *, hidden: int | None = None, budget_layers: bool = True) -> Pi
 
         layers = check_inputs(out)
         out = budget.resolve(out, spec=spec, num_layers=layers)
-        log(budget.describe(out, spec=spec, num_layers=layers))
     elif config is not None:
         layers = families._get(config, families.FAMILIES[config.model_type].config_path).num_hidden_layers
-    return Pipeline(requested=requested, cfg=out, fallback=fallback, hidden=hidden, num_layers=layers)
+    pipe = Pipeline(requested=requested, cfg=out, fallback=fallback, hidden=hidden, num_layers=layers)
+    if out.heal.compute_budget and budget_layers:
+        log(pipe.budget.describe())
+    return pipe
 
 
 def read_yaml(path: str) -> str:

@@ -55,8 +55,7 @@ def _validation_task(model_dir: str, base: dict) -> dict:
     from trsp_ray.data.perplexity import bos_token, window_nlls
     from trsp_ray.evaluation.evaluator import load_candidate
     from trsp_ray.run.workbench import DTYPES, kept_parameters, run_dtype
-    from trsp_ray.search.objective import text_id, validation_text
-    from trsp_ray.search.trial import validation_seqlen
+    from trsp_ray.search.objective import text_id, validation_seqlen, validation_text
 
     dtype = str(DTYPES[run_dtype(from_dict(base))]).removeprefix("torch.")
     model, tokenizer = load_candidate(model_dir, dtype=dtype)

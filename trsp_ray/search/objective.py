@@ -34,6 +34,12 @@ def validation_text(run: dict, tokenizer, *, bos: int | None):
     return calibration_of(from_dict(run), tokenizer, bos=bos)
 
 
+def validation_seqlen(val, bos: int | None) -> int:
+    """The validation windows' length: one chunk of the base calibration's tail (and BOS), so that
+    each window is one source's text, never two domains joined."""
+    return val.chunk + (bos is not None)
+
+
 def text_id(ids: torch.Tensor) -> str:
     """A short hash of token ids: two records with the same id were scored on the same text."""
     return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:16]

@@ -52,19 +52,13 @@ def with_objective(bench, config: dict, cfg_dict: dict) -> dict:
     for every trial: its chunks, each one source's, and their documents). The trial's training text
     is already without it (data.validation_base, workbench.calibration_of). Returns what the record
     says of the objective."""
-    from trsp_ray.search.objective import text_id, validation_text
+    from trsp_ray.search.objective import text_id, validation_seqlen, validation_text
 
     val = validation_text(config["run"], bench.tokenizer, bos=bench.bos)
     bench.val_ids, bench.val_docs, bench.val_seqlen = val.val_ids, list(val.val_docs), validation_seqlen(val, bench.bos)
     return {"split": "the base config's calibration held-out tail (no trial trains on it)", "source": val.source,
             "text": text_id(val.val_ids), "tokens": int(val.val_ids.numel()), "seqlen": bench.val_seqlen,
             "left_out_training_chunks": bench.calibration.left_out}
-
-
-def validation_seqlen(val, bos: int | None) -> int:
-    """The validation windows' length: one chunk of the base calibration's tail (and BOS), so that
-    each window is one source's text, never two domains joined."""
-    return val.chunk + (bos is not None)
 
 
 def expected_kept_parameters(bench, drop: list[int]) -> int:
