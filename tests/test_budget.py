@@ -131,7 +131,8 @@ def test_a_budgets_selection_fit_teacher_and_heal_add_up_to_it(budget, objective
                              "tracking.enabled=false"])
     pipe = resolve(cfg)
     b = pipe.budget
-    assert b.total == budget and b.steps == pipe.cfg.stage2.steps and (b.seqlen, b.batch) == compute.heal_shape(pipe.cfg)
+    assert b.total == budget and b.steps == pipe.cfg.stage2.steps
+    assert (b.seqlen, b.batch) == compute.heal_shape(pipe.cfg)
     step = compute.step_cost(pipe.cfg, spec=registry.method(pipe.cfg.method))
     assert b.selection > 0 and b.fit > 0
     assert budget - step < b.selection + b.fit + b.teacher + b.heal == b.spent <= budget

@@ -764,3 +764,24 @@ def test_a_rerun_reads_finished_rows_back_and_runs_only_what_is_new(tiny_dir, tm
     assert len(ran[2]) == 3  # another config: every job again
     comparison.run_benchmark(_cfg(tiny_dir), names, runner=runner, show=False)  # the library default: no cache
     assert len(ran[3]) == 3
+
+
+def test_at_a_total_compute_budget_every_trained_row_spends_it(tiny_dir):
+    """--budgets 20k: the default, its distilled twin and the plain heal each heal with what the budget
+    leaves after their own selection and fit, at their own step cost (a distillation step pays the
+    teacher's forward), so each row's total lands within one step below the budget."""
+    from trsp_ray.benchmark.comparison import run_benchmark
+    from trsp_ray.config.registry import budget_label
+
+    names = ["dense", "shortgpt+heal", "shortgpt+comp+heal", "shortgpt+comp+heal@kd"]
+    budget = 20_000
+    summary = run_benchmark(_cfg(tiny_dir, "compensation.windows=16"), names, budgets=(budget,), show=False)
+    by = {s["row"]: s for s in summary}
+    steps = {}
+    for name in names[1:]:
+        s = by[name]
+        step = s["train cost"] / s["heal steps"]
+        assert budget - step < s["total cost"] <= budget, name
+        steps[name] = s["heal steps"]
+    assert steps["shortgpt+comp+heal@kd"] < steps["shortgpt+comp+heal"] <= steps["shortgpt+heal"]
+    assert budget_label(budget) == "20k" and budget_label(1_000_000) == "1M" and budget_label(4) == "x4"

@@ -96,11 +96,12 @@ CURVE = {"lambada": 500, "budgets": "1,4,16", "seeds": 2}
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated integers; a count may carry a k / M / B suffix (--budgets 70k,300k,1M)."""
     from trsp_ray.common.errors import TrspError
 
     try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
+        return tuple(int(round(_tokens(x))) if x[-1:].isalpha() else int(x) for x in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
         raise TrspError(f"{flag}={text!r} is not valid; pass comma-separated integers, e.g. 1,4") from None
 
 
@@ -275,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"LAMBADA last-word accuracy on the first N test passages (0 = off; default "
                         f"{QUICK['lambada']}, --full {FULL['lambada']}); reported, never used to select")
     b.add_argument("--budgets", default=None, metavar="B,B",
-                   help="heal budgets of the trained rows, multiples of stage2.steps (default 1; --full 1,4)")
+                   help="heal budgets of the trained rows: multiples of stage2.steps (default 1; --full 1,4), or "
+                        "total compute budgets in dense-forward tokens (e.g. 70k,300k,1M: every trained row heals "
+                        "with what its selection and fit leave)")
     b.add_argument("--left-out", default=None, metavar="DOMAIN",
                    help=f"the domain the table's calibration leaves out, scored as its left-out column (default "
                         f"{domains.BENCHMARK_LEFT_OUT}; 'none' calibrates on the product's whole default mixture "

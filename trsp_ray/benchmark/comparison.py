@@ -46,10 +46,12 @@ def check_request(cfg: RunConfig, row_names, seeds: int, zeroshot_limit: int, *,
     if not budgets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in budgets) \
             or len(set(budgets)) != len(budgets):
         raise TrspError(f"budgets={list(budgets)!r} is not valid; pass distinct integers >= 1 (multiples of "
-                        "stage2.steps), e.g. 1,4")
+                        f"stage2.steps, e.g. 1,4) or total compute budgets from {registry.COMPUTE_BUDGET_FROM} "
+                        "dense-forward tokens up (e.g. 70k,300k,1M)")
     if cfg.heal.compute_budget:
         raise TrspError(f"heal.compute_budget={cfg.heal.compute_budget:g} is a prune setting; the benchmark gives "
-                        "its trained rows heal budgets with --budgets and equal-compute rows with '@compute'")
+                        "its trained rows compute budgets with --budgets (e.g. 300k,1M) and equal-compute rows with "
+                        "'@compute'")
     rows = registry.rows(list(row_names))
     if any(r.group == "trained" for r in rows) and cfg.stage2.steps < 1:
         raise TrspError("stage2.steps=0 leaves the trained rows no weight-update budget; set stage2.steps >= 1 "
@@ -280,7 +282,7 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
             if retention is not None:
                 tracker.log_figure(retention, "retention_vs_compute.png")
             for s in summary:
-                prefix = f"{s['row']}/x{s['budget']}"
+                prefix = f"{s['row']}/{registry.budget_label(s['budget'])}"
                 tracker.log_metrics({f"{prefix}/geo_mean_x_dense": s["geo-mean x dense"]["mean"],
                                      **{f"{prefix}/{d}_ppl": s[f"{d} PPL"]["mean"] for d in s["domains"]},
                                      f"{prefix}/total_cost": s["total cost"],
@@ -362,7 +364,7 @@ def _tracker_while_warming(t, warm):
 
 
 def _log_job(tracker, plots, job: Job, out: dict) -> None:
-    budget = f" x{job.budget}" if job.budget != 1 else ""
+    budget = f" {registry.budget_label(job.budget)}" if job.budget != 1 else ""
     name = f"{job.name}{budget} seed {job.seed}" if job.kind == "row" else f"selection {job.name} seed {job.seed}"
     with tracker.run(name, nested=True, tags={"kind": job.kind, "name": job.name, "seed": str(job.seed)}):
         for metrics, step in out.get("history", []):

@@ -119,6 +119,17 @@ def compensation_steps(cfg: RunConfig, drop, *, spec: registry.Method, num_layer
     return compute.extra_heal_steps(cost, step_cost=compute.step_cost(row_cfg or cfg, spec=spec, drop=drop))
 
 
+def compute_budget_steps(cfg: RunConfig, row: registry.Row, selection: dict, *, spec: registry.Method, drop,
+                         num_layers: int) -> int:
+    """Steps of a trained row at total compute cfg.heal.compute_budget: what it leaves after the row's
+    selection (as measured) and its fit (run.budget.heal_steps, each step at the row's recipe's and
+    objective's cost, a distillation's teacher included)."""
+    from trsp_ray.run import budget
+
+    comp = budget.fit_cost(cfg, drop=drop, num_layers=num_layers)
+    return budget.heal_steps(cfg, spec=spec, select=selection["info"].get("select_cost", 0.0), comp=comp, drop=drop)
+
+
 def lambada(bench, model, *, limit: int) -> dict:
     """LAMBADA last-word accuracy (lm-eval's lambada_openai rule) on the first `limit` test passages,
     with its standard error and the per-passage results (0/1, in passage order) for paired verdicts,
@@ -257,14 +268,21 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
         # the row's pipeline, resolved by row_config, prices its recipe's steps; its selection method
         # (a registered name) is what apply_method runs on the shared drop set with the row's budgets
         spec = named(bench.cfg).spec
-        extra = equal_compute_steps(bench.cfg, selection, reference, spec=spec, drop=drop) if row.equal_compute else 0
-        if row.comp_compute:
-            extra += compensation_steps(run_cfg, drop, spec=spec, num_layers=bench.num_layers, row_cfg=bench.cfg)
-        if row.full_compute:
-            extra += full_heal_steps(bench.cfg, row, spec=spec, drop=drop, budget=budget)
-        if row.objective is not None:
-            extra += objective_steps(bench.cfg, row, spec=spec, drop=drop, budget=budget)
-        s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
+        if budget >= registry.COMPUTE_BUDGET_FROM:  # a total compute: every row spends the same
+            bench.cfg = replace(bench.cfg, **{"heal.compute_budget": float(budget)})  # the heal's windows grow
+            extra = compute_budget_steps(bench.cfg, row, selection, spec=spec, drop=drop,
+                                         num_layers=bench.num_layers) - bench.cfg.stage2.steps
+            s2, heal = budget_configs(row, bench.cfg, budget=1, extra_steps=extra)
+        else:
+            extra = equal_compute_steps(bench.cfg, selection, reference, spec=spec, drop=drop) \
+                if row.equal_compute else 0
+            if row.comp_compute:
+                extra += compensation_steps(run_cfg, drop, spec=spec, num_layers=bench.num_layers, row_cfg=bench.cfg)
+            if row.full_compute:
+                extra += full_heal_steps(bench.cfg, row, spec=spec, drop=drop, budget=budget)
+            if row.objective is not None:
+                extra += objective_steps(bench.cfg, row, spec=spec, drop=drop, budget=budget)
+            s2, heal = budget_configs(row, bench.cfg, budget=budget, extra_steps=extra)
         out = apply_method(bench, registry.METHODS[row.method], drop=drop, stage2=row.recovery == "stage2",
                            stage2_cfg=s2, heal_cfg=heal, report=lambda m, s: history.append((dict(m), s)))
         model, drop, info = out.model, out.drop, {**selection["info"], **out.info, "extra_heal_steps": extra}
@@ -286,5 +304,5 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     result["seconds"] = time.time() - t0 + (selection["seconds"] if selection else 0.0)
     lamb = f", LAMBADA acc {result['lambada']['acc']:.3f}" if "lambada" in result else ""
     ppls = ", ".join(f"{name} {v:.2f}" for name, v in result["ppl"].items())
-    log(f"row {row_name} x{budget} (seed {seed}): PPL {ppls}{lamb} ({result['seconds']:.0f}s)")
+    log(f"row {row_name} {registry.budget_label(budget)} (seed {seed}): PPL {ppls}{lamb} ({result['seconds']:.0f}s)")
     return result

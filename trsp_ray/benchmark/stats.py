@@ -125,6 +125,9 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int, dense_n
          "recovery cost": statistics.fmean(r["info"].get("recovery_cost", 0.0) for r in runs),
          "total cost": statistics.fmean(r["info"].get("total_cost", 0.0) for r in runs),
          "weight tokens": first["info"].get("weight_tokens", 0),
+         "heal steps": first["info"].get("heal_steps", 0) + first["info"].get("stage2_steps", 0),
+         "train cost": statistics.fmean(r["info"].get("heal_cost", 0.0) + r["info"].get("stage2_cost", 0.0)
+                                        for r in runs),
          "seconds": statistics.fmean(r["seconds"] for r in runs), "is_baseline": row.is_baseline,
          "equal_compute": row.equal_compute, "comp_compute": row.comp_compute,
          "full_compute": row.full_compute, "items": {}, "domains": doms,

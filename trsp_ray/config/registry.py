@@ -216,6 +216,19 @@ DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
 QUICK_ROWS = tuple(r.name for r in ROWS.values() if r.quick)
 # `trsp-ray benchmark --budget-curve`: the default's recovery with cross-entropy and with distillation
 # at equal compute, and a partial heal at a full heal's compute, at growing heal budgets (issue 42)
+# a benchmark budget (--budgets) from this value up is a total compute in dense-forward tokens (every
+# trained row heals with what that compute leaves after its selection and fit, at its recipe's and
+# objective's step cost); below it, a multiple of stage2.steps
+COMPUTE_BUDGET_FROM = 1000
+
+
+def budget_label(budget: int) -> str:
+    """How a benchmark budget is shown: x4 (a multiple of stage2.steps) or 300k / 1M (total compute)."""
+    if budget < COMPUTE_BUDGET_FROM:
+        return f"x{budget}"
+    return f"{budget / 1e6:g}M" if budget >= 1e6 else f"{budget / 1e3:g}k"
+
+
 CURVE_ROWS = ("dense", "shortgpt+comp+heal", "shortgpt+comp+heal@kd", "shortgpt+comp+heal.map@full")
 # `trsp-ray benchmark --leave-one-out`: the default against the plain heal at its total compute and
 # against its distilled recovery, once per left-out domain
