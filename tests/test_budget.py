@@ -138,3 +138,22 @@ def test_a_budgets_selection_fit_teacher_and_heal_add_up_to_it(budget, objective
     assert budget - step < b.selection + b.fit + b.teacher + b.heal == b.spent <= budget
     assert b.teacher == (b.tokens if objective == "kd" else 0.0)
     assert pipe.compute()["total"] == b.spent and pipe.compute()["heal_tokens"] == b.tokens
+
+
+def test_prune_with_a_budget_runs_the_default_measured_best_at_the_nearest_budget(capsys):
+    """`prune --compute-budget B` without --method runs registry.BUDGET_DEFAULTS' entry nearest B
+    (log scale) and says so on its first line; an explicit --method is kept."""
+    import math
+
+    from trsp_ray.cli import build_parser, prune_config
+    from trsp_ray.config import registry
+
+    for budget, _, _ in registry.BUDGET_DEFAULTS:
+        for asked in (budget, budget * 1.2):
+            nearest = min(registry.BUDGET_DEFAULTS, key=lambda e: abs(math.log(asked / e[0])))
+            cfg = prune_config(build_parser().parse_args(["prune", "--compute-budget", str(asked)]))
+            assert (cfg.method, cfg.recovery.objective) == nearest[1:]
+    assert "the default measured best at" in capsys.readouterr().out
+    cfg = prune_config(build_parser().parse_args(["prune", "--compute-budget", "1M", "--method", "tail+heal"]))
+    assert cfg.method == "tail+heal" and cfg.recovery.objective == "ce"
+    assert registry.budget_default(1e9)[0] == max(b for b, _, _ in registry.BUDGET_DEFAULTS)

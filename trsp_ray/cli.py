@@ -15,9 +15,18 @@ def prune_config(args):
     command with these two)."""
     cfg = run_config(args, method=args.method, output=args.output)
     if args.compute_budget is not None:
+        from trsp_ray.common.logs import log
+        from trsp_ray.config import registry
         from trsp_ray.config.run_config import replace
 
         cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
+        if args.method is None and cfg.method == registry.DEFAULT_METHOD:  # the default, per budget
+            measured, method, objective = registry.budget_default(args.compute_budget)
+            kd = objective != cfg.recovery.objective and cfg.recovery.objective == "ce"
+            cfg = replace(cfg, method=method, **({"recovery.objective": objective} if kd else {}))
+            log(f"compute budget {registry.budget_label(int(args.compute_budget))}: running {method} with "
+                f"recovery.objective={cfg.recovery.objective}, the default measured best at "
+                f"{registry.budget_label(int(measured))} (docs/results.md); --method chooses another")
     return cfg
 
 

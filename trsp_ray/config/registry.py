@@ -216,6 +216,21 @@ DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
 QUICK_ROWS = tuple(r.name for r in ROWS.values() if r.quick)
 # `trsp-ray benchmark --budget-curve`: the default's recovery with cross-entropy and with distillation
 # at equal compute, and a partial heal at a full heal's compute, at growing heal budgets (issue 42)
+# `prune --compute-budget B` without --method: (measured budget, pipeline, recovery objective) of what
+# won at each measured total compute on the product's own domains (docs/results.md, "Recovery at
+# the budgets users run"); the entry whose budget is nearest B on a log scale runs
+BUDGET_DEFAULTS = (
+    (70e3, DEFAULT_METHOD, "ce"),
+)
+
+
+def budget_default(budget: float) -> tuple[float, str, str]:
+    """The BUDGET_DEFAULTS entry nearest `budget` (log scale)."""
+    import math
+
+    return min(BUDGET_DEFAULTS, key=lambda e: (abs(math.log(budget / e[0])), e[0]))
+
+
 # a benchmark budget (--budgets) from this value up is a total compute in dense-forward tokens (every
 # trained row heals with what that compute leaves after its selection and fit, at its recipe's and
 # objective's step cost); below it, a multiple of stage2.steps

@@ -274,12 +274,20 @@ def kept_parameters(model) -> int:
 def heal_stream(cfg, cal, *, bos: int | None, seed_offset: int, steps: int | None = None):
     """The heal's batch stream (data/stream.HealStream) over calibration `cal`'s sources at their
     weights, in windows of compute.heal_shape(cfg): the one definition for one process and the Ray
-    Train workers, so both heal on the same windows. With `steps`, a heal that needs more windows
-    than the stream gives is refused in one line, and the passes over each source are logged."""
+    Train workers, so both heal on the same windows. Below the first budget of HEAL_SHAPES (and
+    without heal.seqlen / heal.batch_size) the calibration mixture's training.Batches, as before.
+    With `steps`, a heal that needs more windows than the stream gives is refused in one line, and
+    the passes over each source are logged."""
     from trsp_ray.data.stream import HealStream
     from trsp_ray.plan import compute
 
+    h = cfg.heal
     seqlen, batch = compute.heal_shape(cfg)
+    if h.compute_budget < compute.HEAL_SHAPES[0][0] and not (h.seqlen or h.batch_size):
+        # a short heal (today's default budget, ~10k tokens) reads the mixture stage 2 reads: it
+        # holds each source's share many times over what such a heal trains on
+        return Batches(cal.ids, seqlen=seqlen, batch_size=batch, seed=cfg.seed + seed_offset, bos=bos,
+                       strata=cal.strata)
     stream = HealStream(cal.parts, cal.weights, seqlen=seqlen, batch_size=batch, bos=bos,
                         seed=cfg.seed + seed_offset, max_passes=cfg.heal.max_passes)
     if steps:
