@@ -182,7 +182,8 @@ def test_a_worker_killed_while_its_checkpoint_uploads_resumes_from_the_last_comm
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from trsp_ray.distributed.storage import RunRecords, filesystem
+    from trsp_ray.common.filesystems import filesystem
+    from trsp_ray.distributed.storage import RunRecords
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the loop lives in this test file
     private_ray(num_cpus=2)

@@ -1,7 +1,6 @@
 """The run's storage: whatever Ray Train supports (a shared local path, s3://, gs://, ...), reached
-through one pyarrow filesystem, the same one Ray Train writes its checkpoints with.
+through one pyarrow filesystem (common/filesystems.py), the same one Ray Train writes its checkpoints with.
 
-    fs, root = filesystem("s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http")
     records = RunRecords(storage_path, run_name)    # the run's own records, one object per event
 
 No path here assumes a POSIX filesystem shared by the nodes: S3 has no append, so every record is
@@ -17,21 +16,7 @@ import uuid
 from pathlib import Path
 
 from trsp_ray.common.errors import TrspError
-
-
-def is_remote(storage_path: str) -> bool:
-    return "://" in storage_path and not storage_path.startswith("file://")
-
-
-def filesystem(storage_path: str):
-    """(pyarrow filesystem, path on it) of a storage path or URI (query options such as
-    endpoint_override=host:port&scheme=http go to pyarrow)."""
-    import pyarrow.fs
-
-    if not is_remote(storage_path):
-        return pyarrow.fs.LocalFileSystem(), str(Path(storage_path.removeprefix("file://")).expanduser().resolve())
-    fs, path = pyarrow.fs.FileSystem.from_uri(storage_path)
-    return fs, path.rstrip("/")
+from trsp_ray.common.filesystems import filesystem, is_remote
 
 
 def _short(exc: Exception) -> str:

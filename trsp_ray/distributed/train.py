@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.common.filesystems import filesystem, is_remote
 from trsp_ray.common.logs import warn
 from trsp_ray.distributed import ray_session
-from trsp_ray.distributed.storage import RunRecords, check_storage, is_remote, location
+from trsp_ray.distributed.storage import RunRecords, check_storage, location
 
 __all__ = ["DistributedResult", "check_plan", "check_resources", "check_storage", "prepare_run", "run_distributed"]
 
@@ -280,7 +281,6 @@ def _fit(cfg, loop_config: dict, *, storage: str, name: str, cpus: int) -> None:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from trsp_ray.distributed.storage import filesystem
     from trsp_ray.distributed.worker import train_loop
 
     dist = cfg.distributed
