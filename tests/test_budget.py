@@ -157,3 +157,22 @@ def test_prune_with_a_budget_runs_the_default_measured_best_at_the_nearest_budge
     cfg = prune_config(build_parser().parse_args(["prune", "--compute-budget", "1M", "--method", "tail+heal"]))
     assert cfg.method == "tail+heal" and cfg.recovery.objective == "ce"
     assert registry.budget_default(1e9)[0] == max(b for b, _, _ in registry.BUDGET_DEFAULTS)
+
+
+def test_the_default_pipeline_on_a_gpu_gets_a_budget_sized_for_a_real_heal(monkeypatch):
+    import torch
+
+    from trsp_ray.cli import build_parser, prune_config
+    from trsp_ray.config import registry
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("cuda", "auto"):
+        cfg = prune_config(build_parser().parse_args(["prune", "--set", f"device={device}"]), gpu_default=True)
+        assert cfg.heal.compute_budget == registry.GPU_DEFAULT_BUDGET
+    assert cfg.method == registry.budget_default(registry.GPU_DEFAULT_BUDGET)[1]
+    args = build_parser().parse_args(["prune", "--method", "shortgpt+heal", "--set", "device=cuda"])
+    kept = prune_config(args, gpu_default=True)
+    assert kept.heal.compute_budget == 0  # a chosen pipeline keeps its configured steps
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    on_cpu = prune_config(build_parser().parse_args(["prune", "--set", "device=auto"]), gpu_default=True)
+    assert on_cpu.heal.compute_budget == 0  # CPU: today's short heal

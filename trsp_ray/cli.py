@@ -9,31 +9,46 @@ from trsp_ray.data import domains
 from trsp_ray.run.run_args import add_run_arguments, method_type, run_config
 
 
-def prune_config(args):
+def prune_config(args, *, gpu_default: bool = False):
     """The run config of `trsp-ray prune`'s flags (--compute-budget is heal.compute_budget); what the
     command then refuses before any work is `run.pipeline.resolve`'s (the tests check every documented
-    command with these two)."""
-    cfg = run_config(args, method=args.method, output=args.output)
-    if args.compute_budget is not None:
-        from trsp_ray.common.logs import log
-        from trsp_ray.config import registry
-        from trsp_ray.config.run_config import replace
+    command with these two). With a budget the default pipeline (no --method) is the one measured best
+    at the nearest budget; `gpu_default` (the command itself) gives the default pipeline on a GPU
+    registry.GPU_DEFAULT_BUDGET when no budget is given."""
+    from trsp_ray.common.logs import log
+    from trsp_ray.config import registry
+    from trsp_ray.config.run_config import replace
 
-        cfg = replace(cfg, **{"heal.compute_budget": args.compute_budget})
-        if args.method is None and cfg.method == registry.DEFAULT_METHOD:  # the default, per budget
-            measured, method, objective = registry.budget_default(args.compute_budget)
-            kd = objective != cfg.recovery.objective and cfg.recovery.objective == "ce"
-            cfg = replace(cfg, method=method, **({"recovery.objective": objective} if kd else {}))
-            log(f"compute budget {registry.budget_label(int(args.compute_budget))}: running {method} with "
-                f"recovery.objective={cfg.recovery.objective}, the default measured best at "
-                f"{registry.budget_label(int(measured))} (docs/results.md); --method chooses another")
+    cfg = run_config(args, method=args.method, output=args.output)
+    default = args.method is None and cfg.method == registry.DEFAULT_METHOD
+    budget = args.compute_budget
+    if gpu_default and budget is None and default and not cfg.heal.compute_budget and _on_gpu(cfg.device):
+        budget = registry.GPU_DEFAULT_BUDGET
+        log(f"on a GPU the default pipeline gets --compute-budget {registry.budget_label(int(budget))} unless "
+            "given (the heals published for depth pruning train on 1.6M-15M tokens)")
+    if budget is None:
+        return cfg
+    cfg = replace(cfg, **{"heal.compute_budget": budget})
+    if default:  # the default, per budget
+        measured, method, objective = registry.budget_default(budget)
+        kd = objective != cfg.recovery.objective and cfg.recovery.objective == "ce"
+        cfg = replace(cfg, method=method, **({"recovery.objective": objective} if kd else {}))
+        log(f"compute budget {registry.budget_label(int(budget))}: running {method} with "
+            f"recovery.objective={cfg.recovery.objective}, the default measured best at "
+            f"{registry.budget_label(int(measured))} (docs/results.md); --method chooses another")
     return cfg
+
+
+def _on_gpu(device: str) -> bool:
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def _prune(args) -> int:
     from trsp_ray.driver import route_for, run
 
-    cfg = prune_config(args)
+    cfg = prune_config(args, gpu_default=True)
     if cfg.output:  # a path no export can use: one line before anything logs, --dry-run included (the
         # free disk the planned export needs is checked in driver.run, once the route is known)
         from trsp_ray.run.export import check_output_dir

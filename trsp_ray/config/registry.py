@@ -231,6 +231,13 @@ def budget_default(budget: float) -> tuple[float, str, str]:
     return min(BUDGET_DEFAULTS, key=lambda e: (abs(math.log(budget / e[0])), e[0]))
 
 
+# `prune` of the default pipeline on a GPU without --compute-budget: a total of 16M dense-forward tokens,
+# some 5M distilled tokens, inside the 1.6M-15M tokens the published depth-pruning heals train on
+# whatever the model's size (their heals do not grow with it), and minutes of GPU time: 16M x 2 x 8e9
+# FLOPs is ~10 minutes for an 8B on one H100-class GPU. On CPU the default stays today's short heal.
+GPU_DEFAULT_BUDGET = 16e6
+
+
 # a benchmark budget (--budgets) from this value up is a total compute in dense-forward tokens (every
 # trained row heals with what that compute leaves after its selection and fit, at its recipe's and
 # objective's step cost); below it, a multiple of stage2.steps
