@@ -231,18 +231,33 @@ def check_heal_recipe(cfg, *, method, stage2: bool) -> None:
                         f"method (e.g. {method.selector}+comp+heal) or heal.trainable=all|lora|tail")
 
 
+TEACHERS = ("auto", "stored", "live")  # recovery.teacher
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     """The objective every weight update optimises, in stage 2 and in a heal alike (so that rows that
     train compare at the same objective): next-token cross-entropy, or distillation from the dense
-    model (KL(dense || pruned) on next-token distributions at temperature kd_temperature)."""
+    model (KL(dense || pruned) on next-token distributions at temperature kd_temperature). A heal
+    that reads the heal stream distils from the stored teacher (run/teacher_store.py: the dense
+    model's top-kd_topk records, computed once per stream); stage 2 and short heals run the dense
+    model beside the student (training.DistillLoss)."""
 
     objective: str = "ce"  # ce | kd
     kd_temperature: float = 1.0
+    kd_topk: int = 64  # teacher tokens kept per position (+ one bin for the rest); 0 = full vocabulary, live
+    kd_ce_weight: float = 0.0  # weight of next-token cross-entropy added to the KL
+    teacher: str = "auto"  # auto (stored for heals that read the heal stream) | stored | live
 
     def __post_init__(self):
         _choice("recovery.objective", self.objective, ("ce", "kd"))
         _positive("recovery.kd_temperature", self.kd_temperature)
+        _positive("recovery.kd_topk", self.kd_topk, allow_zero=True)
+        _positive("recovery.kd_ce_weight", self.kd_ce_weight, allow_zero=True)
+        _choice("recovery.teacher", self.teacher, TEACHERS)
+        if self.teacher == "stored" and self.kd_topk == 0:
+            raise TrspError("recovery.teacher=stored with recovery.kd_topk=0 is not valid: the store keeps the "
+                            "top-k tokens; set recovery.kd_topk >= 1 or recovery.teacher=live|auto")
 
 
 @dataclass(frozen=True)

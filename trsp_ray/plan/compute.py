@@ -155,6 +155,34 @@ def heal_shape(cfg) -> tuple[int, int]:
     return h.seqlen or seqlen, h.batch_size or d.batch_size * scale
 
 
+def heal_reads_stream(cfg) -> bool:
+    """Whether the heal reads the heal stream (data/stream.HealStream; workbench.heal_stream): from
+    the first budget of HEAL_SHAPES, or with heal.seqlen / heal.batch_size set. Below it a short heal
+    reads the calibration mixture's training.Batches."""
+    h = cfg.heal
+    return h.compute_budget >= HEAL_SHAPES[0][0] or bool(h.seqlen or h.batch_size)
+
+
+def heal_teacher(cfg) -> str | None:
+    """Where a heal's distillation teacher comes from: None (recovery.objective=ce); "stored"
+    (run/teacher_store.py: the dense model's top-k records, computed once per heal stream and read
+    by every row); "live" (training.DistillLoss: the dense model beside the student, full vocabulary).
+    recovery.teacher=auto is stored for heals that read the heal stream with kd_topk >= 1. Stage 2
+    always distils live (it reads training.Batches)."""
+    from trsp_ray.common.errors import TrspError
+
+    r = cfg.recovery
+    if r.objective != "kd":
+        return None
+    if r.teacher == "stored" and not heal_reads_stream(cfg):
+        raise TrspError(f"recovery.teacher=stored needs a heal that reads the heal stream, and "
+                        f"heal.compute_budget={cfg.heal.compute_budget:g} heals on the calibration mixture; set "
+                        f"heal.compute_budget >= {HEAL_SHAPES[0][0]:g} (or heal.seqlen), or recovery.teacher=auto|live")
+    if r.teacher == "live" or r.kd_topk == 0:
+        return "live"
+    return "stored" if heal_reads_stream(cfg) else "live"
+
+
 def heal_schedule(h) -> str:
     """heal.schedule of heal section `h` resolved: auto is cosine where the budget grew the heal's
     windows (HEAL_SHAPES), else constant."""

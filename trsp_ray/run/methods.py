@@ -8,6 +8,7 @@ that also needs weight gradients as 2; a pass through a fraction of the layers c
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -30,11 +31,15 @@ from trsp_ray.method.training import (
     SELECTION_STREAM,
     STAGE1_STREAM,
     STAGE2_STREAM,
+    DistillLoss,
     Report,
+    TorchStepper,
     null_report,
 )
 from trsp_ray.models import families
 from trsp_ray.plan import compute
+from trsp_ray.run.teacher_store import stored_objective
+from trsp_ray.run.workbench import heal_stream
 
 
 @dataclass
@@ -44,7 +49,6 @@ class Outcome:
     drop: list[int]  # original indices, in drop order
     kept: list[int]
     info: dict = field(default_factory=dict)  # tokens, steps, seconds, stage-2 relative updates
-
 
 
 def stage1_settings(s1) -> dict:
@@ -228,21 +232,18 @@ def select(bench, spec: registry.Method, *, model, gates, stage1: Stage1Result |
         "calib_tokens": 0, "select_cost": 0.0}
 
 
-def recovery_stepper(bench):
-    """The stepper factory stage 2 and heal train with: next-token CE, or distillation from the
-    dense original (recovery.objective = kd), the same for every row that trains."""
-    import functools
-
-    from trsp_ray.method.training import DistillLoss, TorchStepper
-
-    rec = bench.cfg.recovery
-    if rec.objective == "kd":
-        # the teacher runs where the student trains: the original when it lives there (CPU), else a
-        # device copy beside the student (the single-process plan counts both models and the
-        # teacher's logits, so a run that cannot hold them was refused before any work)
-        teacher = bench.scoring_model().eval()
-        return functools.partial(TorchStepper, objective=DistillLoss(teacher, temperature=rec.kd_temperature))
-    return TorchStepper
+def recovery_stepper(bench, *, stream=None, windows: int = 0, model=None):
+    """Stage 2's and the heal's stepper factory: CE, or distillation (recovery.objective = kd) from the
+    teacher store for a heal `stream` (`windows` of it; compute.heal_teacher), missing shards computed by
+    the dense model beside `model` (as the fit's), else from the dense model where the student trains."""
+    if bench.cfg.recovery.objective != "kd":
+        return TorchStepper
+    if stream is not None and compute.heal_teacher(bench.cfg) == "stored":
+        dense = lambda: _dense_beside(bench, model, activations="dense")  # noqa: E731
+        objective = stored_objective(bench.cfg, stream, windows=windows, dense=dense)
+    else:
+        objective = DistillLoss(bench.scoring_model().eval(), temperature=bench.cfg.recovery.kd_temperature)
+    return functools.partial(TorchStepper, objective=objective)
 
 
 def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
@@ -262,11 +263,10 @@ def _heal(bench, *, model, heal, report: Report, map_layers=()):
         if step % 5 == 0 or step == heal.steps:
             _log(f"  heal step {step}/{heal.steps}: {bench.cfg.recovery.objective} {metrics['heal/ce']:.4f}")
 
-    from trsp_ray.run.workbench import heal_stream
-
     stream = heal_stream(bench.cfg, bench.calibration, bos=bench.bos, seed_offset=HEAL_STREAM, steps=heal.steps)
-    return run_heal(model=model, batches=stream, map_layers=map_layers,
-                    make_stepper=recovery_stepper(bench), report=progress, **heal_settings(heal))
+    make = recovery_stepper(bench, stream=stream, windows=heal.steps * stream.batch_size, model=model)
+    return run_heal(model=model, batches=stream, map_layers=map_layers, make_stepper=make, report=progress,
+                    **heal_settings(heal))
 
 
 def method_heal(cfg):

@@ -281,9 +281,8 @@ def heal_stream(cfg, cal, *, bos: int | None, seed_offset: int, steps: int | Non
     from trsp_ray.data.stream import HealStream
     from trsp_ray.plan import compute
 
-    h = cfg.heal
     seqlen, batch = compute.heal_shape(cfg)
-    if h.compute_budget < compute.HEAL_SHAPES[0][0] and not (h.seqlen or h.batch_size):
+    if not compute.heal_reads_stream(cfg):
         # a short heal (today's default budget, ~10k tokens) reads the mixture stage 2 reads: it
         # holds each source's share many times over what such a heal trains on
         return Batches(cal.ids, seqlen=seqlen, batch_size=batch, seed=cfg.seed + seed_offset, bos=bos,
