@@ -299,12 +299,21 @@ def test_distillation_heal_moves_the_pruned_model_toward_the_dense_one(trained):
     assert after < 0.7 * before, (before, after)
 
 
-def test_distillation_is_refused_on_ray_train_workers():
+def test_distillation_on_ray_train_workers_is_refused_unless_the_heal_reads_a_stored_teacher():
+    """Issue 50 item 2: the workers distil from the teacher store in a heal on the heal stream; a live
+    teacher (a second model beside the student), stage 2 or a short heal is refused in one line."""
     from trsp_ray.common.errors import TrspError
     from trsp_ray.config.run_config import load_config
+    from trsp_ray.distributed.train import check_worker_settings
 
-    with pytest.raises(TrspError, match="recovery.objective='kd' is not available with distributed.workers=2"):
-        load_config(None, ["recovery.objective=kd", "distributed.workers=2"])
+    with pytest.raises(TrspError, match="teacher=live, kd_topk=64 is not available with distributed.workers=2"):
+        load_config(None, ["recovery.objective=kd", "recovery.teacher=live", "distributed.workers=2"])
+    kd = ["recovery.objective=kd", "distributed.workers=2", "compensation.method=none", "heal.steps=0"]
+    for method, extra in (("trsp", ["heal.seqlen=64"]), ("shortgpt+heal", [])):  # stage 2; a short heal
+        with pytest.raises(TrspError, match="would run the dense teacher beside the student") as err:
+            check_worker_settings(load_config(None, kd + [f"method={method}"] + extra))
+        assert "\n" not in str(err.value)
+    check_worker_settings(load_config(None, kd + ["method=shortgpt+heal", "heal.seqlen=64"]))  # stored: accepted
 
 
 def test_stage2_skip_schedule_is_a_heal_of_the_pruned_model(trained):

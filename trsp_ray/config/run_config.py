@@ -64,10 +64,12 @@ class RunConfig:
         if not 0.0 < self.ratio < 1.0:
             raise TrspError(f"ratio={self.ratio!r} is not valid; it must be in the open interval (0, 1)")
         _choice("device", self.device, ("cpu", "cuda", "auto"))
-        if self.recovery.objective == "kd" and self.distributed.workers > 0:
-            raise TrspError(f"recovery.objective='kd' is not available with "
-                            f"distributed.workers={self.distributed.workers}: "
-                            f"the Ray Train path trains with ce; use recovery.objective=ce or distributed.workers=0")
+        r = self.recovery
+        if r.objective == "kd" and self.distributed.workers > 0 and (r.teacher == "live" or r.kd_topk == 0):
+            raise TrspError(f"recovery.objective=kd with recovery.teacher={r.teacher}, kd_topk={r.kd_topk} is not "
+                            f"available with distributed.workers={self.distributed.workers}: the workers distil from "
+                            "the stored teacher only (no second model beside the student); use recovery.teacher="
+                            "auto|stored with kd_topk >= 1, recovery.objective=ce or distributed.workers=0")
         _choice("dtype", self.dtype, ("auto", "bf16", "fp16", "fp32"))
         if self.threads is not None:
             _positive("threads", self.threads)

@@ -131,29 +131,35 @@ class DeepSpeedStepper:
     rank*m .. rank*m+m-1, m = B / world); the engine averages gradients over workers, so one step
     equals the single-process step on the whole batch. `skip` > 0 fast-forwards that many steps
     (no compute, no update) to resume a stage-2 loop that has no resume argument of its own.
+    `objective(engine, rows, rows=slice)`: the loss of this rank's rows (distill.StoredDistillLoss,
+    which reads those rows' teacher records); next-token CE without one.
     """
 
-    def __init__(self, model, param_groups: list[dict], *, ds_config: dict, rank: int, world: int):
+    def __init__(self, model, param_groups: list[dict], *, ds_config: dict, rank: int, world: int,
+                 objective=None):
         import deepspeed
 
         from trsp_ray.method.gates import GatedLayer
 
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
         _safe_checkpoint_engine(self.engine)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.objective = rank, world, objective
         self.skip = 0
         self.gated_layers = [m for m in model.modules() if isinstance(m, GatedLayer)]
 
-    def _slice(self, batch: torch.Tensor) -> torch.Tensor:
+    def _rows(self, batch: torch.Tensor) -> slice:
         if batch.shape[0] % self.world:
             raise ValueError(f"batch of {batch.shape[0]} rows does not split over {self.world} workers")
         m = batch.shape[0] // self.world
-        return batch[self.rank * m:(self.rank + 1) * m].to(self.engine.device)
+        return slice(self.rank * m, (self.rank + 1) * m)
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if self.skip > 0:
             return torch.zeros((), requires_grad=True)
-        local = self._slice(batch)
+        rows = self._rows(batch)
+        local = batch[rows].to(self.engine.device)
+        if self.objective is not None:
+            return self.objective(self.engine, local, rows=rows)
         return self.engine(input_ids=local, labels=local, use_cache=False).loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -231,6 +237,7 @@ class StepperFactory:
     def __init__(self, *, ds_config: dict, rank: int, world: int, activation_checkpointing: bool = False,
                  on_build=None):
         self.ds_config, self.rank, self.world = ds_config, rank, world
+        self.objective = None  # the steppers' objective from the next build on (DeepSpeedStepper)
         self.activation_checkpointing = activation_checkpointing
         self.on_build = on_build
         self.built: list[DeepSpeedStepper] = []
@@ -246,7 +253,8 @@ class StepperFactory:
             from trsp_ray.method.training import set_checkpointing
 
             set_checkpointing(model, True)
-        stepper = DeepSpeedStepper(model, param_groups, ds_config=self.ds_config, rank=self.rank, world=self.world)
+        stepper = DeepSpeedStepper(model, param_groups, ds_config=self.ds_config, rank=self.rank, world=self.world,
+                                   objective=self.objective)
         if self.on_build is not None:
             self.on_build(stepper, len(self.built))
         self.built.append(stepper)

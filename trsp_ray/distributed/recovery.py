@@ -52,3 +52,89 @@ def gathered_mlp_output(layer, model):
 
     with gather_context(list(layer.parameters())):
         return families.map_module(layer, model)
+
+
+def teacher_on_workers(pipe, bench, *, teacher: dict | None, rank: int, world: int):
+    """The teacher store of the workers' heal (run/teacher_store.py), its missing shards computed now:
+    None when the run does not distil from a stored teacher (`teacher`: the driver's {"root", "model"}
+    for a stored-teacher heal, else None). Called before stage 1, the fit or any step changes a weight,
+    so the sharded model with no gate applied and nothing bypassed is the dense teacher: no second
+    model in any rank's memory. The windows split over the ranks as every data-parallel forward does
+    (training.split_over_ranks, padding forwards keep the ZeRO-3 collectives in step); rank 0 gathers
+    each shard's rows and writes it, and every rank reads its own rows of each batch back from the
+    store (which must be on storage every node sees). A resumed run finds its shards stored."""
+    from trsp_ray.data.perplexity import bos_token
+    from trsp_ray.method.training import HEAL_STREAM
+    from trsp_ray.models import families
+    from trsp_ray.run.teacher_store import TeacherStore, check_topk
+    from trsp_ray.run.workbench import heal_stream
+
+    settings = recovery_settings(pipe)
+    if teacher is None or settings is None or not pipe.spec.heal:
+        return None
+    cfg, r = pipe.cfg, pipe.cfg.recovery
+    stream = heal_stream(cfg, bench.calibration, bos=bos_token(bench.tokenizer), seed_offset=HEAL_STREAM,
+                         steps=settings["steps"])
+    store = TeacherStore(teacher["root"], stream, k=r.kd_topk, temperature=r.kd_temperature, cfg=cfg.to_dict(),
+                         model=teacher["model"])
+    check_topk(r.kd_topk, families.text_config(bench.model).vocab_size)
+    fill_on_ranks(bench, store, windows=settings["steps"] * stream.batch_size, rank=rank, world=world)
+    return store
+
+
+def fill_on_ranks(bench, store, *, windows: int, rank: int, world: int) -> int:
+    """Store the missing shards of `store`'s first `windows` windows from the dense ZeRO-3 model (no
+    gate applied, nothing bypassed), computed data-parallel (ranks_compute) and written by rank 0;
+    returns the shards computed. Collective: every rank calls it."""
+    from trsp_ray.distributed.collectives import broadcast_object, sum_over_ranks
+    from trsp_ray.distributed.ranks import forward_engine
+
+    todo = broadcast_object(store.missing(windows) if rank == 0 else None)  # every rank computes the same shards
+    if not todo:
+        return 0
+    forward_engine(bench, fresh=True)  # an engine's hooks gather each layer's partitions in the forward
+    with bench.gates.state(gated=False, bypass=[]):
+        done = store.fill(ranks_compute(bench, k=store.k, temperature=store.temperature,
+                                        batch_size=max(1, store.stream.batch_size // world), rank=rank, world=world),
+                          windows=windows, shards=todo, write=rank == 0)
+    sum_over_ranks([0.0])  # the writer has stored every shard before any rank reads one
+    return done
+
+
+def ranks_compute(bench, *, k: int, temperature: float, batch_size: int, rank: int, world: int):
+    """teacher_store's compute(windows) on the ranks: each rank runs the top-k records of its rows
+    (rows k % world == rank, in batches of `batch_size`) on the ZeRO-3 model, and the shard's
+    records are gathered on every rank in the windows' order."""
+    import torch
+
+    from trsp_ray.distributed.collectives import gather_objects
+    from trsp_ray.method.training import split_over_ranks
+    from trsp_ray.run.teacher_store import dense_compute
+
+    def forward(batch: torch.Tensor) -> torch.Tensor:
+        return bench.model(input_ids=batch.to(bench.factory.built[-1].engine.device), use_cache=False).logits
+
+    def compute(windows: torch.Tensor):
+        mine, padding = split_over_ranks(list(windows.split(batch_size)), rank=rank, world=world)
+        training = bench.model.training
+        bench.model.eval()
+        run = dense_compute(bench.model, k=k, temperature=temperature, batch_size=batch_size, forward=forward)
+        records = run(torch.cat(mine)) if mine else None
+        with torch.no_grad():
+            for _ in range(padding):  # ZeRO-3: a rank short of a batch still runs its forwards
+                forward(windows[:1])
+        bench.model.train(training)
+        parts = gather_objects(records)
+        out = []
+        for i in range(3):
+            full = None
+            for r, part in enumerate(parts):
+                if part is None:
+                    continue
+                if full is None:
+                    full = part[i].new_empty((windows.shape[0], *part[i].shape[1:]))
+                full[r::world] = part[i]
+            out.append(full)
+        return tuple(out)
+
+    return compute

@@ -100,6 +100,7 @@ def check_worker_settings(cfg, *, drop_given: bool = False, pipe=None) -> None:
     from trsp_ray.config import registry
     from trsp_ray.distributed.compensate import check_for_workers
     from trsp_ray.distributed.deepspeed_config import check_worker_dtype
+    from trsp_ray.plan.compute import heal_teacher
     from trsp_ray.plan.zero3_plan import method_on_workers
     from trsp_ray.run.pipeline import named
 
@@ -114,6 +115,11 @@ def check_worker_settings(cfg, *, drop_given: bool = False, pipe=None) -> None:
                         f"use a heal method ({', '.join(m.name for m in registry.METHODS.values() if m.heal)})")
     check_worker_dtype(cfg)
     check_for_workers(cfg)
+    if cfg.recovery.objective == "kd" and not ((pipe or named(cfg)).spec.heal and heal_teacher(cfg) == "stored"):
+        raise TrspError(f"recovery.objective=kd with method={cfg.method!r} and heal.compute_budget="
+                        f"{cfg.heal.compute_budget:g} would run the dense teacher beside the student, which the "
+                        "workers do not hold; distil in a heal method's heal on the heal stream (e.g. "
+                        "shortgpt+heal with heal.compute_budget >= 200k or heal.seqlen), or use recovery.objective=ce")
     if cfg.heal.steps > 0:
         # a heal method already heals with stage 2's budget there; an extra heal is not built
         raise TrspError(f"heal.steps={cfg.heal.steps} is not run on Ray Train workers (heal.lr, heal.trainable "
@@ -212,6 +218,7 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     loop_config = {"run": cfg.to_dict(), "ds_config": ds_config, "model_path": model_path,
                    "records": {"storage": storage, "run": name}, "fault": specs, "cpus_per_worker": cpus,
                    "stage1": stage1, "drop": None if drop is None else [int(i) for i in drop],
+                   "teacher": teacher_settings(cfg, pipe),
                    "manifest": {"method": cfg.method, "config": cfg.to_dict(), "workers": cfg.distributed.workers,
                                 "metrics": {"pipeline": pipe.to_dict()}}}
     _fit(cfg, loop_config, storage=storage, name=name, cpus=cpus)
@@ -224,6 +231,19 @@ def run_distributed(cfg, *, ds_options: dict | None = None, fault: dict | list |
     if cfg.tracking.enabled:
         result.mlflow_run = log_run(cfg, result, name=name, local_storage=None if is_remote(storage) else storage)
     return result
+
+
+def teacher_settings(cfg, pipe) -> dict | None:
+    """The teacher store a distilling heal's workers fill and read (recovery.teacher_on_workers): its
+    root (teacher_store.store_root, absolute: a worker's working directory is not the driver's) and
+    the model's fingerprint, computed here where the model resolves; None without a stored teacher."""
+    from trsp_ray.plan.compute import heal_teacher
+    from trsp_ray.run.content import model_fingerprint
+    from trsp_ray.run.teacher_store import store_root
+
+    if not (pipe.spec.heal and heal_teacher(cfg) == "stored"):
+        return None
+    return {"root": store_root(cfg.checkpoint_dir), "model": model_fingerprint(cfg.model)}
 
 
 def tracking_uri_for(cfg, local_storage: str | None) -> str | None:

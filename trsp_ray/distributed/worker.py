@@ -71,6 +71,10 @@ def train_loop(config: dict) -> None:
                  threads=torch.get_num_threads(), downloaded=None if meta is None else meta.get("downloaded"))
     bench = _load(config, cfg, rank=rank, world=world)
     fault = FaultInjector(config.get("fault"), rank, config.get("records"))
+    from trsp_ray.distributed.recovery import teacher_on_workers
+
+    # a distilling heal's teacher: the dense model's records, stored before anything changes a weight
+    bench.teacher = teacher_on_workers(pipe, bench, teacher=config.get("teacher"), rank=rank, world=world)
     if config.get("stage1") is not None:  # a stage 1 computed elsewhere (distributed/handoff.py)
         from trsp_ray.method.stage1 import n_drop_for
         from trsp_ray.run.stage1_store import handed_over_drop
@@ -276,10 +280,16 @@ def _stage2(config: dict, pipe, bench, *, drop: list[int], s1_state: dict, event
     reset_peak_memory()
     if heal:  # the batch stream the single-process heal reads
         from trsp_ray.data.perplexity import bos_token
+        from trsp_ray.method.distill import StoredDistillLoss
         from trsp_ray.run.workbench import heal_stream
 
-        stream = heal_stream(cfg, bench.calibration, bos=bos_token(bench.tokenizer), seed_offset=HEAL_STREAM,
-                             steps=settings["steps"])
+        if bench.teacher is not None:  # each rank reads its rows' records of the stream's batches
+            stream, r = bench.teacher.stream, cfg.recovery
+            bench.factory.objective = StoredDistillLoss(bench.teacher.lookup, temperature=r.kd_temperature,
+                                                        ce_weight=r.kd_ce_weight)
+        else:
+            stream = heal_stream(cfg, bench.calibration, bos=bos_token(bench.tokenizer), seed_offset=HEAL_STREAM,
+                                 steps=settings["steps"])
         result = heal_on_workers(pipe, model=bench.model, gates=bench.gates, drop=drop, comp=comp,
                                  batches=stream, make_stepper=bench.factory, report=report)
         updates = {}  # the drop set is bypassed from the first step: no update of it to measure

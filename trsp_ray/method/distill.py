@@ -64,7 +64,7 @@ class StoredDistillLoss:
         self.lookup, self.temperature, self.ce_weight = lookup, temperature, ce_weight
 
     def __call__(self, model, batch: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        batch = batch.to(next(model.parameters()).device)
+        batch = batch.to(getattr(model, "device", None) or next(model.parameters()).device)  # a DeepSpeed engine's too
         logits = model(input_ids=batch, use_cache=False).logits
         logp, index, tail = self.lookup(rows)
         if logp.shape[:2] != batch.shape:
