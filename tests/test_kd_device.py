@@ -101,3 +101,36 @@ def test_kd_on_ray_train_workers_is_refused_in_one_line():
     # the stored teacher is allowed here; what a pipeline heals with is checked where workers start
     load_config(overrides=["recovery.objective=kd", "distributed.workers=2"])
     assert load_config(overrides=["recovery.objective=kd"]).recovery.objective == "kd"  # one process: allowed
+
+
+def test_a_stored_teacher_heal_plans_its_teacher_pass_and_no_second_model_beside_the_student():
+    """Issue 50 item 2: with the teacher store (a heal on the heal stream) the heal holds the stored
+    records instead of a dense copy, and the teacher pass is planned as its own stage: the dense
+    model with one batch's logits on the device, 6k+2 bytes a token of storage, a dense forward a token."""
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.plan.shape import read_shape
+    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.plan.teacher_plan import teacher_pass_for_run
+
+    shape = read_shape(str(ROOT / "cluster" / "models" / "llama-2-70b.json"))
+    base = ["recovery.objective=kd", "method=shortgpt+heal", "dtype=bf16", "data.batch_size=4", "data.seqlen=2048",
+            "heal.seqlen=2048", "heal.batch_size=4", "stage2.steps=10"]
+    plans = {t: single_plan_for_run(load_config(overrides=base + [f"recovery.teacher={t}"]), device="gpu",
+                                    memory_gb=4000.0, shape=shape) for t in ("live", "stored")}
+    names = [p.name for p in plans["stored"].stages]
+    assert names.index("teacher pass") == names.index("heal") - 1 and "teacher pass" not in [
+        p.name for p in plans["live"].stages]
+    heal = {t: next(p for p in plans[t].stages if p.name == "heal") for t in plans}
+    assert "dense teacher (device copy)" not in heal["stored"].parts
+    records = 4 * 2048 * (shape.vocab * 8 + 6 * 64 + 2) / GB
+    assert heal["stored"].parts["stored teacher records + KL terms"] == pytest.approx(records, rel=1e-6)
+    assert heal["live"].total - heal["stored"].total > shape.params * 2 / GB  # a whole 70B copy less
+    stage = next(p for p in plans["stored"].stages if p.name == "teacher pass")
+    assert stage.parts["model (working copy)"] == pytest.approx(shape.params * 2 / GB, rel=1e-6)
+    tp = teacher_pass_for_run(load_config(overrides=base), shape, heal_method=True)
+    assert (tp.tokens, tp.compute, tp.k) == (10 * 4 * 2048, 10 * 4 * 2048, 64)
+    assert tp.storage_gb == pytest.approx(10 * 4 * 2048 * 386 / GB)
+    assert stage.parts["teacher logits + top-k (one batch)"] == tp.device_gb > 4 * 2048 * shape.vocab * 2 / GB
+    live = load_config(overrides=base + ["recovery.teacher=live"])
+    assert teacher_pass_for_run(live, shape, heal_method=True) is None
+    assert "teacher pass" in tp.describe() and "386 bytes a token" in tp.describe()

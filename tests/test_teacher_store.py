@@ -13,7 +13,8 @@ from trsp_ray.data.stream import HealStream
 from trsp_ray.method.distill import StoredDistillLoss, teacher_topk, topk_kl
 from trsp_ray.method.training import DistillLoss
 from trsp_ray.models.tiny import VOCAB, tiny_model
-from trsp_ray.run.teacher_store import TeacherStore, bytes_per_token, dense_compute
+from trsp_ray.plan.teacher_plan import bytes_per_token
+from trsp_ray.run.teacher_store import TeacherStore, dense_compute
 
 CFG = {"device": "cpu", "dtype": "fp32"}  # content.store_key reads the precision from it
 

@@ -147,6 +147,10 @@ def run_plan(args: argparse.Namespace) -> int:
                                 tokens_per_column=c.tokens_per_column, floor=c.min_tokens_per_column)
         after += format_compensation_plan(comp, result.setup, calibration=line)
         comp_fits, fit_host = comp.memory.total <= result.setup.gpu_memory_gb, comp.host_gb
+    from trsp_ray.plan.teacher_plan import teacher_pass_for_run
+
+    teacher = teacher_pass_for_run(cfg, shape, heal_method=pipe.spec.heal, workers=args.workers)  # before stage 1
+    after += [f"  {teacher.describe()}"] if teacher is not None else []
     print(pipe.describe())
     print(plan_format.format_plan(result, after_stages=tuple(after), fit_host_gb=fit_host))
     return 0 if result.fits and probes.memory.total <= result.setup.gpu_memory_gb and comp_fits else 1

@@ -32,6 +32,7 @@ from trsp_ray.plan.activations import forward_layer_bytes, probe_bytes, training
 from trsp_ray.plan.compensation_plan import WORKING_SET, cosine_host_gb, fit_phases, fit_rows, max_blocks
 from trsp_ray.plan.memory import GB, SINGLE_OVERHEAD_GB, Peaks, StagePlan
 from trsp_ray.plan.shape import Shape, read_shape
+from trsp_ray.plan.teacher_plan import TeacherPass, bytes_per_token, single_teacher_stage, teacher_pass_for_run
 from trsp_ray.plan.zero3_plan import method_on_workers, planned_maps
 
 
@@ -53,6 +54,7 @@ class SingleSetup:
     eval_batch: int = 4  # windows per perplexity forward
     eval_seqlen: int = 2048
     kd: bool = False  # recovery.objective == "kd": stage 2 and the heal read a dense teacher
+    stored_teacher_k: int = 0  # > 0: the heal reads the teacher store's top-k records instead (teacher_plan)
 
 
 @dataclass
@@ -86,7 +88,7 @@ def _optimizer_gb(params: int, e: int) -> float:
 
 
 def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int, gated: bool, lora: bool = False,
-                    layers: int | None = None, grad_layers: int | None = None) -> StagePlan:
+                    layers: int | None = None, grad_layers: int | None = None, heal: bool = False) -> StagePlan:
     """One training stage in one process (stage 1, stage 2, heal); `layers` < L after removal;
     `lora`: `trained_params` are fp32 adapters beside the frozen weights; `grad_layers`: the layers
     backward runs through (default all of `layers`; a tail heal's k)."""
@@ -105,7 +107,10 @@ def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int
         plan.parts["optimizer state"] = _optimizer_gb(trained_params, 4 if lora else st.dtype_bytes)
     # The step's fp32 gradients appear once backward has freed the activations.
     plan.parts["activations + logits | step gradients"] = max(acts, trained_params * 4 / GB)
-    if st.kd and not gated:
+    if st.kd and not gated and heal and st.stored_teacher_k:  # no teacher on the device: its stored records
+        plan.parts["stored teacher records + KL terms"] = st.batch * st.seqlen * (
+            s.vocab * KD_STORED_LOGIT_BYTES + bytes_per_token(st.stored_teacher_k)) / GB
+    elif st.kd and not gated:
         _teacher(plan, s, st)
     return plan
 
@@ -113,6 +118,8 @@ def single_training(name: str, s: Shape, st: SingleSetup, *, trained_params: int
 # Per token, beside the student's logits: the teacher's logits (e) and their fp32 copy, the two
 # fp32 log-softmaxes, the teacher's probabilities and the KL's product (training.DistillLoss).
 KD_LOGIT_BYTES = 4 * 5
+# Per token of a stored-teacher step: the student's fp32 logits and log-softmax (distill.topk_kl).
+KD_STORED_LOGIT_BYTES = 4 * 2
 
 
 def _teacher(plan: StagePlan, s: Shape, st: SingleSetup) -> None:
@@ -212,6 +219,7 @@ PRUNED_EVALUATION = "evaluation (pruned)"
 def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark rows)."""
     from trsp_ray.config import registry
+    from trsp_ray.plan.compute import heal_teacher
 
     out: list[str] = []
     for m in methods or (cfg.method,):
@@ -224,7 +232,7 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, 
         if _fits(cfg, m):
             wanted.append("compensation")
         if (cfg.heal.steps > 0 and selector is not None) or recovery == "heal":
-            wanted.append("heal")
+            wanted += ["teacher pass", "heal"] if heal_teacher(cfg) == "stored" else ["heal"]
         # the pruned model is scored after it: its kept weights only (planned with the dense ones, the
         # GPU's pruned evaluation measured 16-23% under)
         pruned = [PRUNED_EVALUATION] if selector is not None else []
@@ -233,21 +241,24 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, 
 
 
 def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
+    from trsp_ray.plan.compute import heal_teacher
+
     e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(cfg.dtype, 2 if device == "gpu" else 4)
     d = cfg.data
     return SingleSetup(memory_gb=memory_gb, dtype_bytes=e, device=device, batch=d.batch_size, seqlen=d.seqlen,
                        activation_checkpointing=cfg.distributed.activation_checkpointing,
                        trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank,
                        train_base=cfg.stage1.train_base, baseline_batch=d.batch_size, baseline_seqlen=d.seqlen,
-                       eval_batch=4, eval_seqlen=d.eval_seqlen, kd=cfg.recovery.objective == "kd")
+                       eval_batch=4, eval_seqlen=d.eval_seqlen, kd=cfg.recovery.objective == "kd",
+                       stored_teacher_k=cfg.recovery.kd_topk if heal_teacher(cfg) == "stored" else 0)
 
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
                 heal_lora_rank: int = 8, heal_tail_layers: int = 3, heal_maps: int = 0,
-                fit: FitSetup | None = None) -> SinglePlan:
+                fit: FitSetup | None = None, teacher: TeacherPass | None = None) -> SinglePlan:
     """The plan of the single-process `stages` (names as `single_stages` gives them); the heal trains
     `heal_trainable` (heal.py's recipes: the tail's k = `heal_tail_layers`, the map's `heal_maps`);
-    `fit`: the least-squares fit of the "compensation" stage."""
+    `fit`: the least-squares fit of the "compensation" stage; `teacher`: the "teacher pass" stage's."""
     from trsp_ray.config import registry
 
     built = []
@@ -270,7 +281,13 @@ def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: i
             # a tail heal's backward stops at its first trained layer (heal.output_side_only)
             grad = heal_tail_layers if heal_trainable == TAIL_RECIPE else None
             built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora, layers=kept,
-                                         grad_layers=grad))
+                                         grad_layers=grad, heal=True))
+        elif name == "teacher pass":
+            if teacher is None:
+                raise ValueError("the teacher pass's plan needs its TeacherPass (teacher_plan.teacher_pass_for_run)")
+            weights = StagePlan(name)
+            _single_weights(weights, s, st, s.params)  # the dense model where the working copy was
+            built.append(single_teacher_stage(teacher, weights.parts))
         elif name in registry.FORWARD_SELECTORS:
             built.append(single_forward(name, s, st, batch=st.baseline_batch, seqlen=st.baseline_seqlen,
                                         evaluation=False))
@@ -299,7 +316,8 @@ def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[st
     maps = max(planned_maps(registry.recipe(m)[0], n_drop=n_drop) for m in (methods or (cfg.method,)))
     return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=n_drop, heal_trainable=trainable,
                        heal_lora_rank=rank, heal_tail_layers=cfg.heal.tail_layers, heal_maps=maps,
-                       fit=fit_setup(cfg, methods=methods, layers=s.layers, hidden=s.hidden))
+                       fit=fit_setup(cfg, methods=methods, layers=s.layers, hidden=s.hidden),
+                       teacher=teacher_pass_for_run(cfg, s, heal_method=heals))
 
 
 def run_shape(cfg) -> Shape:

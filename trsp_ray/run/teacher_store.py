@@ -29,17 +29,12 @@ import torch
 from trsp_ray.common import atomic
 from trsp_ray.common.filesystems import filesystem, is_remote
 from trsp_ray.common.logs import log
+from trsp_ray.plan.teacher_plan import SHARD_WINDOWS, bytes_per_token
 from trsp_ray.run.content import store_key
 
-SHARD_WINDOWS = 64  # windows a shard holds: SmolLM2 at 512 tokens, k = 64: 12.6 MB a shard
 Records = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logp, index, tail), method/distill.py
 # compute(windows [n, L]) -> the records of those windows; run once per missing shard
 Compute = Callable[[torch.Tensor], Records]
-
-
-def bytes_per_token(k: int) -> int:
-    """Storage of one token's records: k fp16 log-probs, k int32 ids, one fp16 tail."""
-    return 6 * k + 2
 
 
 def store_root(checkpoint_dir: str | None) -> str:
