@@ -210,3 +210,25 @@ def test_a_worker_killed_while_its_checkpoint_uploads_resumes_from_the_last_comm
     keys = [o["Key"] for page in s3["client"].get_paginator("list_objects_v2").paginate(Bucket="trsp", Prefix="upload/")
             for o in page.get("Contents", [])]
     print("checkpoint objects left:", sorted(k for k in keys if "/checkpoint-" in k))
+
+
+def test_the_teacher_store_on_s3_is_read_back_by_a_second_row(s3):
+    """Issue 50 item 2: an s3:// teacher store (checkpoint_dir on object storage) takes each shard as
+    one object and a second row reads it instead of recomputing."""
+    import torch
+    from test_teacher_store import CFG, Counting, _fill, _stream
+
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.run.teacher_store import TeacherStore, store_root
+
+    root = store_root(f"s3://trsp/ckpt?{s3['query']}")
+    assert root == f"s3://trsp/ckpt/teacher?{s3['query']}"
+    teacher = Counting(tiny_model("llama", layers=2, seed=0).eval())
+    first = TeacherStore(root, _stream(), k=8, temperature=1.0, cfg=CFG, model="tiny", shard_windows=4)
+    assert _fill(first, teacher, 6) == 2 and teacher.calls == 4
+    listed = s3["client"].list_objects_v2(Bucket="trsp", Prefix="ckpt/teacher/")["Contents"]
+    keys = sorted(o["Key"] for o in listed if not o["Key"].endswith("/"))  # pyarrow's directory marker aside
+    assert keys == sorted(f"ckpt/teacher/{first.key(s)}.pt" for s in range(2))
+    second = TeacherStore(root, _stream(), k=8, temperature=1.0, cfg=CFG, model="tiny", shard_windows=4)
+    assert _fill(second, teacher, 6) == 0 and teacher.calls == 4
+    assert torch.equal(second.records([5])[1], first.records([5])[1])

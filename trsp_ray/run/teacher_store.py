@@ -41,7 +41,10 @@ def store_root(checkpoint_dir: str | None) -> str:
     """Where the teacher store lives: `<checkpoint_dir>/teacher` (an s3:// checkpoint_dir too), by
     default under ./runs/checkpoints beside the stage-1 store, as an absolute path a worker can use."""
     base = checkpoint_dir or str(Path.cwd() / "runs" / "checkpoints")
-    return base.rstrip("/") + "/teacher" if is_remote(base) else str(Path(base).expanduser().resolve() / "teacher")
+    if not is_remote(base):
+        return str(Path(base).expanduser().resolve() / "teacher")
+    where, _, options = base.partition("?")  # s3://bucket/dir?endpoint_override=...: the options stay last
+    return where.rstrip("/") + "/teacher" + (f"?{options}" if options else "")
 
 
 class TeacherStore:
