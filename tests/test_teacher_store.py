@@ -182,3 +182,17 @@ def test_a_kd_heal_on_the_heal_stream_distils_from_the_store_filled_once(tmp_pat
     bench_live = Workbench(cfg=live, model=original, tokenizer=None, calib_ids=torch.arange(10), texts=None,
                            device="cpu")
     assert isinstance(recovery_stepper(bench_live, stream=_stream(), windows=6).keywords["objective"], DistillLoss)
+
+
+@pytest.mark.parametrize("rows, world, size", [(4, 2, 1), (3, 2, 1), (5, 2, 2), (2, 4, 1), (7, 3, 2)])
+def test_the_ranks_records_join_back_in_the_windows_order(rows, world, size):
+    """The workers' teacher pass: each rank's rows (training.split_over_ranks, a rank may have none)
+    gathered back in the shard's window order (training.join_over_ranks)."""
+    from trsp_ray.method.training import join_over_ranks, split_over_ranks
+
+    windows = torch.arange(rows * 3).view(rows, 3)
+    parts = []
+    for rank in range(world):
+        mine, _ = split_over_ranks(list(windows.split(size)), rank=rank, world=world)
+        parts.append(torch.cat(mine) if mine else None)
+    assert torch.equal(join_over_ranks(parts, rows=rows), windows)

@@ -108,7 +108,7 @@ def ranks_compute(bench, *, k: int, temperature: float, batch_size: int, rank: i
     import torch
 
     from trsp_ray.distributed.collectives import gather_objects
-    from trsp_ray.method.training import split_over_ranks
+    from trsp_ray.method.training import join_over_ranks, split_over_ranks
     from trsp_ray.run.teacher_store import dense_compute
 
     def forward(batch: torch.Tensor) -> torch.Tensor:
@@ -125,16 +125,7 @@ def ranks_compute(bench, *, k: int, temperature: float, batch_size: int, rank: i
                 forward(windows[:1])
         bench.model.train(training)
         parts = gather_objects(records)
-        out = []
-        for i in range(3):
-            full = None
-            for r, part in enumerate(parts):
-                if part is None:
-                    continue
-                if full is None:
-                    full = part[i].new_empty((windows.shape[0], *part[i].shape[1:]))
-                full[r::world] = part[i]
-            out.append(full)
-        return tuple(out)
+        return tuple(join_over_ranks([None if p is None else p[i] for p in parts], rows=windows.shape[0])
+                     for i in range(3))
 
     return compute

@@ -91,6 +91,18 @@ def split_over_ranks(windows: list[torch.Tensor], *, rank: int, world: int) -> t
     return mine, passes - len(mine)
 
 
+def join_over_ranks(parts: list, *, rows: int) -> torch.Tensor:
+    """split_over_ranks undone: `parts[r]` (rank r's rows k % world == r, concatenated; None for a
+    rank with no row) back in their order, [rows, ...] (the teacher pass's records, gathered)."""
+    world = len(parts)
+    first = next(p for p in parts if p is not None)
+    out = first.new_empty((rows, *first.shape[1:]))
+    for r, part in enumerate(parts):
+        if part is not None:
+            out[r::world] = part
+    return out
+
+
 class Stepper(Protocol):
     def forward(self, batch: torch.Tensor) -> torch.Tensor: ...  # mean next-token CE, scalar
     def backward(self, loss: torch.Tensor) -> None: ...
