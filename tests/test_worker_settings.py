@@ -59,7 +59,8 @@ def test_a_heal_method_heals_on_workers_with_stage2_disabled_with_the_single_pro
     heal = recovery_settings(_pipe("method=trsp+heal", "stage2.enabled=false", "stage2.mode=sequential",
                                    "stage2.steps=7", "stage2.lr=3e-4"))
     # run_heal's arguments, methods.method_heal's budget: no stage-2 schedule or mode reaches a heal
-    assert heal == {"steps": 7, "lr": 3e-4, "trainable": "all", "lora_rank": 8, "tail_layers": 3}
+    assert heal == {"steps": 7, "lr": 3e-4, "trainable": "all", "lora_rank": 8, "tail_layers": 3,
+                    "schedule": "constant"}
     assert recovery_settings(_pipe("method=trsp", "stage2.enabled=false")) is None
     assert recovery_settings(_pipe("method=trsp-no-stage2")) is None
     paper = recovery_settings(_pipe("method=trsp", "stage2.mode=sequential"))
@@ -143,7 +144,8 @@ def test_the_workers_heal_is_the_single_process_heal_loop(monkeypatch, recipe):
     dense = tiny_model("llama", layers=6)
     model, pruned, drop = copy.deepcopy(dense), copy.deepcopy(dense), [2, 3]
     bench = SimpleNamespace(model=model, gates=attach_gates(model), factory=_Factory(), calib_ids=_ids(),
-                            calib_strata=None, tokenizer=SimpleNamespace(), world=1)
+                            calib_strata=None, calibration=SimpleNamespace(ids=_ids(), strata=None), teacher=None,
+                            tokenizer=SimpleNamespace(), world=1)
     torch.manual_seed(1)  # LoRA's initialisation: the same draws on both paths (one adapter per kept Linear)
     healed = worker._stage2({}, named(cfg), bench, drop=drop, s1_state={}, events=EventLog(None, 0), meta=None,
                             engine_dir=None, rank=0, fault=FaultInjector(None, 0, None))

@@ -40,9 +40,12 @@ def prune_config(args, *, gpu_default: bool = False):
 
 
 def _on_gpu(device: str) -> bool:
+    """This process runs on a GPU: device=cuda without one is refused later, in one line before any log
+    (driver.run), so it gets no budget line first; a driver without a GPU in front of GPU workers is
+    given its budget with --compute-budget."""
     import torch
 
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return device in ("cuda", "auto") and torch.cuda.is_available()
 
 
 def _prune(args) -> int:

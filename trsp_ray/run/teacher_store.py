@@ -106,7 +106,7 @@ class TeacherStore:
     def _write(self, shard: int, records: Records) -> None:
         logp, index, tail = records
         buf = io.BytesIO()
-        torch.save({"logp": logp.cpu(), "index": index.cpu(), "tail": tail.cpu(),
+        torch.save({"logp": logp.cpu(), "index": index.cpu(), "tail_mass": tail.cpu(),
                     "content": {**self.content, "shard": shard}}, buf)
         if self.remote:
             self.fs.create_dir(self.path_root, recursive=True)
@@ -119,7 +119,7 @@ class TeacherStore:
         if shard not in self._cache:
             with self.fs.open_input_stream(self.path(shard)) as fh:
                 data = torch.load(io.BytesIO(fh.read()), weights_only=True)  # tensors, numbers, strings
-            self._cache = {shard: (data["logp"], data["index"], data["tail"])}  # a heal reads shards in order
+            self._cache = {shard: (data["logp"], data["index"], data["tail_mass"])}  # a heal reads shards in order
         return self._cache[shard]
 
     # -- computing and reading -------------------------------------------------------------------
