@@ -1,8 +1,8 @@
-"""Merge instead of drop (trsp_ray/method/merge.py, merge_blocks.py): a block merged with
+"""Merge instead of drop (trsp_ray/method/merge.py, merge_blocks.py, merge_select.py): a block merged with
 a silent block is the other block; the flattened attention is both blocks' attention on one input; the
 merged model keeps every count of heads and channels, exports as a stock model and generates; the
 closed-form refits beat plain dropping of heads and channels on held-out tokens; every family merges or refuses
-in one line."""
+in one line; pairs are chosen greedily among candidates."""
 
 import copy
 
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from trsp_ray.common.errors import TrspError
+from trsp_ray.method.gates import attach_gates
 from trsp_ray.method.merge import columns, merge_cost, merge_pairs, refit_sums, scores, solve_refit
 from trsp_ray.method.merge_blocks import flatten, module_at
+from trsp_ray.method.merge_select import choose_pairs, merge_select, pair_starts, select_cost
 from trsp_ray.method.surgery import remove_layers
 from trsp_ray.models import families
 from trsp_ray.models.tiny import tiny_config, tiny_model, with_random_biases
@@ -217,8 +219,30 @@ def test_bad_requests_are_refused_in_one_line():
     assert families.num_layers(model) == 6  # nothing was merged by a refused request
 
 
+def test_pairs_are_chosen_greedily_among_candidates_without_overlap():
+    model = _model("llama", layers=8)
+    distances = {0: 0.40, 1: 0.30, 2: 0.10, 3: 0.12, 4: 0.20, 5: 0.50, 6: 0.60}
+    assert choose_pairs(distances, model=model, n_pairs=2) == [2, 4]
+    assert choose_pairs(distances, model=model, n_pairs=4) == [2, 4, 0, 6]  # a prefix grows
+    with pytest.raises(TrspError, match="found 4 non-overlapping"):
+        choose_pairs(distances, model=model, n_pairs=5)
+    assert pair_starts([1, 2, 3, 5, 6]) == [1, 2, 5]
+    gates = attach_gates(model)
+    got = merge_select(model, gates, _windows(2), n_pairs=2, candidates=list(range(1, 7)))
+    assert len(got) == 2 and all(1 <= a <= 5 for a in got) and abs(got[0] - got[1]) >= 2
+
+
+def test_the_selector_skips_pairs_of_two_attention_types():
+    model = tiny_model("qwen2", layers=6)  # sliding and full attention alternate: no pair can merge
+    with pytest.raises(TrspError, match="differ in config.layer_types"):
+        merge_select(model, attach_gates(model), _windows(1), n_pairs=1, candidates=list(range(1, 5)))
+    with pytest.raises(TrspError, match="family 'gemma2' cannot merge"):
+        merge_select(tiny_model("gemma2"), None, [], n_pairs=1, candidates=[1, 2])
+
+
 def test_costs_count_the_passes_up_to_each_pair():
     # pairs at 2 and 10 of 30 layers: the first pass runs layers 0..3 (4 of 30), the second the model merged
     # once up to layer 11 (11 layers); two passes each with the refit
     assert merge_cost(firsts=[10, 2], num_layers=30, tokens=300) == pytest.approx(2 * 300 * (4 + 11) / 30)
     assert merge_cost(firsts=[2], num_layers=30, tokens=300, refit=False, stops=False) == pytest.approx(300)
+    assert select_cost(tokens=512) == 512.0
