@@ -124,14 +124,7 @@ def _add(stats: Stats | None, block: tuple[int, int], z: torch.Tensor, y: torch.
     weighted by w [n], to the float64 sums (new when `stats` is None)."""
     z = z.double() * w[:, None]
     y = y.to(torch.float64, copy=True).mul_(w[:, None])  # a copy: `y` may be the forward's own float64 tensor
-    if stats is None:
-        stats = Stats(block, z.new_zeros(z.shape[1], z.shape[1]), z.new_zeros(z.shape[1], y.shape[1]),
-                      z.new_zeros(()), 0)
-    stats.mtm.addmm_(z.T, z)
-    stats.mty.addmm_(z.T, y)
-    stats.yty += torch.dot(y.view(-1), y.view(-1))
-    stats.tokens += z.shape[0]
-    return stats
+    return (stats or Stats.zeros(block, z.shape[1], y.shape[1], z)).add(z, y)
 
 
 @torch.no_grad()
