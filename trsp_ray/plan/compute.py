@@ -9,7 +9,7 @@ parameter counts (plan/shape.py), so a full-weight step is 3 (SPEC's heal token)
 lm_head + 3 layers about 1.7 on SmolLM2-135M, LoRA about 2. The least-squares fit's float64 sums and
 solves and the cosine fit's Gauss-Newton steps are counted from their FLOPs (`fit_solve_cost`).
 
-What each selection spends is counted where it runs (methods.stage1_cost, methods.sleb_cost); this
+What each selection spends is counted where it runs (methods.stage1_cost, selectors.sleb_cost); this
 module adds recovery to it and turns a compute difference into heal steps, so every table, plot and
 equal-compute row uses one rule.
 """

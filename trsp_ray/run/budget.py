@@ -3,7 +3,7 @@ a heal method's heal gets the steps that the budget leaves after its selection's
 compensation's planned cost, so a user asks for "this much compute" and gets the most heal it buys.
 
 The planned costs are the ones the comparison reports (compute.py, methods.select): ShortGPT's Block
-Influence is one forward over its windows, SLEB's the prefix-replay count of methods.sleb_cost, a
+Influence is one forward over its windows, SLEB's the prefix-replay count of selectors.sleb_cost, a
 random selection nothing, a compensation at most one whole forward over its calibration windows.
 TRSP's stage 1 spends an amount known only after it runs (its probes and refinement stop early),
 so a budget is refused for it rather than overrun. A heal step costs what its recipe runs
@@ -23,8 +23,9 @@ from trsp_ray.plan import compute
 def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float | None:
     """Dense-forward tokens the selection of `cfg`'s pipeline (`spec`, its resolved registry entry)
     will spend; None when it is not known before the selection runs (TRSP's stage 1)."""
+    from trsp_ray.method.selectors import sleb_cost
     from trsp_ray.method.stage1 import candidate_layers, n_drop_for
-    from trsp_ray.run.methods import shortgpt_windows, sleb_cost
+    from trsp_ray.run.methods import shortgpt_windows
 
     n_drop = n_drop_for(cfg.ratio, num_layers)
     seqlen = cfg.data.seqlen

@@ -161,21 +161,6 @@ def fixed_windows(stream, count: int) -> list:
     return list(stacked.split(size))
 
 
-def sleb_cost(*, num_layers: int, candidates: list[int], n_drop: int, tokens: int) -> float:
-    """Dense-forward tokens of SLEB with prefix replay (selectors.sleb_drop): per round one pass to
-    record every layer's input, then for each candidate j a replay of the active layers after j."""
-    drop: list[int] = []
-    cost = 0.0
-    for _ in range(n_drop):
-        active = [i for i in range(num_layers) if i not in drop]
-        cost += tokens * len(active) / num_layers
-        for j in (c for c in candidates if c not in drop):
-            cost += tokens * max(1, sum(1 for i in active if i > j)) / num_layers
-        # which layer goes does not change the count much; take the last candidate as a stand-in
-        drop.append([c for c in candidates if c not in drop][-1])
-    return cost
-
-
 def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> float:
     """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model,
     plus the removal probes."""
@@ -216,7 +201,8 @@ def select(bench, spec: registry.Method, *, model, gates, stage1: Stage1Result |
         progress = lambda r, n, ppl: _log(f"  SLEB round {r}/{n}: calibration PPL {ppl:.2f}")
         drop = selectors.sleb_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates,
                                    progress=progress)
-        cost = sleb_cost(num_layers=bench.num_layers, candidates=candidates, n_drop=n_drop, tokens=windows * seqlen)
+        cost = selectors.sleb_cost(num_layers=bench.num_layers, candidates=candidates, n_drop=n_drop,
+                                   tokens=windows * seqlen)
         return drop, {"calib_tokens": windows * seqlen, "select_cost": cost}
     if spec.selector == registry.ANGULAR_SELECTOR:  # ShortGPT's windows: one dense forward
         windows = shortgpt_windows(cfg, n_drop)
