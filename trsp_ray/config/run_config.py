@@ -24,6 +24,7 @@ from trsp_ray.config.sections import (
     DistributedConfig,
     GateConfig,
     HealConfig,
+    MergeConfig,
     RecoveryConfig,
     Stage1Config,
     Stage2Config,
@@ -55,6 +56,7 @@ class RunConfig:
     heal: HealConfig = field(default_factory=HealConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     compensation: CompensationConfig = field(default_factory=CompensationConfig)
+    merging: MergeConfig = field(default_factory=MergeConfig)
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -262,6 +264,9 @@ def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None
     if stage2 is None:
         stage2 = spec.stage2 and cfg.stage2.enabled and cfg.stage2.steps > 0
     comp = out.compensation.method
+    if spec.merges and comp != "none":
+        raise TrspError(f"compensation.method={comp!r} is not available with --method {name}: a merge repairs each "
+                        "pair itself (merging.refit); leave compensation.method at auto")
     if stage2 and comp != "none":
         able = ", ".join(m.name for m in registry.METHODS.values() if not m.stage2)
         raise TrspError(f"compensation.method={comp!r} is not available with --method {name}: its stage 2 trains "

@@ -288,6 +288,27 @@ FULL_SLEB_WINDOWS = 16
 
 
 @dataclass(frozen=True)
+class MergeConfig:
+    """`merging`: the merge of adjacent pairs (--method merge, merge+heal; trsp_ray/method/merge.py): the calibration
+    its heads and channels are scored on and its closed-form refits solved from, and the refits' settings."""
+
+    # calibration windows of data.seqlen tokens; 0 (auto) = tokens_per_column x the widest refit (the MLP's
+    # channels, or the attention's q rows) / data.seqlen (336 on SmolLM2: 1536 channels), resolved per
+    # model (run/merging.merge_windows); a refit from fewer tokens than its columns is refused
+    windows: int = 0
+    tokens_per_column: float = TOKENS_PER_COLUMN
+    refit: bool = True  # repair each cut in closed form; false: plain dropping of the weaker heads and channels
+    ridge: float = 1e-2  # the refit's shrinkage towards plain dropping, relative to the mean diagonal of Z^T Z
+    weighting: str = "norm"  # as compensation.weighting: each token relative to its stream's norm, or none
+
+    def __post_init__(self):
+        _positive("merging.windows", self.windows, allow_zero=True)
+        _positive("merging.tokens_per_column", self.tokens_per_column)
+        _positive("merging.ridge", self.ridge, allow_zero=True)
+        _choice("merging.weighting", self.weighting, WEIGHTINGS)
+
+
+@dataclass(frozen=True)
 class BaselineConfig:
     # calibration windows (of data.seqlen tokens) for ShortGPT's Block Influence; None = as many
     # tokens as TRSP's stage 1 sees (SPEC section 5: it is cheap, so it gets the same data)

@@ -87,3 +87,9 @@ def select_cost(*, tokens: int) -> float:
     """Dense-forward tokens of merge_select over `tokens` calibration tokens: one whole decoder pass (no LM
     head; counted as a dense forward, as ShortGPT's Block Influence is)."""
     return float(tokens)
+
+
+def merge_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, candidates: list[int]) -> list[int]:
+    """The layers a merge of `n_drop` pairs removes (merge_select's pairs (a, a + 1): each a + 1), in the
+    order chosen: a merge's drop set, as a drop selector's (selectors.angular_drop) reads."""
+    return [a + 1 for a in merge_select(model, gates, batches, n_pairs=n_drop, candidates=candidates)]

@@ -159,8 +159,10 @@ def train_spent(info: dict) -> float:
 
 
 def fit_spent(info: dict) -> float:
-    """Dense-forward tokens a row's fit spent: its passes (compensation_cost) and its float64 solve."""
-    return info.get("compensation_cost", 0.0) + info.get("compensation_solve_cost", 0.0)
+    """Dense-forward tokens a row's fit spent: its passes (compensation_cost) and its float64 solve, or a
+    merge's (run/merging.py: merge_cost, merge_solve_cost)."""
+    return sum(info.get(k, 0.0) for k in ("compensation_cost", "compensation_solve_cost", "merge_cost",
+                                          "merge_solve_cost"))
 
 
 def recovery_cost(info: dict) -> float:

@@ -133,9 +133,14 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     e, tokens = st.dtype_bytes, batch * seqlen
     plan = StagePlan(name)
     _single_weights(plan, s, st, s.params - (s.layers - (s.layers if layers is None else layers)) * s.layer_params)
-    if name in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # selectors.decoder_forward: no LM head
+    if name in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR, registry.MERGE_SELECTOR):  # no LM head
         plan.parts["one layer | the fp32 probe (no logits)"] = tokens * max(forward_layer_bytes(s, e),
                                                                            probe_bytes(s, e)) / GB
+    if name == registry.MERGE_SELECTOR:  # the wide pair's extra layer and one pair's float64 refit sums
+        from trsp_ray.method.merge import refit_bytes
+
+        plan.parts["merge: the wide pair + its refit sums"] = (s.layer_params * e + refit_bytes(
+            intermediate=s.intermediate, hidden=s.hidden, attention_width=s.heads * s.head_dim)) / GB
     else:
         logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
         plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB

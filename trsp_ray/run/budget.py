@@ -29,7 +29,7 @@ def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float
 
     n_drop = n_drop_for(cfg.ratio, num_layers)
     seqlen = cfg.data.seqlen
-    if spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # one forward of the windows
+    if spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR, registry.MERGE_SELECTOR):  # a forward
         return float(shortgpt_windows(cfg, n_drop) * seqlen)
     if spec.selector == registry.SLEB_SELECTOR:
         g = cfg.gates
@@ -46,11 +46,16 @@ def planned_compensation_cost(cfg, *, num_layers: int) -> float:
     fold one pass over the calibration tokens, stopping after the last block; "sequential" per block
     a dense pass to its end and a pruned pass to its boundary, each at most the whole depth, for at
     most n_drop blocks) and a least-squares fit's float64 solve for n_drop blocks, the cosine
-    objective's at every Gauss-Newton step it may take (compute.fit_solve_cost)."""
+    objective's at every Gauss-Newton step it may take (compute.fit_solve_cost); a merge's, its own
+    (merging.planned_cost)."""
     from trsp_ray.config.run_config import for_method
     from trsp_ray.method.stage1 import n_drop_for
 
     c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
+    if registry.method(cfg.method).merges:  # a merge's scoring and refit passes and its refits' solves
+        from trsp_ray.run.merging import planned_cost
+
+        return planned_cost(cfg, compute.model_shape(cfg.model), n_pairs=n_drop_for(cfg.ratio, num_layers))
     if c.method == "none":
         return 0.0
     tokens = float(c.windows * cfg.data.seqlen)
@@ -66,6 +71,10 @@ def fit_cost(cfg, *, drop: list[int], num_layers: int) -> float:
     from trsp_ray.method import compensation
 
     c = cfg.compensation
+    if registry.method(cfg.method).merges:  # the merge is a merge pipeline's fit
+        from trsp_ray.run.merging import drop_cost
+
+        return drop_cost(cfg, drop=drop, num_layers=num_layers)
     if c.method == "none":
         return 0.0
     tokens = c.windows * cfg.data.seqlen
@@ -119,5 +128,5 @@ def describe(cfg, *, spec: registry.Method, num_layers: int) -> str:
     comp = planned_compensation_cost(cfg, num_layers=num_layers)
     heal = compute.step_cost(cfg, spec=spec) * cfg.stage2.steps
     return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
-            + (f", compensation {comp / 1e3:.1f}k" if comp else "")
+            + (f", {'merging' if spec.merges else 'compensation'} {comp / 1e3:.1f}k" if comp else "")
             + f", heal {cfg.stage2.steps} steps ({heal / 1e3:.1f}k)")
