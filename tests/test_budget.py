@@ -9,6 +9,7 @@ from test_first_hour import _one_error_line, no_work  # noqa: F401
 from test_pipeline import SMALL, _args, tiny_dir  # noqa: F401
 
 from trsp_ray.cli import main
+from trsp_ray.config import registry
 
 # SMALL: ShortGPT scores baselines.calib_windows=2 windows of 32 tokens; a heal step is 2 x 32 tokens
 # of a full heal (3 dense-forward tokens each); the default's compensation is planned at one dense pass
@@ -101,11 +102,13 @@ def test_the_planned_compensation_cost_bounds_what_the_compensation_spends():
     for activations in ("dense", "sequential"):
         cfg = load_config(None, ["ratio=0.25", "data.seqlen=32", "compensation.method=lstsq", "compensation.windows=4",
                                  f"compensation.activations={activations}"])
-        bound = planned_compensation_cost(cfg, num_layers=12)
+        bound = planned_compensation_cost(cfg, spec=registry.method(cfg.method), num_layers=12)
         for drop in ([1, 2, 3], [1, 3, 5], [8, 9, 10], [2, 6, 10]):  # 3 of 12 layers, 1 to 3 blocks
             spent = compensation.cost(drop=drop, num_layers=12, tokens=4 * 32, activations=activations)
             assert spent <= bound, (activations, drop, spent, bound)
-    assert planned_compensation_cost(load_config(None, ["method=shortgpt+heal"]), num_layers=12) == 0.0
+    plain = load_config(None, ["method=shortgpt+heal"])
+    assert planned_compensation_cost(plain, spec=registry.method(plain.method), num_layers=12) == 0.0
     default = for_method(load_config(None, ["data.seqlen=32", "compensation.windows=4"]))  # compensates
     solve = fit_solve_cost(model_shape(default.model), tokens=4 * 32, blocks=n_drop_for(default.ratio, 12))
-    assert planned_compensation_cost(default, num_layers=12) == pytest.approx(4 * 32 + solve) and solve > 0
+    planned = planned_compensation_cost(default, spec=registry.method(default.method), num_layers=12)
+    assert planned == pytest.approx(4 * 32 + solve) and solve > 0

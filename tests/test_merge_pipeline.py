@@ -146,11 +146,11 @@ def test_a_compute_budget_pays_the_merge_before_the_heal(workspaces):
     root = workspaces("llama")
     cfg = _config(root, "merge")
     spec = registry.method("merge")
-    planned = budget.planned_compensation_cost(cfg, num_layers=8)
+    planned = budget.planned_compensation_cost(cfg, spec=spec, num_layers=8)
     outcome = apply_method(prepare(cfg), spec)
     spent = compute.fit_spent(outcome.info)
     assert 0 < spent <= planned
-    assert spent == pytest.approx(budget.fit_cost(cfg, drop=outcome.drop, num_layers=8))
+    assert spent == pytest.approx(budget.fit_cost(cfg, spec=spec, drop=outcome.drop, num_layers=8))
     heal = replace(cfg, method="merge+heal", **{"heal.compute_budget": 4 * planned})
     select = budget.planned_select_cost(heal, spec=registry.method("merge+heal"), num_layers=8)
     steps = budget.resolve(heal, spec=registry.method("merge+heal"), num_layers=8).stage2.steps

@@ -115,7 +115,7 @@ def compensation_steps(cfg: RunConfig, drop, *, spec: registry.Method, num_layer
     '@comp' row's extra)."""
     from trsp_ray.run import budget
 
-    cost = budget.fit_cost(compensated(cfg), drop=drop, num_layers=num_layers)
+    cost = budget.fit_cost(compensated(cfg), spec=spec, drop=drop, num_layers=num_layers)
     return compute.extra_heal_steps(cost, step_cost=compute.step_cost(row_cfg or cfg, spec=spec, drop=drop))
 
 

@@ -41,7 +41,7 @@ def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float
     return None
 
 
-def planned_compensation_cost(cfg, *, num_layers: int) -> float:
+def planned_compensation_cost(cfg, *, spec: registry.Method, num_layers: int) -> float:
     """An upper bound of a fit's cost before the drop set is known: its passes ("dense" and the scalar
     fold one pass over the calibration tokens, stopping after the last block; "sequential" per block
     a dense pass to its end and a pruned pass to its boundary, each at most the whole depth, for at
@@ -52,7 +52,7 @@ def planned_compensation_cost(cfg, *, num_layers: int) -> float:
     from trsp_ray.method.stage1 import n_drop_for
 
     c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
-    if registry.method(cfg.method).merges:  # a merge's scoring and refit passes and its refits' solves
+    if spec.merges:  # a merge's scoring and refit passes and its refits' solves
         from trsp_ray.run.merging import planned_cost
 
         return planned_cost(cfg, compute.model_shape(cfg.model), n_pairs=n_drop_for(cfg.ratio, num_layers))
@@ -64,14 +64,14 @@ def planned_compensation_cost(cfg, *, num_layers: int) -> float:
     return passes + compute.solve_cost(cfg, c, tokens=tokens, blocks=n_drop)
 
 
-def fit_cost(cfg, *, drop: list[int], num_layers: int) -> float:
+def fit_cost(cfg, *, spec: registry.Method, drop: list[int], num_layers: int) -> float:
     """Dense-forward tokens the fit `cfg` runs (compensation resolved, windows sized) spends on `drop`:
     its passes (compensation.cost) and its float64 solve (the cosine objective's at every step it may
     take); 0 without a fit."""
     from trsp_ray.method import compensation
 
     c = cfg.compensation
-    if registry.method(cfg.method).merges:  # the merge is a merge pipeline's fit
+    if spec.merges:  # the merge is a merge pipeline's fit
         from trsp_ray.run.merging import drop_cost
 
         return drop_cost(cfg, drop=drop, num_layers=num_layers)
@@ -98,7 +98,7 @@ def resolve(cfg, *, spec: registry.Method, num_layers: int):
         raise TrspError(f"heal.compute_budget={budget:g} cannot be planned for method={cfg.method!r}: its stage-1 "
                         "selection's cost is known only after it runs; set stage2.steps instead, or use "
                         f"{registry.DEFAULT_METHOD}")
-    comp = planned_compensation_cost(cfg, num_layers=num_layers)
+    comp = planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
     return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp))
 
 
@@ -125,7 +125,7 @@ def with_heal_steps(cfg, steps: int):
 def describe(cfg, *, spec: registry.Method, num_layers: int) -> str:
     """One line for the log: where a resolved budget goes (`spec`: the pipeline's registry entry)."""
     select = planned_select_cost(cfg, spec=spec, num_layers=num_layers) or 0.0
-    comp = planned_compensation_cost(cfg, num_layers=num_layers)
+    comp = planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
     heal = compute.step_cost(cfg, spec=spec) * cfg.stage2.steps
     return (f"compute budget {cfg.heal.compute_budget / 1e3:.1f}k dense-forward tokens: selection {select / 1e3:.1f}k"
             + (f", {'merging' if spec.merges else 'compensation'} {comp / 1e3:.1f}k" if comp else "")

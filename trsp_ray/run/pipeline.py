@@ -78,7 +78,7 @@ class Pipeline:
 
         layers = self.num_layers or 0
         select = budget.planned_select_cost(self.cfg, spec=self.spec, num_layers=layers) if layers else None
-        fit = budget.planned_compensation_cost(self.cfg, num_layers=layers) if layers else None
+        fit = budget.planned_compensation_cost(self.cfg, spec=self.spec, num_layers=layers) if layers else None
         steps = training_steps(self.cfg, spec=self.spec)
         heal = compute.step_cost(self.cfg, spec=self.spec) * steps if layers else None
         total = None if select is None or fit is None or heal is None else select + fit + heal

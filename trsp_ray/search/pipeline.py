@@ -309,7 +309,7 @@ def planned_costs(cfg, *, spec: registry.Method, num_layers: int) -> tuple[float
     select = budget.planned_select_cost(cfg, spec=spec, num_layers=num_layers)
     if select is None:
         select = stage1_floor_cost(cfg, num_layers=num_layers)
-    return select, budget.planned_compensation_cost(cfg, num_layers=num_layers)
+    return select, budget.planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
 
 
 def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
@@ -374,7 +374,7 @@ def budgeted(cfg, *, spec: registry.Method, drop: list[int], select_cost: float,
     from trsp_ray.config.run_config import for_method, sized
     from trsp_ray.run import budget
 
-    fit = budget.fit_cost(sized(for_method(cfg), hidden=hidden), drop=drop, num_layers=num_layers)
+    fit = budget.fit_cost(sized(for_method(cfg), hidden=hidden), spec=spec, drop=drop, num_layers=num_layers)
     if not (cfg.heal.compute_budget and spec.heal):
         return cfg, fit
     return budget.with_heal_steps(cfg, budget.heal_steps(cfg, spec=spec, select=select_cost, comp=fit, drop=drop)), fit
