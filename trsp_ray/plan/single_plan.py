@@ -136,14 +136,14 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     if name in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR, registry.MERGE_SELECTOR):  # no LM head
         plan.parts["one layer | the fp32 probe (no logits)"] = tokens * max(forward_layer_bytes(s, e),
                                                                            probe_bytes(s, e)) / GB
+    else:
+        logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
+        plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
     if name == registry.MERGE_SELECTOR:  # the wide pair's extra layer and one pair's float64 refit sums
         from trsp_ray.method.merge import refit_bytes
 
         plan.parts["merge: the wide pair + its refit sums"] = (s.layer_params * e + refit_bytes(
             intermediate=s.intermediate, hidden=s.hidden, attention_width=s.heads * s.head_dim)) / GB
-    else:
-        logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
-        plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
     if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
     return plan
