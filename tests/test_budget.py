@@ -9,6 +9,7 @@ from test_first_hour import _one_error_line, no_work  # noqa: F401
 from test_pipeline import SMALL, _args, tiny_dir  # noqa: F401
 
 from trsp_ray.cli import main
+from trsp_ray.config import registry
 
 # SMALL: ShortGPT scores baselines.calib_windows=2 windows of 32 tokens; a heal step is 2 x 32 tokens
 # of a full heal (3 dense-forward tokens each); the default's compensation is planned at one dense pass
@@ -107,14 +108,16 @@ def test_the_planned_compensation_cost_bounds_what_the_compensation_spends():
     for activations in ("dense", "sequential"):
         cfg = load_config(None, ["ratio=0.25", "data.seqlen=32", "compensation.method=lstsq", "compensation.windows=4",
                                  f"compensation.activations={activations}"])
-        bound = planned_compensation_cost(cfg, num_layers=12)
+        bound = planned_compensation_cost(cfg, spec=registry.method(cfg.method), num_layers=12)
         for drop in ([1, 2, 3], [1, 3, 5], [8, 9, 10], [2, 6, 10]):  # 3 of 12 layers, 1 to 3 blocks
             spent = compensation.cost(drop=drop, num_layers=12, tokens=4 * 32, activations=activations)
             assert spent <= bound, (activations, drop, spent, bound)
-    assert planned_compensation_cost(load_config(None, ["method=shortgpt+heal"]), num_layers=12) == 0.0
+    plain = load_config(None, ["method=shortgpt+heal"])
+    assert planned_compensation_cost(plain, spec=registry.method(plain.method), num_layers=12) == 0.0
     default = for_method(load_config(None, ["data.seqlen=32", "compensation.windows=4"]))  # compensates
     solve = fit_solve_cost(model_shape(default.model), tokens=4 * 32, blocks=n_drop_for(default.ratio, 12))
-    assert planned_compensation_cost(default, num_layers=12) == pytest.approx(4 * 32 + solve) and solve > 0
+    planned = planned_compensation_cost(default, spec=registry.method(default.method), num_layers=12)
+    assert planned == pytest.approx(4 * 32 + solve) and solve > 0
 
 
 @pytest.mark.parametrize("budget, objective", [(1e6, "kd"), (3e5, "ce"), (2e7, "kd")])
@@ -141,35 +144,35 @@ def test_a_budgets_selection_fit_teacher_and_heal_add_up_to_it(budget, objective
 
 
 def test_prune_with_a_budget_runs_the_default_measured_best_at_the_nearest_budget(capsys):
-    """`prune --compute-budget B` without --method runs registry.BUDGET_DEFAULTS' entry nearest B
+    """`prune --compute-budget B` without --method runs budgets.BUDGET_DEFAULTS' entry nearest B
     (log scale) and says so on its first line; an explicit --method is kept."""
     import math
 
     from trsp_ray.cli import build_parser, prune_config
-    from trsp_ray.config import registry
+    from trsp_ray.config import budgets
 
-    for budget, _, _ in registry.BUDGET_DEFAULTS:
+    for budget, _, _ in budgets.BUDGET_DEFAULTS:
         for asked in (budget, budget * 1.2):
-            nearest = min(registry.BUDGET_DEFAULTS, key=lambda e: abs(math.log(asked / e[0])))
+            nearest = min(budgets.BUDGET_DEFAULTS, key=lambda e: abs(math.log(asked / e[0])))
             cfg = prune_config(build_parser().parse_args(["prune", "--compute-budget", str(asked)]))
             assert (cfg.method, cfg.recovery.objective) == nearest[1:]
     assert "the default measured best at" in capsys.readouterr().out
     cfg = prune_config(build_parser().parse_args(["prune", "--compute-budget", "1M", "--method", "tail+heal"]))
     assert cfg.method == "tail+heal" and cfg.recovery.objective == "ce"
-    assert registry.budget_default(1e9)[0] == max(b for b, _, _ in registry.BUDGET_DEFAULTS)
+    assert budgets.budget_default(1e9)[0] == max(b for b, _, _ in budgets.BUDGET_DEFAULTS)
 
 
 def test_the_default_pipeline_on_a_gpu_gets_a_budget_sized_for_a_real_heal(monkeypatch):
     import torch
 
     from trsp_ray.cli import build_parser, prune_config
-    from trsp_ray.config import registry
+    from trsp_ray.config import budgets
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for device in ("cuda", "auto"):
         cfg = prune_config(build_parser().parse_args(["prune", "--set", f"device={device}"]), gpu_default=True)
-        assert cfg.heal.compute_budget == registry.GPU_DEFAULT_BUDGET
-    assert cfg.method == registry.budget_default(registry.GPU_DEFAULT_BUDGET)[1]
+        assert cfg.heal.compute_budget == budgets.GPU_DEFAULT_BUDGET
+    assert cfg.method == budgets.budget_default(budgets.GPU_DEFAULT_BUDGET)[1]
     args = build_parser().parse_args(["prune", "--method", "shortgpt+heal", "--set", "device=cuda"])
     kept = prune_config(args, gpu_default=True)
     assert kept.heal.compute_budget == 0  # a chosen pipeline keeps its configured steps

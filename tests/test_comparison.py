@@ -771,7 +771,7 @@ def test_at_a_total_compute_budget_every_trained_row_spends_it(tiny_dir):
     leaves after their own selection and fit, at their own step cost (a distillation step pays the
     teacher's forward), so each row's total lands within one step below the budget."""
     from trsp_ray.benchmark.comparison import run_benchmark
-    from trsp_ray.config.registry import budget_label
+    from trsp_ray.config.budgets import budget_label
 
     names = ["dense", "shortgpt+heal", "shortgpt+comp+heal", "shortgpt+comp+heal@kd"]
     budget = 20_000

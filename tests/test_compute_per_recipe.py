@@ -55,8 +55,8 @@ def test_the_cosine_fits_steps_are_counted():
     lstsq, cosine = _pipe("shortgpt+comp+heal"), _pipe("shortgpt+cos+heal")
     assert lstsq.cfg.compensation.windows == cosine.cfg.compensation.windows > 0
     passes = lstsq.cfg.compensation.windows * 64
-    fit_lstsq = budget.planned_compensation_cost(lstsq.cfg, num_layers=30)
-    fit_cosine = budget.planned_compensation_cost(cosine.cfg, num_layers=30)
+    fit_lstsq = budget.planned_compensation_cost(lstsq.cfg, spec=lstsq.spec, num_layers=30)
+    fit_cosine = budget.planned_compensation_cost(cosine.cfg, spec=cosine.spec, num_layers=30)
     assert passes < fit_lstsq < fit_cosine
     assert fit_cosine - passes > 10 * (fit_lstsq - passes)  # 10 steps of 8 d^2 per token beside 4 d^2
 

@@ -14,28 +14,28 @@ def prune_config(args, *, gpu_default: bool = False):
     command then refuses before any work is `run.pipeline.resolve`'s (the tests check every documented
     command with these two). With a budget the default pipeline (no --method) is the one measured best
     at the nearest budget; `gpu_default` (the command itself) gives the default pipeline on a GPU
-    registry.GPU_DEFAULT_BUDGET when no budget is given."""
+    budgets.GPU_DEFAULT_BUDGET when no budget is given."""
     from trsp_ray.common.logs import log
-    from trsp_ray.config import registry
+    from trsp_ray.config import budgets, registry
     from trsp_ray.config.run_config import replace
 
     cfg = run_config(args, method=args.method, output=args.output)
     default = args.method is None and cfg.method == registry.DEFAULT_METHOD
     budget = args.compute_budget
     if gpu_default and budget is None and default and not cfg.heal.compute_budget and _on_gpu(cfg.device):
-        budget = registry.GPU_DEFAULT_BUDGET
-        log(f"on a GPU the default pipeline gets --compute-budget {registry.budget_label(int(budget))} unless "
+        budget = budgets.GPU_DEFAULT_BUDGET
+        log(f"on a GPU the default pipeline gets --compute-budget {budgets.budget_label(int(budget))} unless "
             "given (the heals published for depth pruning train on 1.6M-15M tokens)")
     if budget is None:
         return cfg
     cfg = replace(cfg, **{"heal.compute_budget": budget})
     if default:  # the default, per budget
-        measured, method, objective = registry.budget_default(budget)
+        measured, method, objective = budgets.budget_default(budget)
         kd = objective != cfg.recovery.objective and cfg.recovery.objective == "ce"
         cfg = replace(cfg, method=method, **({"recovery.objective": objective} if kd else {}))
-        log(f"compute budget {registry.budget_label(int(budget))}: running {method} with "
+        log(f"compute budget {budgets.budget_label(int(budget))}: running {method} with "
             f"recovery.objective={cfg.recovery.objective}, the default measured best at "
-            f"{registry.budget_label(int(measured))} (docs/results.md); --method chooses another")
+            f"{budgets.budget_label(int(measured))} (docs/results.md); --method chooses another")
     return cfg
 
 

@@ -17,6 +17,7 @@ import dataclasses
 from trsp_ray.benchmark.jobs import dense_lambada, dense_nlls, row_job, selection_job
 from trsp_ray.common.errors import TrspError
 from trsp_ray.config import registry
+from trsp_ray.config.budgets import COMPUTE_BUDGET_FROM, budget_label
 from trsp_ray.config.run_config import RunConfig, compensated
 
 DEFAULT_ROWS = registry.DEFAULT_ROWS  # --full: every baseline in both budget groups
@@ -46,7 +47,7 @@ def check_request(cfg: RunConfig, row_names, seeds: int, zeroshot_limit: int, *,
     if not budgets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in budgets) \
             or len(set(budgets)) != len(budgets):
         raise TrspError(f"budgets={list(budgets)!r} is not valid; pass distinct integers >= 1 (multiples of "
-                        f"stage2.steps, e.g. 1,4) or total compute budgets from {registry.COMPUTE_BUDGET_FROM} "
+                        f"stage2.steps, e.g. 1,4) or total compute budgets from {COMPUTE_BUDGET_FROM} "
                         "dense-forward tokens up (e.g. 70k,300k,1M)")
     if cfg.heal.compute_budget:
         raise TrspError(f"heal.compute_budget={cfg.heal.compute_budget:g} is a prune setting; the benchmark gives "
@@ -282,7 +283,7 @@ def run_benchmark(cfg: RunConfig, rows=DEFAULT_ROWS, *, seeds: int = 1, zeroshot
             if retention is not None:
                 tracker.log_figure(retention, "retention_vs_compute.png")
             for s in summary:
-                prefix = f"{s['row']}/{registry.budget_label(s['budget'])}"
+                prefix = f"{s['row']}/{budget_label(s['budget'])}"
                 tracker.log_metrics({f"{prefix}/geo_mean_x_dense": s["geo-mean x dense"]["mean"],
                                      **{f"{prefix}/{d}_ppl": s[f"{d} PPL"]["mean"] for d in s["domains"]},
                                      f"{prefix}/total_cost": s["total cost"],
@@ -364,7 +365,7 @@ def _tracker_while_warming(t, warm):
 
 
 def _log_job(tracker, plots, job: Job, out: dict) -> None:
-    budget = f" {registry.budget_label(job.budget)}" if job.budget != 1 else ""
+    budget = f" {budget_label(job.budget)}" if job.budget != 1 else ""
     name = f"{job.name}{budget} seed {job.seed}" if job.kind == "row" else f"selection {job.name} seed {job.seed}"
     with tracker.run(name, nested=True, tags={"kind": job.kind, "name": job.name, "seed": str(job.seed)}):
         for metrics, step in out.get("history", []):

@@ -14,6 +14,7 @@ import math
 import time
 
 from trsp_ray.config import registry
+from trsp_ray.config.budgets import COMPUTE_BUDGET_FROM, budget_label
 from trsp_ray.config.run_config import RunConfig, compensated, from_dict, replace
 from trsp_ray.plan import compute
 
@@ -115,7 +116,7 @@ def compensation_steps(cfg: RunConfig, drop, *, spec: registry.Method, num_layer
     '@comp' row's extra)."""
     from trsp_ray.run import budget
 
-    cost = budget.fit_cost(compensated(cfg), drop=drop, num_layers=num_layers)
+    cost = budget.fit_cost(compensated(cfg), spec=spec, drop=drop, num_layers=num_layers)
     return compute.extra_heal_steps(cost, step_cost=compute.step_cost(row_cfg or cfg, spec=spec, drop=drop))
 
 
@@ -126,7 +127,7 @@ def compute_budget_steps(cfg: RunConfig, row: registry.Row, selection: dict, *, 
     objective's cost, a distillation's teacher included)."""
     from trsp_ray.run import budget
 
-    comp = budget.fit_cost(cfg, drop=drop, num_layers=num_layers)
+    comp = budget.fit_cost(cfg, spec=spec, drop=drop, num_layers=num_layers)
     return budget.heal_steps(cfg, spec=spec, select=selection["info"].get("select_cost", 0.0), comp=comp, drop=drop)
 
 
@@ -268,7 +269,7 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
         # the row's pipeline, resolved by row_config, prices its recipe's steps; its selection method
         # (a registered name) is what apply_method runs on the shared drop set with the row's budgets
         spec = named(bench.cfg).spec
-        if budget >= registry.COMPUTE_BUDGET_FROM:  # a total compute: every row spends the same
+        if budget >= COMPUTE_BUDGET_FROM:  # a total compute: every row spends the same
             bench.cfg = replace(bench.cfg, **{"heal.compute_budget": float(budget)})  # the heal's windows grow
             extra = compute_budget_steps(bench.cfg, row, selection, spec=spec, drop=drop,
                                          num_layers=bench.num_layers) - bench.cfg.stage2.steps
@@ -304,5 +305,5 @@ def row_job(cfg_dict: dict, row_name: str, seed: int, selection: dict | None, ex
     result["seconds"] = time.time() - t0 + (selection["seconds"] if selection else 0.0)
     lamb = f", LAMBADA acc {result['lambada']['acc']:.3f}" if "lambada" in result else ""
     ppls = ", ".join(f"{name} {v:.2f}" for name, v in result["ppl"].items())
-    log(f"row {row_name} {registry.budget_label(budget)} (seed {seed}): PPL {ppls}{lamb} ({result['seconds']:.0f}s)")
+    log(f"row {row_name} {budget_label(budget)} (seed {seed}): PPL {ppls}{lamb} ({result['seconds']:.0f}s)")
     return result

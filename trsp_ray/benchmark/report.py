@@ -7,6 +7,7 @@ import math
 
 from trsp_ray.benchmark import stats as stats
 from trsp_ray.config import registry
+from trsp_ray.config.budgets import budget_label
 from trsp_ray.config.run_config import RunConfig
 
 FIXED = ["row", "dropped (first seed)", "kept %", "select k", "recover k", "total k"]
@@ -99,7 +100,7 @@ def render_report(summary: list[dict], *, calibration_source: str, left_out: lis
         for group in ("dense", "selection", "trained"):
             rows = [c for c in cells if c["group"] == group and c["budget"] == budget]
             if rows:
-                label = f", heal budget {registry.budget_label(budget)}" if group == "trained" else ""
+                label = f", heal budget {budget_label(budget)}" if group == "trained" else ""
                 title = registry.GROUP_TITLES[group] + label
                 parts += [f"\n{title}", render(rows, columns)]
     tokens = cfg.stage2.steps * d.batch_size * d.seqlen
@@ -167,7 +168,7 @@ def budget_curve_table(summary: list[dict]) -> str:
     rows = []
     for e in curve:
         s, vs = e["summary"], e["vs smallest"]
-        cell = {"row": e["row"], "budget": registry.budget_label(e['budget']), "total k": s["total cost"] / 1e3,
+        cell = {"row": e["row"], "budget": budget_label(e['budget']), "total k": s["total cost"] / 1e3,
                 stats.GEO: fmt(s[stats.GEO], 3), "LAMBADA acc": fmt(s.get("LAMBADA acc"), 3),
                 "LAMBADA % dense": fmt(s.get("LAMBADA % dense"), 1),
                 "zero-shot % dense": fmt(s.get("zero-shot % dense"), 1),
@@ -248,7 +249,7 @@ def _verdicts(summary: list[dict], cols: list[tuple[str, bool]]) -> list[str]:
             subject = next(s for s in summary if s["row"] == row)
             line = "; ".join(f"{c} {v['verdict']} {_signed(c, v)}" for c, _ in cols for v in [verdicts.get(c)] if v)
             wins = sum(v["verdict"] == "better" for v in verdicts.values())
-            label = registry.budget_label(subject["budget"])
+            label = budget_label(subject["budget"])
             parts.append(f"{row} {label} vs {best[row]}: {line} -> wins {wins} of {len(verdicts)}")
     mde = stats.detectable(summary, cols)
     if mde:

@@ -32,9 +32,13 @@ SLEB_SELECTOR = "sleb"  # the report notes how many windows it scored
 RANDOM_SELECTOR = "random"  # a seeded random drop set: no forward pass, no compute
 TAIL_SELECTOR = "tail"  # the last candidates: no forward pass, no compute
 ANGULAR_SELECTOR = "angular"  # one dense forward of ShortGPT's windows, every layer boundary kept
+# pairs of adjacent blocks merged into one block each (trsp_ray/method/merge.py), not dropped: its "drop
+# set" is the second layer of every pair, the layers the merged model no longer has
+MERGE_SELECTOR = "merge"
 
 
-SELECTORS = (TRSP_SELECTOR, SHORTGPT_SELECTOR, SLEB_SELECTOR, RANDOM_SELECTOR, TAIL_SELECTOR, ANGULAR_SELECTOR)
+SELECTORS = (TRSP_SELECTOR, SHORTGPT_SELECTOR, SLEB_SELECTOR, RANDOM_SELECTOR, TAIL_SELECTOR, ANGULAR_SELECTOR,
+             MERGE_SELECTOR)
 # A pipeline's fit, by the token its name spells: the map fitted after removal and folded before the
 # heal (trsp_ray/method/compensation.py): comp = least squares (the default's), cos = ReplaceMe's cosine
 # objective for the same map, scalar = Prune&Comp's norm-ratio scales
@@ -67,6 +71,11 @@ class Method:
     def compensate(self) -> bool:
         return self.fit is not None
 
+    @property
+    def merges(self) -> bool:
+        """Its pairs are merged (method/merge.py), not removed: no fit, and one process only."""
+        return self.selector == MERGE_SELECTOR
+
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("trsp+heal", "trsp", heal=True),
@@ -87,6 +96,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("angular", "angular"),
     Method("angular+heal", "angular", heal=True),
     Method("angular+comp+heal", "angular", heal=True, fit="comp"),
+    # FlattenGPT's merge (issue 51): each pair's own closed-form refit is its repair, so no +FIT
+    Method("merge", "merge"),
+    Method("merge+heal", "merge", heal=True),
 )}
 METHOD_NAMES = tuple(METHODS)
 # the best pipeline found on every column at equal total compute; config.py's and the jobs' default
@@ -99,13 +111,18 @@ TRSP_METHODS = tuple(m.name for m in METHODS.values() if m.uses_stage1)  # what 
 WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal", "shortgpt+comp+heal", "tail+heal", "tail+comp+heal")
 # heal methods whose drop set one process chooses and hands to the workers, which heal it: SLEB's
 # layer-by-layer replay is not built on the workers; its forward-only selection fits one device
-HANDED_OVER_METHODS = tuple(m.name for m in METHODS.values() if m.heal and m.name not in WORKER_METHODS)
+HANDED_OVER_METHODS = tuple(m.name for m in METHODS.values()
+                            if m.heal and m.name not in WORKER_METHODS and not m.merges)
+# why a merge is refused on the workers: each pair would have to be gathered whole, merged on one rank
+# and re-partitioned, which is not built
+MERGE_NOT_ON_WORKERS = ("merges pairs of blocks in one process only (gathering each pair from the ZeRO-3 shards "
+                        "is not built); run it with distributed.workers=0")
 STAGE2_METHODS = tuple(m.name for m in METHODS.values() if m.stage2)  # the methods stage2.* settings act in
 BASELINE_SELECTORS = ("shortgpt", "sleb", "random", "tail", "angular")
 # Baselines that score layers with forward passes (memory plans size them); SLEB and the angular
 # block also keep every layer's input of a batch. Random and tail selection cost nothing.
-FORWARD_SELECTORS = ("shortgpt", "sleb", "angular")
-LAYER_INPUT_SELECTORS = ("sleb", "angular")
+FORWARD_SELECTORS = ("shortgpt", "sleb", "angular", "merge")
+LAYER_INPUT_SELECTORS = ("sleb", "angular", "merge")
 
 
 @dataclass(frozen=True)
@@ -194,6 +211,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("angular", "angular", "none", "selection", default=False),
     Row("angular+heal", "angular", "heal", "trained", default=False),
     Row("angular+comp+heal", "angular", "heal", "trained", default=False, fit="comp"),
+    # merged pairs instead of dropped layers (issue 51), training-free and healed
+    Row("merge", "merge", "none", "selection", default=False),
+    Row("merge+heal", "merge", "heal", "trained", default=False),
     # the anchors' fits and partial heals on the default's selection and on the tail cut: ReplaceMe's
     # cosine objective for the same map; its "LT" heal of the folded maps alone; Lu et al.'s tail
     # cut healed in lm_head + the last kept layers only (heal.tail_layers)
@@ -216,42 +236,7 @@ DEFAULT_ROWS = tuple(r.name for r in ROWS.values() if r.default)
 QUICK_ROWS = tuple(r.name for r in ROWS.values() if r.quick)
 # `trsp-ray benchmark --budget-curve`: the default's recovery with cross-entropy and with distillation
 # at equal compute, and a partial heal at a full heal's compute, at growing heal budgets (issue 42)
-# `prune --compute-budget B` without --method: (measured budget, pipeline, recovery objective) of what
-# won at each measured total compute on the product's own domains (docs/results.md, "Recovery at
-# the budgets users run"); the entry whose budget is nearest B on a log scale runs
-BUDGET_DEFAULTS = (
-    (70e3, DEFAULT_METHOD, "ce"),
-)
-
-
-def budget_default(budget: float) -> tuple[float, str, str]:
-    """The BUDGET_DEFAULTS entry nearest `budget` (log scale)."""
-    import math
-
-    return min(BUDGET_DEFAULTS, key=lambda e: (abs(math.log(budget / e[0])), e[0]))
-
-
-# `prune` of the default pipeline on a GPU without --compute-budget: a total of 16M dense-forward tokens,
-# some 5M distilled tokens, inside the 1.6M-15M tokens the published depth-pruning heals train on
-# whatever the model's size (their heals do not grow with it), and minutes of GPU time: 16M x 2 x 8e9
-# FLOPs is ~10 minutes for an 8B on one H100-class GPU. On CPU the default stays today's short heal.
-GPU_DEFAULT_BUDGET = 16e6
-
-
-# a benchmark budget (--budgets) from this value up is a total compute in dense-forward tokens (every
-# trained row heals with what that compute leaves after its selection and fit, at its recipe's and
-# objective's step cost); below it, a multiple of stage2.steps
-COMPUTE_BUDGET_FROM = 1000
-
-
-def budget_label(budget: int) -> str:
-    """How a benchmark budget is shown: x4 (a multiple of stage2.steps) or 300k / 1M (total compute)."""
-    if budget < COMPUTE_BUDGET_FROM:
-        return f"x{budget}"
-    return f"{budget / 1e6:g}M" if budget >= 1e6 else f"{budget / 1e3:g}k"
-
-
-CURVE_ROWS = ("dense", "shortgpt+comp+heal", "shortgpt+comp+heal@kd", "shortgpt+comp+heal.map@full")
+CURVE_ROWS = ("dense", "shortgpt+comp+heal", "shortgpt+comp+heal@kd", "shortgpt+comp+heal.map@full", "merge+heal")
 # `trsp-ray benchmark --leave-one-out`: the default against the plain heal at its total compute and
 # against its distilled recovery, once per left-out domain
 LEAVE_ONE_OUT_ROWS = ("dense", "shortgpt+heal@comp", "shortgpt+comp+heal", "shortgpt+comp+heal@kd")
@@ -288,6 +273,10 @@ def method(name: str) -> Method:
     if selector not in SELECTORS or rest or (recipe is not None and recipe not in HEAL_RECIPES):
         raise TrspError(f"method={name!r} is not valid; choose one of {', '.join(METHOD_NAMES)} or compose "
                         f"{GRAMMAR}")
+    if selector == MERGE_SELECTOR and fit is not None:
+        raise TrspError(f"method={name!r} is not valid: a merge repairs each pair in closed form itself, and a "
+                        f"+{fit} fold would read the dense model's layer that the merge replaced; use merge or "
+                        "merge+heal")
     if recipe == "map" and fit is None:
         raise TrspError(f"method={name!r} is not valid: heal.map trains only the maps a fit folded, and it names "
                         f"no fit; use {selector}+comp+heal.map or {selector}+heal")
@@ -302,7 +291,7 @@ def on_workers(name: str, *, drop_given: bool = False) -> bool:
     if name in WORKER_METHODS or (drop_given and name in HANDED_OVER_METHODS):
         return True
     m = method(name)
-    if m.name in METHODS or not m.heal:
+    if m.name in METHODS or not m.heal or m.merges:
         return False
     return drop_given or m.selector in (TRSP_SELECTOR, SHORTGPT_SELECTOR, TAIL_SELECTOR)
 

@@ -24,14 +24,43 @@ from trsp_ray.config.sections import (
     DistributedConfig,
     GateConfig,
     HealConfig,
+    MergeConfig,
     RecoveryConfig,
     Stage1Config,
     Stage2Config,
     TrackingConfig,
     _choice,
     _positive,
-    check_heal_recipe,
 )
+from trsp_ray.method.recipes import MAP_RECIPE, PARTIAL_RECIPES
+
+
+def heal_recipe(cfg, *, heal_method: bool) -> tuple[str, int]:
+    """(trainable, lora_rank) of the heal `cfg` runs: a heal method's heal (`heal_method`, stage 2's
+    budget) trains stage2.trainable unless heal.trainable names another recipe than all; an extra heal
+    after any other method trains heal.trainable. One rule for one process, the workers and the plans."""
+    h, s2 = cfg.heal, cfg.stage2
+    if heal_method and h.trainable == "all":
+        return s2.trainable, s2.lora_rank
+    return h.trainable, h.lora_rank
+
+
+def check_heal_recipe(cfg, *, method, stage2: bool) -> None:
+    """One-line refusals of a recipe the run cannot serve, before any work (`method`: the resolved
+    registry.Method; `stage2`: whether TRSP's stage 2 runs; `cfg` with compensation.method resolved,
+    config.for_method): tail | map in TRSP's
+    own stage 2 (its penalty needs the drop set's layers trained, and no fold precedes it), and map
+    without a least-squares fold (there is no map to train)."""
+    if stage2 and cfg.stage2.trainable in PARTIAL_RECIPES:
+        raise TrspError(f"stage2.trainable={cfg.stage2.trainable!r} is a heal recipe; TRSP's stage 2 (method="
+                        f"{method.name}) trains all or lora weights; use stage2.trainable=all|lora, or a heal method "
+                        f"(e.g. trsp+heal) with heal.trainable={cfg.stage2.trainable}")
+    heals = (method.heal and cfg.stage2.steps + cfg.heal.steps > 0) or cfg.heal.steps > 0
+    trainable, _ = heal_recipe(cfg, heal_method=method.heal)
+    if heals and trainable == MAP_RECIPE and cfg.compensation.method != "lstsq":
+        raise TrspError(f"heal.trainable=map trains only the down_proj weights a least-squares fold wrote its maps "
+                        f"into, and compensation.method={cfg.compensation.method} folds no map; use a compensating "
+                        f"method (e.g. {method.selector}+comp+heal) or heal.trainable=all|lora|tail")
 
 
 @dataclass(frozen=True)
@@ -55,6 +84,7 @@ class RunConfig:
     heal: HealConfig = field(default_factory=HealConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     compensation: CompensationConfig = field(default_factory=CompensationConfig)
+    merging: MergeConfig = field(default_factory=MergeConfig)
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -264,6 +294,9 @@ def for_method(cfg: RunConfig, method: str | None = None, *, stage2: bool | None
     if stage2 is None:
         stage2 = spec.stage2 and cfg.stage2.enabled and cfg.stage2.steps > 0
     comp = out.compensation.method
+    if spec.merges and comp != "none":
+        raise TrspError(f"compensation.method={comp!r} is not available with --method {name}: a merge repairs each "
+                        "pair itself (merging.refit); leave compensation.method at auto")
     if stage2 and comp != "none":
         able = ", ".join(m.name for m in registry.METHODS.values() if not m.stage2)
         raise TrspError(f"compensation.method={comp!r} is not available with --method {name}: its stage 2 trains "

@@ -17,7 +17,7 @@ from trsp_ray.method.compensation_forms import (
     check_form,
     check_objective,
 )
-from trsp_ray.method.recipes import HEAL_RECIPES, MAP_RECIPE, PARTIAL_RECIPES
+from trsp_ray.method.recipes import HEAL_RECIPES
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -202,35 +202,6 @@ class HealConfig:
             raise TrspError(f"heal.tail_layers={self.tail_layers!r} is not valid; it must be an integer >= 1")
 
 
-def heal_recipe(cfg, *, heal_method: bool) -> tuple[str, int]:
-    """(trainable, lora_rank) of the heal `cfg` runs: a heal method's heal (`heal_method`, stage 2's
-    budget) trains stage2.trainable unless heal.trainable names another recipe than all; an extra heal
-    after any other method trains heal.trainable. One rule for one process, the workers and the plans."""
-    h, s2 = cfg.heal, cfg.stage2
-    if heal_method and h.trainable == "all":
-        return s2.trainable, s2.lora_rank
-    return h.trainable, h.lora_rank
-
-
-
-def check_heal_recipe(cfg, *, method, stage2: bool) -> None:
-    """One-line refusals of a recipe the run cannot serve, before any work (`method`: the resolved
-    registry.Method; `stage2`: whether TRSP's stage 2 runs; `cfg` with compensation.method resolved,
-    config.for_method): tail | map in TRSP's
-    own stage 2 (its penalty needs the drop set's layers trained, and no fold precedes it), and map
-    without a least-squares fold (there is no map to train)."""
-    if stage2 and cfg.stage2.trainable in PARTIAL_RECIPES:
-        raise TrspError(f"stage2.trainable={cfg.stage2.trainable!r} is a heal recipe; TRSP's stage 2 (method="
-                        f"{method.name}) trains all or lora weights; use stage2.trainable=all|lora, or a heal method "
-                        f"(e.g. trsp+heal) with heal.trainable={cfg.stage2.trainable}")
-    heals = (method.heal and cfg.stage2.steps + cfg.heal.steps > 0) or cfg.heal.steps > 0
-    trainable, _ = heal_recipe(cfg, heal_method=method.heal)
-    if heals and trainable == MAP_RECIPE and cfg.compensation.method != "lstsq":
-        raise TrspError(f"heal.trainable=map trains only the down_proj weights a least-squares fold wrote its maps "
-                        f"into, and compensation.method={cfg.compensation.method} folds no map; use a compensating "
-                        f"method (e.g. {method.selector}+comp+heal) or heal.trainable=all|lora|tail")
-
-
 TEACHERS = ("auto", "stored", "live")  # recovery.teacher
 
 
@@ -318,6 +289,27 @@ class CompensationConfig:
 # SLEB's calibration windows for `trsp-ray benchmark --full-baselines`: on SmolLM2 (8 of 30 layers,
 # 128-token windows) its drop set no longer changed when the count doubled from 8 to 16.
 FULL_SLEB_WINDOWS = 16
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """`merging`: the merge of adjacent pairs (--method merge, merge+heal; trsp_ray/method/merge.py): the calibration
+    its heads and channels are scored on and its closed-form refits solved from, and the refits' settings."""
+
+    # calibration windows of data.seqlen tokens; 0 (auto) = tokens_per_column x the widest refit (the MLP's
+    # channels, or the attention's q rows) / data.seqlen (336 on SmolLM2: 1536 channels), resolved per
+    # model (run/merging.merge_windows); a refit from fewer tokens than its columns is refused
+    windows: int = 0
+    tokens_per_column: float = TOKENS_PER_COLUMN
+    refit: bool = True  # repair each cut in closed form; false: plain dropping of the weaker heads and channels
+    ridge: float = 1e-2  # the refit's shrinkage towards plain dropping, relative to the mean diagonal of Z^T Z
+    weighting: str = "norm"  # as compensation.weighting: each token relative to its stream's norm, or none
+
+    def __post_init__(self):
+        _positive("merging.windows", self.windows, allow_zero=True)
+        _positive("merging.tokens_per_column", self.tokens_per_column)
+        _positive("merging.ridge", self.ridge, allow_zero=True)
+        _choice("merging.weighting", self.weighting, WEIGHTINGS)
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,7 @@ def fit(*, model, gates, drop: list[int], windows: list[torch.Tensor], rank: int
     info: dict = {"maps": [], "blocks": spans, "tokens": 0, "residual": [], "residual_identity": [], "form": form}
     for k, span in enumerate(spans):
         if stats[k] is None:  # this rank had no window: zeros of the right shape join the sum
-            z = torch.zeros(hidden, hidden, dtype=torch.float64, device=device)
-            stats[k] = compensation.Stats(span, z, z.clone(), z.new_zeros(()), 0)
+            stats[k] = compensation.Stats.zeros(span, hidden, hidden, torch.empty(0, device=device))
         summed = stats[k].reduced(reduce)
         stats[k] = None  # the all-reduced copy replaces this rank's sums (compensation_plan's solve)
         t = compensation.solve(summed.mtm, summed.mty, ridge=ridge, form=form, rank=map_rank)

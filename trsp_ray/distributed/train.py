@@ -104,6 +104,8 @@ def check_worker_settings(cfg, *, drop_given: bool = False, pipe=None) -> None:
     from trsp_ray.plan.zero3_plan import method_on_workers
     from trsp_ray.run.pipeline import named
 
+    if (pipe or named(cfg)).spec.merges:
+        raise TrspError(f"method={cfg.method!r} {registry.MERGE_NOT_ON_WORKERS}")
     if not method_on_workers(cfg.method, drop_given=drop_given):
         handed = (f" ({', '.join(registry.HANDED_OVER_METHODS)} with a drop set chosen in one process)"
                   if registry.HANDED_OVER_METHODS else "")
@@ -159,7 +161,7 @@ def prepare_run(cfg, *, ds_options: dict | None = None, overwrite: bool = False,
                         ("distributed.checkpoint_every", dist.checkpoint_every)):
         if steps % dist.grad_accum:  # a round or checkpoint must end on an optimizer step
             raise TrspError(f"{name}={steps} is not a multiple of distributed.grad_accum={dist.grad_accum}")
-    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.config.run_config import heal_recipe
     from trsp_ray.plan.zero3_plan import trains_on_workers
 
     heals = pipe.spec.heal  # a heal method's heal trains its recipe, stage 2 stage2.trainable

@@ -81,6 +81,21 @@ class Stats:
     yty: torch.Tensor  # sum ||Y||^2, scalar
     tokens: int
 
+    @classmethod
+    def zeros(cls, block, k: int, d: int, like: torch.Tensor) -> Stats:
+        """Empty sums for inputs of width `k` and targets of width `d`, float64 on `like`'s device."""
+        return cls(block, like.new_zeros(k, k, dtype=torch.float64), like.new_zeros(k, d, dtype=torch.float64),
+                   like.new_zeros((), dtype=torch.float64), 0)
+
+    def add(self, m: torch.Tensor, y: torch.Tensor) -> Stats:
+        """Add one batch's float64 rows, inputs m [n, k] and targets y [n, d] (already weighted), in place:
+        the one accumulation of every least-squares fit (the fold's maps, a merge's refits)."""
+        self.mtm.addmm_(m.T, m)
+        self.mty.addmm_(m.T, y)
+        self.yty += torch.dot(y.view(-1), y.view(-1))
+        self.tokens += m.shape[0]
+        return self
+
     def reduced(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Stats:
         """These sums combined across ranks by `reduce` (a sum); the token count travels with them."""
         tail = reduce(torch.stack([self.yty, self.yty.new_tensor(float(self.tokens))]))
@@ -206,15 +221,7 @@ def _add(stats: Stats | None, block, out: torch.Tensor, m: torch.Tensor, target:
     if scale is not None:
         m.div_(scale)
         y.div_(scale)
-    if stats is None:
-        d = m.shape[1]
-        z = m.new_zeros(d, d)
-        stats = Stats(block, z, z.clone(), m.new_zeros(()), 0)
-    stats.mtm.addmm_(m.T, m)
-    stats.mty.addmm_(m.T, y)
-    stats.yty += torch.dot(y.view(-1), y.view(-1))
-    stats.tokens += m.shape[0]
-    return stats
+    return (stats or Stats.zeros(block, m.shape[1], y.shape[1], m)).add(m, y)
 
 
 @torch.no_grad()

@@ -148,6 +148,21 @@ def _calibration_nll(model, batches: list[torch.Tensor]) -> float:
 
 
 @torch.no_grad()
+def sleb_cost(*, num_layers: int, candidates: list[int], n_drop: int, tokens: int) -> float:
+    """Dense-forward tokens of SLEB with prefix replay (selectors.sleb_drop): per round one pass to
+    record every layer's input, then for each candidate j a replay of the active layers after j."""
+    drop: list[int] = []
+    cost = 0.0
+    for _ in range(n_drop):
+        active = [i for i in range(num_layers) if i not in drop]
+        cost += tokens * len(active) / num_layers
+        for j in (c for c in candidates if c not in drop):
+            cost += tokens * max(1, sum(1 for i in active if i > j)) / num_layers
+        # which layer goes does not change the count much; take the last candidate as a stand-in
+        drop.append([c for c in candidates if c not in drop][-1])
+    return cost
+
+
 def sleb_drop(model, gates, batches: list[torch.Tensor], *, n_drop: int, candidates: list[int],
               progress: Callable[[int, int, float], None] | None = None) -> list[int]:
     """SLEB: repeatedly remove the block whose removal gives the lowest calibration perplexity.

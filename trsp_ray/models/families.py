@@ -28,6 +28,17 @@ class Family:
     # RMSNorm multiplies by 1 + weight): a compensating map folds there only as a diagonal, into that scale
     mlp_norm_path: str = ""
     norm_offset: float = 0.0
+    # where a merge of two blocks (trsp_ray/method/merge.py) finds a block's parts: the linears that read
+    # the attention's normed input (q, k, v, or one fused linear), those that read the MLP's (gate and
+    # up, one fused [gate; up], or one fc1), and the two norms in front of them
+    attn_in_paths: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    mlp_in_paths: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    norm_paths: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")
+    # a fused q/k/v linear's row order: "stacked" (all q rows, then k, then v: Phi-3) or "per_head"
+    # (each head's q, k, v rows together: GPT-NeoX)
+    qkv_layout: str = "stacked"
+    # why two of its blocks cannot become one ("" = they can)
+    merge_refusal: str = ""
 
 
 _DEFAULT = "model.layers"
@@ -36,22 +47,28 @@ _DEFAULT = "model.layers"
 NO_COMPENSATION = "use compensation.method=none, and --method shortgpt+heal instead of shortgpt+comp+heal"
 _POST_FFN_NORM = ("its post_feedforward_layernorm normalises the MLP output before the residual add, "
                   "so a linear map folded into down_proj is undone by the norm")
+_QK_NORM = ("its q_norm and k_norm scale every head of a layer by one shared head_dim weight (before the rotary "
+            "embedding, so no projection can carry it): heads of two layers cannot share one")
+_POST_NORMS = ("its post_attention_layernorm and post_feedforward_layernorm normalise each block's whole attention and "
+               "MLP output, so a sum of two blocks' outputs cannot keep each block's norm")
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", _DEFAULT),
     "mistral": Family("mistral", _DEFAULT),
     "qwen2": Family("qwen2", _DEFAULT),
-    "qwen3": Family("qwen3", _DEFAULT),
+    "qwen3": Family("qwen3", _DEFAULT, merge_refusal=_QK_NORM),
     "gemma2": Family("gemma2", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM, mlp_norm_path="post_feedforward_layernorm",
-                     norm_offset=1.0),
+                     norm_offset=1.0, merge_refusal=_POST_NORMS),
     "gemma3_text": Family("gemma3_text", _DEFAULT, mlp_fold_refusal=_POST_FFN_NORM,
-                          mlp_norm_path="post_feedforward_layernorm", norm_offset=1.0),
-    "phi3": Family("phi3", _DEFAULT),
+                          mlp_norm_path="post_feedforward_layernorm", norm_offset=1.0, merge_refusal=_POST_NORMS),
+    "phi3": Family("phi3", _DEFAULT, attn_in_paths=("self_attn.qkv_proj",), mlp_in_paths=("mlp.gate_up_proj",)),
     # OPTDecoderLayer adds fc2's output straight to the residual (its LayerNorm comes first)
-    "opt": Family("opt", "model.decoder.layers", mlp_out_path="fc2", attn_out_path="self_attn.out_proj"),
+    "opt": Family("opt", "model.decoder.layers", mlp_out_path="fc2", attn_out_path="self_attn.out_proj",
+                  mlp_in_paths=("fc1",), norm_paths=("self_attn_layer_norm", "final_layer_norm")),
     # with use_parallel_residual the layer writes x + attn + mlp, without it (x + attn) + mlp: either
     # way the layer's output minus the projection's output is the stream the MLP output joins
     "gpt_neox": Family("gpt_neox", "gpt_neox.layers", mlp_out_path="mlp.dense_4h_to_h",
-                       attn_out_path="attention.dense"),
+                       attn_out_path="attention.dense", attn_in_paths=("attention.query_key_value",),
+                       mlp_in_paths=("mlp.dense_h_to_4h",), qkv_layout="per_head"),
 }
 
 
@@ -97,11 +114,23 @@ def _projection_refusal(config) -> str:
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is None:
         return ""
-    if family.mlp_fold_refusal:
-        return family.mlp_fold_refusal
+    return family.mlp_fold_refusal or _post_norm(config, family)
+
+
+def _post_norm(config, family: Family) -> str:
+    """Why an OPT config's norms follow the residual adds (do_layer_norm_before=False); "" otherwise."""
     if family.name == "opt" and not getattr(_get(config, family.config_path), "do_layer_norm_before", True):
         return "with do_layer_norm_before=False its final_layer_norm follows the residual add"
     return ""
+
+
+def merge_refusal(config) -> str:
+    """Why no two blocks of a model of this config can be merged into one (Family.merge_refusal, or norms
+    after the residual adds); "" when they can or the family is unknown (family_of refuses that)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None:
+        return ""
+    return family.merge_refusal or _post_norm(config, family)
 
 
 def _refuse_fold(model) -> None:

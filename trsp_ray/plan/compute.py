@@ -9,7 +9,7 @@ parameter counts (plan/shape.py), so a full-weight step is 3 (SPEC's heal token)
 lm_head + 3 layers about 1.7 on SmolLM2-135M, LoRA about 2. The least-squares fit's float64 sums and
 solves and the cosine fit's Gauss-Newton steps are counted from their FLOPs (`fit_solve_cost`).
 
-What each selection spends is counted where it runs (methods.stage1_cost, methods.sleb_cost); this
+What each selection spends is counted where it runs (methods.stage1_cost, selectors.sleb_cost); this
 module adds recovery to it and turns a compute difference into heal steps, so every table, plot and
 equal-compute row uses one rule.
 """
@@ -101,7 +101,7 @@ def token_cost(cfg, *, spec: registry.Method, drop: list[int] | None = None, tra
     n_drop maps from the bottom when neither is known. `trainable` / `lora_rank` override the recipe
     (a heal config given to methods.apply_method). `spec`: the pipeline's resolved registry entry
     (run.pipeline.Pipeline.spec), whose stage2 and heal say what trains."""
-    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.config.run_config import heal_recipe
     from trsp_ray.method.boundaries import blocks, fold_layers
     from trsp_ray.method.stage1 import n_drop_for
 
@@ -229,8 +229,10 @@ def train_spent(info: dict) -> float:
 
 
 def fit_spent(info: dict) -> float:
-    """Dense-forward tokens a row's fit spent: its passes (compensation_cost) and its float64 solve."""
-    return info.get("compensation_cost", 0.0) + info.get("compensation_solve_cost", 0.0)
+    """Dense-forward tokens a row's fit spent: its passes (compensation_cost) and its float64 solve, or a
+    merge's (run/merging.py: merge_cost, merge_solve_cost)."""
+    return sum(info.get(k, 0.0) for k in ("compensation_cost", "compensation_solve_cost", "merge_cost",
+                                          "merge_solve_cost"))
 
 
 def recovery_cost(info: dict) -> float:

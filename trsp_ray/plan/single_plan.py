@@ -140,12 +140,17 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     e, tokens = st.dtype_bytes, batch * seqlen
     plan = StagePlan(name)
     _single_weights(plan, s, st, s.params - (s.layers - (s.layers if layers is None else layers)) * s.layer_params)
-    if name in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # selectors.decoder_forward: no LM head
+    if name in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR, registry.MERGE_SELECTOR):  # no LM head
         plan.parts["one layer | the fp32 probe (no logits)"] = tokens * max(forward_layer_bytes(s, e),
                                                                            probe_bytes(s, e)) / GB
     else:
         logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
         plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
+    if name == registry.MERGE_SELECTOR:  # the wide pair's extra layer and one pair's float64 refit sums
+        from trsp_ray.method.merge import refit_bytes
+
+        plan.parts["merge: the wide pair + its refit sums"] = (s.layer_params * e + refit_bytes(
+            intermediate=s.intermediate, hidden=s.hidden, attention_width=s.heads * s.head_dim)) / GB
     if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
     return plan
@@ -302,7 +307,7 @@ def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[st
                         shape: Shape | None = None) -> SinglePlan:
     """The single-process plan of `cfg` (or of every method in `methods`) on one `device` of `memory_gb`."""
     from trsp_ray.config import registry
-    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.config.run_config import heal_recipe
     from trsp_ray.method.stage1 import n_drop_for
 
     s = shape or run_shape(cfg)

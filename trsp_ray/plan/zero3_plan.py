@@ -182,7 +182,7 @@ def with_heal_setup(cfg, st: Setup, s: Shape, *, spec) -> Setup:
     and its heal's recipe (config.heal_recipe): the tail's k, and for the map recipe one folded
     down_proj per block, at most one per dropped layer (a contiguous selector's drop set is one block).
     `spec`: the pipeline's registry entry."""
-    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.config.run_config import heal_recipe
     from trsp_ray.method.stage1 import n_drop_for
 
     if not spec.heal:

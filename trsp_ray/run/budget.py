@@ -3,7 +3,7 @@ a heal method's heal gets the steps that the budget leaves after its selection's
 compensation's planned cost, so a user asks for "this much compute" and gets the most heal it buys.
 
 The planned costs are the ones the comparison reports (compute.py, methods.select): ShortGPT's Block
-Influence is one forward over its windows, SLEB's the prefix-replay count of methods.sleb_cost, a
+Influence is one forward over its windows, SLEB's the prefix-replay count of selectors.sleb_cost, a
 random selection nothing, a compensation at most one whole forward over its calibration windows.
 TRSP's stage 1 spends an amount known only after it runs (its probes and refinement stop early),
 so a budget is refused for it rather than overrun. A heal step costs what its recipe runs
@@ -25,12 +25,13 @@ from trsp_ray.plan import compute
 def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float | None:
     """Dense-forward tokens the selection of `cfg`'s pipeline (`spec`, its resolved registry entry)
     will spend; None when it is not known before the selection runs (TRSP's stage 1)."""
+    from trsp_ray.method.selectors import sleb_cost
     from trsp_ray.method.stage1 import candidate_layers, n_drop_for
-    from trsp_ray.run.methods import shortgpt_windows, sleb_cost
+    from trsp_ray.run.methods import shortgpt_windows
 
     n_drop = n_drop_for(cfg.ratio, num_layers)
     seqlen = cfg.data.seqlen
-    if spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):  # one forward of the windows
+    if spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR, registry.MERGE_SELECTOR):  # a forward
         return float(shortgpt_windows(cfg, n_drop) * seqlen)
     if spec.selector == registry.SLEB_SELECTOR:
         g = cfg.gates
@@ -42,16 +43,21 @@ def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float
     return None
 
 
-def planned_compensation_cost(cfg, *, num_layers: int) -> float:
+def planned_compensation_cost(cfg, *, spec: registry.Method, num_layers: int) -> float:
     """An upper bound of a fit's cost before the drop set is known: its passes ("dense" and the scalar
     fold one pass over the calibration tokens, stopping after the last block; "sequential" per block
     a dense pass to its end and a pruned pass to its boundary, each at most the whole depth, for at
     most n_drop blocks) and a least-squares fit's float64 solve for n_drop blocks, the cosine
-    objective's at every Gauss-Newton step it may take (compute.fit_solve_cost)."""
+    objective's at every Gauss-Newton step it may take (compute.fit_solve_cost); a merge's, its own
+    (merging.planned_cost)."""
     from trsp_ray.config.run_config import for_method
     from trsp_ray.method.stage1 import n_drop_for
 
     c = for_method(cfg).compensation  # the compensation the method runs (auto resolved)
+    if spec.merges:  # a merge's scoring and refit passes and its refits' solves
+        from trsp_ray.run.merging import planned_cost
+
+        return planned_cost(cfg, compute.model_shape(cfg.model), n_pairs=n_drop_for(cfg.ratio, num_layers))
     if c.method == "none":
         return 0.0
     tokens = float(c.windows * cfg.data.seqlen)
@@ -60,13 +66,17 @@ def planned_compensation_cost(cfg, *, num_layers: int) -> float:
     return passes + compute.solve_cost(cfg, c, tokens=tokens, blocks=n_drop)
 
 
-def fit_cost(cfg, *, drop: list[int], num_layers: int) -> float:
+def fit_cost(cfg, *, spec: registry.Method, drop: list[int], num_layers: int) -> float:
     """Dense-forward tokens the fit `cfg` runs (compensation resolved, windows sized) spends on `drop`:
     its passes (compensation.cost) and its float64 solve (the cosine objective's at every step it may
     take); 0 without a fit."""
     from trsp_ray.method import compensation
 
     c = cfg.compensation
+    if spec.merges:  # the merge is a merge pipeline's fit
+        from trsp_ray.run.merging import drop_cost
+
+        return drop_cost(cfg, drop=drop, num_layers=num_layers)
     if c.method == "none":
         return 0.0
     tokens = c.windows * cfg.data.seqlen
@@ -90,7 +100,7 @@ def resolve(cfg, *, spec: registry.Method, num_layers: int):
         raise TrspError(f"heal.compute_budget={budget:g} cannot be planned for method={cfg.method!r}: its stage-1 "
                         "selection's cost is known only after it runs; set stage2.steps instead, or use "
                         f"{registry.DEFAULT_METHOD}")
-    comp = planned_compensation_cost(cfg, num_layers=num_layers)
+    comp = planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
     return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp))
 
 
@@ -161,7 +171,7 @@ def split(cfg, *, spec: registry.Method, num_layers: int, steps: int) -> Budget:
     teacher = compute.KD_TEACHER * steps * seqlen * batch if cfg.recovery.objective == "kd" and steps else 0.0
     return Budget(total=cfg.heal.compute_budget or None,
                   selection=planned_select_cost(cfg, spec=spec, num_layers=num_layers),
-                  fit=planned_compensation_cost(cfg, num_layers=num_layers), teacher=teacher,
+                  fit=planned_compensation_cost(cfg, spec=spec, num_layers=num_layers), teacher=teacher,
                   heal=trained - teacher, steps=steps, seqlen=seqlen, batch=batch)
 
 

@@ -1,5 +1,6 @@
 """Every method through one code path: select the drop set, recover (TRSP's stage 2 and/or a heal),
-remove. TRSP and its ablations, ShortGPT, SLEB and random differ only in `select` (see registry.py).
+remove. TRSP and its ablations, ShortGPT, SLEB and random differ only in `select` (see registry.py); a
+merge removes its drop set by merging each dropped layer into the one before it (run/merging.py).
 
 Selection cost is counted in dense-forward tokens: a forward pass of the whole model over one token
 is 1; a backward pass that needs only activation gradients (frozen weights) counts as 1 more, one
@@ -38,6 +39,7 @@ from trsp_ray.method.training import (
 )
 from trsp_ray.models import families
 from trsp_ray.plan import compute
+from trsp_ray.run.merging import merge_layers, merge_windows
 from trsp_ray.run.teacher_store import stored_objective
 from trsp_ray.run.workbench import heal_stream
 
@@ -165,21 +167,6 @@ def fixed_windows(stream, count: int) -> list:
     return list(stacked.split(size))
 
 
-def sleb_cost(*, num_layers: int, candidates: list[int], n_drop: int, tokens: int) -> float:
-    """Dense-forward tokens of SLEB with prefix replay (selectors.sleb_drop): per round one pass to
-    record every layer's input, then for each candidate j a replay of the active layers after j."""
-    drop: list[int] = []
-    cost = 0.0
-    for _ in range(n_drop):
-        active = [i for i in range(num_layers) if i not in drop]
-        cost += tokens * len(active) / num_layers
-        for j in (c for c in candidates if c not in drop):
-            cost += tokens * max(1, sum(1 for i in active if i > j)) / num_layers
-        # which layer goes does not change the count much; take the last candidate as a stand-in
-        drop.append([c for c in candidates if c not in drop][-1])
-    return cost
-
-
 def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> float:
     """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model,
     plus the removal probes."""
@@ -198,7 +185,7 @@ def select(bench, spec: registry.Method, *, model, gates, stage1: Stage1Result |
     dense-forward tokens).
 
     TRSP methods reuse a given stage-1 result (one stage-1 run serves every TRSP method and ratio)."""
-    from trsp_ray.method import selectors
+    from trsp_ray.method import merge_select, selectors
 
     n_drop, candidates, cfg = bench.n_drop(), bench.candidates(), bench.cfg
     seqlen = cfg.data.seqlen
@@ -220,11 +207,13 @@ def select(bench, spec: registry.Method, *, model, gates, stage1: Stage1Result |
         progress = lambda r, n, ppl: _log(f"  SLEB round {r}/{n}: calibration PPL {ppl:.2f}")
         drop = selectors.sleb_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates,
                                    progress=progress)
-        cost = sleb_cost(num_layers=bench.num_layers, candidates=candidates, n_drop=n_drop, tokens=windows * seqlen)
+        cost = selectors.sleb_cost(num_layers=bench.num_layers, candidates=candidates, n_drop=n_drop,
+                                   tokens=windows * seqlen)
         return drop, {"calib_tokens": windows * seqlen, "select_cost": cost}
-    if spec.selector == registry.ANGULAR_SELECTOR:  # ShortGPT's windows: one dense forward
+    if spec.selector in (registry.ANGULAR_SELECTOR, registry.MERGE_SELECTOR):  # ShortGPT's windows: one forward
         windows = shortgpt_windows(cfg, n_drop)
-        drop = selectors.angular_drop(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates)
+        pick = merge_select.merge_drop if spec.merges else selectors.angular_drop  # merge: each pair's 2nd layer
+        drop = pick(model, gates, _windows(bench, windows), n_drop=n_drop, candidates=candidates)
         return drop, {"calib_tokens": windows * seqlen, "select_cost": float(windows * seqlen)}
     if spec.selector == registry.TAIL_SELECTOR:
         return selectors.tail_drop(n_drop=n_drop, candidates=candidates), {"calib_tokens": 0, "select_cost": 0.0}
@@ -275,7 +264,7 @@ def method_heal(cfg):
     on the pruned model, then any heal.steps on top."""
     from dataclasses import replace
 
-    from trsp_ray.config.sections import heal_recipe
+    from trsp_ray.config.run_config import heal_recipe
 
     trainable, rank = heal_recipe(cfg, heal_method=True)
     return replace(cfg.heal, steps=cfg.stage2.steps + cfg.heal.steps, lr=cfg.stage2.lr, trainable=trainable,
@@ -358,7 +347,11 @@ def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None,
                     stage2_cost=result.tokens * compute.token_cost(cfg, spec=spec, stage2=True, trainable=s2.trainable,
                                                                    lora_rank=s2.lora_rank),
                     relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
-    kept = remove_layers(model, drop)
+    if spec.merges:  # each pair (d - 1, d) becomes one block (run/merging.py) where a drop removes d
+        windows = fixed_windows(bench.batches(FIT_STREAM), merge_windows(cfg))
+        kept = merge_layers(model, drop=drop, windows=windows, cfg=cfg, info=info)
+    else:
+        kept = remove_layers(model, drop)
     del gates  # its wrappers hold the removed layers: on the GPU they stayed through the fit and the heal
     if comp.method != "none":
         t3 = time.time()

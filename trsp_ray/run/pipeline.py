@@ -13,7 +13,7 @@ manifest and MLflow record `to_dict()`.
 A pipeline is named (`tail+cos+heal.tail`, registry.method) or given as a mapping, on the command
 line as a YAML file (`--method pipeline.yaml`) or under `method:` in a config file:
 
-    selector: tail      # trsp | shortgpt | sleb | random | tail | angular
+    selector: tail      # trsp | shortgpt | sleb | random | tail | angular | merge
     fit: cosine         # none | comp (lstsq) | cos (cosine) | scalar
     heal: tail          # none | all | lora | tail | map
 """
@@ -57,7 +57,7 @@ class Pipeline:
     @property
     def recipe(self) -> str | None:
         """Which weights the heal or stage 2 trains (None: nothing is trained)."""
-        from trsp_ray.config.sections import heal_recipe
+        from trsp_ray.config.run_config import heal_recipe
 
         spec = self.spec
         if spec.heal:

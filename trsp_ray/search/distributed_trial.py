@@ -93,7 +93,7 @@ def _budgeted(cfg, *, spec: registry.Method, stage1: dict | None, n_drop: int, n
                             hidden=model_hidden(cfg.model) or 1)
     elif cfg.heal.compute_budget:
         cfg = budget.resolve(cfg, spec=spec, num_layers=num_layers)
-    fit = budget.planned_compensation_cost(cfg, num_layers=num_layers) if fit is None else fit
+    fit = budget.planned_compensation_cost(cfg, spec=spec, num_layers=num_layers) if fit is None else fit
     select, steps = select or 0.0, training_steps(cfg, spec=spec)
     heal = compute.step_cost(cfg, spec=spec, drop=drop) * steps
     return cfg, {"select": select, "fit": fit, "heal": heal, "total": select + fit + heal,

@@ -43,8 +43,9 @@ COMMON = ("model", "seed", "device", "dtype", "method")
 OBJECTIVE_DATA = ("eval_text", "eval_seqlen", "eval_max_windows", "eval_domains")
 # what a searched key may change without changing a selection, stage-1 or fit key: the pipeline's name
 # and parts (each part enters the key it changes), the ratio (a stage 1 serves every smaller ratio;
-# the selection and fit keys hold the drop count and set), and the settings read after the fit
-AFTER_FIT = ("method", "selector", "fit", "heal", "ratio", "stage2.", "heal.", "recovery.")
+# the selection and fit keys hold the drop count and set), and the settings read after the fit (a
+# merge's too: it runs after its selection, in every trial, and nothing of it is stored)
+AFTER_FIT = ("method", "selector", "fit", "heal", "ratio", "stage2.", "heal.", "recovery.", "merging.")
 
 
 def selection_content(cfg, n_drop: int, *, spec: registry.Method) -> dict:
@@ -57,7 +58,7 @@ def selection_content(cfg, n_drop: int, *, spec: registry.Method) -> dict:
     out = {"selector": spec.selector, "n_drop": n_drop}
     if spec.uses_stage1:
         out.update(ranking=spec.ranking, stage1=dataclasses.asdict(cfg.stage1))
-    elif spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR):
+    elif spec.selector in (registry.SHORTGPT_SELECTOR, registry.ANGULAR_SELECTOR, registry.MERGE_SELECTOR):
         out["windows"] = shortgpt_windows(cfg, n_drop)
     elif spec.selector == registry.SLEB_SELECTOR:
         out["windows"] = cfg.baselines.sleb_windows
@@ -130,6 +131,8 @@ def effective(cfg_dict: dict, *, num_layers: int) -> dict:
     if trains:
         out["recovery"] = d["recovery"]
     out["compensation"] = _fit_content(cfg.compensation)
+    if spec.merges:  # merging.* acts in a merge pipeline only
+        out["merging"] = d["merging"]
     return out
 
 
@@ -306,7 +309,7 @@ def planned_costs(cfg, *, spec: registry.Method, num_layers: int) -> tuple[float
     select = budget.planned_select_cost(cfg, spec=spec, num_layers=num_layers)
     if select is None:
         select = stage1_floor_cost(cfg, num_layers=num_layers)
-    return select, budget.planned_compensation_cost(cfg, num_layers=num_layers)
+    return select, budget.planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
 
 
 def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
@@ -371,7 +374,7 @@ def budgeted(cfg, *, spec: registry.Method, drop: list[int], select_cost: float,
     from trsp_ray.config.run_config import for_method, sized
     from trsp_ray.run import budget
 
-    fit = budget.fit_cost(sized(for_method(cfg), hidden=hidden), drop=drop, num_layers=num_layers)
+    fit = budget.fit_cost(sized(for_method(cfg), hidden=hidden), spec=spec, drop=drop, num_layers=num_layers)
     if not (cfg.heal.compute_budget and spec.heal):
         return cfg, fit
     return budget.with_heal_steps(cfg, budget.heal_steps(cfg, spec=spec, select=select_cost, comp=fit, drop=drop)), fit

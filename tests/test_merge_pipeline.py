@@ -1,0 +1,158 @@
+"""Merge as a pipeline (issue 51): `trsp-ray prune --method merge` exports a stock model with the merged
+model's logits (not a dropped model's) on families whose configs differ from Llama's; every family's tiny
+model merges or is refused in one line; the registry, the benchmark rows, the search space, the compute
+budget and the workers' route all know `merge` and `merge+heal`."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trsp_ray.cli import main
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import load_config, replace
+from trsp_ray.models import families
+
+SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
+         "stage2.steps=2", "baselines.calib_windows=2", "merging.windows=64", "threads=1", "tracking.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def workspaces(tmp_path_factory):
+    """family -> a tiny model of it (8 layers) with SmolLM2's tokenizer and short texts, made on demand."""
+    from trsp_ray.models.tiny import tiny_workspace
+
+    made: dict = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = tiny_workspace(tmp_path_factory.mktemp(family), layers=8, calib_chars=30000,
+                                          eval_chars=8000, family=family)
+        return made[family]
+
+    return get
+
+
+def _args(root: Path, *extra):
+    out = ["--model", str(root / "model"), "--calib-text", str(root / "calib.txt"), "--eval-text",
+           str(root / "eval.txt")]
+    for item in SMALL:
+        out += ["--set", item]
+    return out + list(extra)
+
+
+def _config(root: Path, method: str):
+    data = {"calib_text": str(root / "calib.txt"), "eval_text": str(root / "eval.txt")}
+    return load_config(None, [f"model={root / 'model'}", f"method={method}", "ratio=0.25", *SMALL],
+                       base={"data": data})
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gpt_neox"])
+def test_prune_merge_exports_the_merged_model(family, workspaces, tmp_path):
+    """The export reloads with plain from_pretrained and gives the logits of the model the merge made in
+    this process; a model with the same layers dropped instead gives other logits."""
+    from transformers import AutoModelForCausalLM
+
+    from trsp_ray.method.surgery import remove_layers
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    root = workspaces(family)
+    out = tmp_path / "merged"
+    assert main(["prune", *_args(root, "--method", "merge", "--ratio", "0.25", "--output", str(out))]) == 0
+    manifest = json.loads((out / "trsp_ray.json").read_text())
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.config.num_hidden_layers == 6 == manifest["num_layers_kept"]
+
+    bench = prepare(_config(root, "merge"))
+    outcome = apply_method(bench, registry.method("merge"))
+    assert manifest["dropped_layers"] == outcome.drop and len(outcome.drop) == 2
+    assert outcome.kept == [i for i in range(8) if i not in outcome.drop]
+    assert [p[1] for p in outcome.info["merge_pairs"]] == sorted(outcome.drop)
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(1))
+    merged = _logits(outcome.model, ids)
+    torch.testing.assert_close(_logits(loaded, ids), merged, atol=1e-5, rtol=0)
+    dropped = bench.fresh_model()
+    remove_layers(dropped, outcome.drop)
+    assert (_logits(dropped, ids) - merged).abs().max() > 1e-2  # a merge, not a drop, was exported
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_every_family_merges_through_prune_or_is_refused_in_one_line(family, workspaces, tmp_path, capsys):
+    root = workspaces(family)
+    capsys.readouterr()  # the workspace's own output
+    code = main(["prune", *_args(root, "--method", "merge", "--ratio", "0.25")])
+    err = capsys.readouterr().err.strip().splitlines()
+    if code == 0:
+        return
+    assert code == 2 and len(err) == 1, err
+    why = families.merge_refusal(_config_of(root))
+    assert (why and why in err[0]) or "pairs to merge asked" in err[0], err[0]
+
+
+def _config_of(root: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(root / "model")
+
+
+def test_merge_is_a_pipeline_everywhere_pipelines_are_listed():
+    from trsp_ray.search.space import searchable
+
+    assert registry.method("merge+heal").merges and registry.method("merge+heal").heal
+    assert registry.method("merge+heal.lora").recipe == "lora"
+    for bad in ("merge+comp+heal", "merge+cos", "merge+scalar+heal"):
+        with pytest.raises(TrspError, match="merge or merge\\+heal") as e:
+            registry.method(bad)
+        assert "\n" not in str(e.value)
+    assert [r.pipeline for r in registry.rows(["merge", "merge+heal"])] == ["merge", "merge+heal"]
+    assert "merge+heal" in registry.CURVE_ROWS
+    assert not registry.ROWS["merge"].is_baseline
+    assert registry.name_of({"selector": "merge", "heal": "tail"}) == "merge+heal.tail"
+    assert searchable("merging.ridge") and searchable("selector")
+    with pytest.raises(TrspError, match="a merge repairs each pair itself"):
+        from trsp_ray.config.run_config import for_method
+
+        for_method(replace(load_config(None, ["method=merge"]), **{"compensation.method": "lstsq"}))
+
+
+def test_merge_is_refused_on_the_workers_in_one_line_naming_the_single_process_route():
+    from trsp_ray.distributed.train import check_worker_settings
+
+    for name in ("merge", "merge+heal", "merge+heal.tail"):
+        assert not registry.on_workers(name) and not registry.on_workers(name, drop_given=True)
+        assert name not in registry.HANDED_OVER_METHODS  # the workers would drop, not merge, a handed set
+        cfg = load_config(None, [f"method={name}", "distributed.workers=2"])
+        with pytest.raises(TrspError, match="distributed.workers=0") as e:
+            check_worker_settings(cfg)
+        assert "\n" not in str(e.value) and "merges pairs of blocks in one process" in str(e.value)
+
+
+def test_a_compute_budget_pays_the_merge_before_the_heal(workspaces):
+    """The planned merge bounds what a merge spends (measured on the tiny model), and a budget buys the
+    heal steps left after the selection and the merge."""
+    from trsp_ray.plan import compute
+    from trsp_ray.run import budget
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    root = workspaces("llama")
+    cfg = _config(root, "merge")
+    spec = registry.method("merge")
+    planned = budget.planned_compensation_cost(cfg, spec=spec, num_layers=8)
+    outcome = apply_method(prepare(cfg), spec)
+    spent = compute.fit_spent(outcome.info)
+    assert 0 < spent <= planned
+    assert spent == pytest.approx(budget.fit_cost(cfg, spec=spec, drop=outcome.drop, num_layers=8))
+    heal = replace(cfg, method="merge+heal", **{"heal.compute_budget": 4 * planned})
+    select = budget.planned_select_cost(heal, spec=registry.method("merge+heal"), num_layers=8)
+    steps = budget.resolve(heal, spec=registry.method("merge+heal"), num_layers=8).stage2.steps
+    step = compute.step_cost(heal, spec=registry.method("merge+heal"))
+    assert select > 0 and steps == int((4 * planned - select - planned) // step)

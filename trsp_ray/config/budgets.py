@@ -1,0 +1,39 @@
+"""Compute budgets by name: the default pipeline measured best at each total compute (what `prune
+--compute-budget B` runs without --method), the default budget on a GPU, and how a benchmark budget
+(a multiple of stage2.steps, or a total compute) is told apart and shown."""
+
+from trsp_ray.config.registry import DEFAULT_METHOD
+
+# `prune --compute-budget B` without --method: (measured budget, pipeline, recovery objective) of what
+# won at each measured total compute on the product's own domains (docs/results.md, "Recovery at
+# the budgets users run"); the entry whose budget is nearest B on a log scale runs
+BUDGET_DEFAULTS = (
+    (70e3, DEFAULT_METHOD, "ce"),
+)
+
+
+def budget_default(budget: float) -> tuple[float, str, str]:
+    """The BUDGET_DEFAULTS entry nearest `budget` (log scale)."""
+    import math
+
+    return min(BUDGET_DEFAULTS, key=lambda e: (abs(math.log(budget / e[0])), e[0]))
+
+
+# `prune` of the default pipeline on a GPU without --compute-budget: a total of 16M dense-forward tokens,
+# some 5M distilled tokens, inside the 1.6M-15M tokens the published depth-pruning heals train on
+# whatever the model's size (their heals do not grow with it), and minutes of GPU time: 16M x 2 x 8e9
+# FLOPs is ~10 minutes for an 8B on one H100-class GPU. On CPU the default stays today's short heal.
+GPU_DEFAULT_BUDGET = 16e6
+
+
+# a benchmark budget (--budgets) from this value up is a total compute in dense-forward tokens (every
+# trained row heals with what that compute leaves after its selection and fit, at its recipe's and
+# objective's step cost); below it, a multiple of stage2.steps
+COMPUTE_BUDGET_FROM = 1000
+
+
+def budget_label(budget: int) -> str:
+    """How a benchmark budget is shown: x4 (a multiple of stage2.steps) or 300k / 1M (total compute)."""
+    if budget < COMPUTE_BUDGET_FROM:
+        return f"x{budget}"
+    return f"{budget / 1e6:g}M" if budget >= 1e6 else f"{budget / 1e3:g}k"

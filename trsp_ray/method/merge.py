@@ -1,0 +1,297 @@
+"""Merge instead of drop (FlattenGPT, ICML 2026): each chosen pair of adjacent blocks becomes one block
+of the original shape, so the export is a stock model with one layer fewer per pair. The pair is first
+flattened into one block of twice the width (trsp_ray/method/merge_blocks.py: the parallel form, the
+norms folded), then cut back to the original counts of heads and channels and repaired.
+
+The cut. Both blocks' attention units and MLP channels are scored on calibration windows through the
+flattened model: a unit's score is the summed squared norm of what it adds to the residual stream (its
+heads' outputs through their o columns), a channel's the same through its down column. The top half
+is kept: as many KV groups (heads without grouped-query attention) and channels as one block has.
+
+The repair. What the removed units wrote is refitted into the kept units' output weights in closed
+form, for the MLP (down columns) and the attention (o columns) alike. On a second pass through the
+flattened block, still wide, Z = the kept units' inputs to the output linear [n, k] (the kept channels'
+activations; the kept heads' attention outputs) and Y = the wide block's output of that linear [n, d]
+(its bias aside):
+    W = argmin ||Z W - Y||^2 + r ||W - W0||^2 = W0 + (Z^T Z + r I)^-1 (Z^T Y - Z^T Z W0),
+W0 = the kept units' own output rows (plain dropping), r = ridge * mean(diag(Z^T Z)): the ridge shrinks
+towards plain dropping, so a cut that loses nothing keeps its weights. The sums are float64
+(compensation.Stats, as the least-squares fold's) and, under "norm" weighting, every token's rows are
+divided by the norm of the stream entering the block (compensation.py's reason: a few attention-sink
+tokens, streams ~100x the others', would otherwise hold the fit and the scores). Both refits aim at the
+flattened pair's own outputs, so one pass serves both; the MLP's inputs are then those of the wide
+attention, which the attention's refit imitates. Measured on SmolLM2-135M (3 KV groups a block, so a cut
+keeps 3 of 6), one pair at layers 8-9, validation PPL on the calibration tail (dense 28.3): flattened
+33.0; attention cut 38.9, with its refit 35.0 (its calibration error 0.42 -> 0.18 of the wide output's
+energy); MLP cut 34.6, with its refit 34.5 (held-out per-token error 0.21 -> 0.12, median).
+
+Order. Pairs are merged from the first, each on the stream the earlier merges left (the windows run
+through the model as merged so far), so every pair's cut and repair see what the final model feeds it.
+Each pass stops after the pair's block (merge_cost counts it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method.boundaries import Stop, hooked_pass
+from trsp_ray.method.compensation import Stats
+from trsp_ray.method.compensation_forms import WEIGHTINGS
+from trsp_ray.method.gates import detach_gates
+from trsp_ray.method.merge_blocks import Flat, attention_layout, check_pairs, cut, flatten, mlp_layout, module_at
+from trsp_ray.models import families
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+def _token_weights(x: torch.Tensor, weighting: str) -> torch.Tensor:
+    """[n] float32 on x's device: 1 / the norm of each token's stream entering the block ("norm"), or 1."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    return x.new_ones(x.shape[0]) if weighting == "none" else 1.0 / x.norm(dim=-1).clamp_min(1e-12)
+
+
+def _passes(model, flat: Flat, windows, *, weighting: str, stop: bool, attn=None, mlp=None) -> int:
+    """Run `windows` (token ids [B, S] each) through `model` with hooks on the flattened block: attn(z, y,
+    w) gets the attention output linear's input [n, width] and output [n, d], mlp(z, y, w) the MLP output
+    linear's [n, I] and [n, d], both with the token weights w [n]. `stop`: each pass ends after the
+    block. Returns the tokens run."""
+    layer = families.decoder_layers(model)[flat.index]
+    now: dict = {}
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+
+    def weigh(_module, args, kwargs):
+        now["w"] = _token_weights(args[0] if args else kwargs["hidden_states"], weighting)
+
+    def halt(*_):
+        raise Stop
+
+    hooks = [(flat.attention.output.path, attn), (flat.mlp.output.path, mlp)]
+    tokens = 0
+    for batch in windows:
+        handles = [layer.register_forward_pre_hook(weigh, with_kwargs=True)]
+        for path, call in hooks:
+            if call is not None:
+                hook = lambda _m, inputs, output, call=call: call(rows(inputs[0]), rows(output), now["w"])  # noqa: E731
+                handles.append(module_at(layer, path).register_forward_hook(hook))
+        if stop:
+            handles.append(layer.register_forward_hook(halt))
+        hooked_pass(model, batch, handles)
+        tokens += int(batch.numel())
+    return tokens
+
+
+def _outputs(model, flat: Flat) -> tuple:
+    """The flattened block's attention and MLP output linears."""
+    layer = families.decoder_layers(model)[flat.index]
+    return module_at(layer, flat.attention.output.path), module_at(layer, flat.mlp.output.path)
+
+
+@torch.no_grad()
+def scores(model, flat: Flat, windows, *, weighting: str = "norm", stop: bool = True,
+           reduce: Reduce = lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention unit scores [2 x units], channel scores [2 x channels]), float64, a's first: the summed
+    (token-weighted) squared norm of each one's contribution to the residual stream over `windows`,
+    through the flattened (still wide) pair `flat`; `reduce` sums them over ranks."""
+    width, wide_units = flat.attention.output.sizes[0], 2 * flat.attention.units
+    o_proj, down = _outputs(model, flat)
+    got: dict = {}
+
+    def attn(z, _y, w):
+        s = got.setdefault("attn", z.new_zeros(wide_units, dtype=torch.float64))
+        for u in range(wide_units):  # one [n, d] contribution at a time, not [n, units, d]
+            part = z[:, u * width:(u + 1) * width] @ o_proj.weight[:, u * width:(u + 1) * width].T
+            s[u] += (part.float().pow(2).sum(-1) * w.pow(2)).sum().double()
+
+    def mlp(z, _y, w):
+        s = got.setdefault("mlp", z.new_zeros(z.shape[1], dtype=torch.float64))
+        s += (z.float() * w[:, None]).pow(2).sum(0, dtype=torch.float64)
+
+    _passes(model, flat, windows, weighting=weighting, stop=stop, attn=attn, mlp=mlp)
+    if not got:
+        raise TrspError("merge has no calibration windows to score the pair's heads and channels on")
+    total = reduce(torch.cat([got["attn"], got["mlp"]]))
+    return total[:wide_units], total[wide_units:] * down.weight.double().pow(2).sum(0).to(total.device)
+
+
+def columns(units: torch.Tensor, width: int) -> torch.Tensor:
+    """The input columns [len(units) x width] of an output linear that units `units` (ascending) own."""
+    return (units[:, None] * width + torch.arange(width, device=units.device)).flatten()
+
+
+def _add(stats: Stats | None, block: tuple[int, int], z: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> Stats:
+    """Add one batch's rows, z [n, k] (the kept units' inputs) and y [n, d] (the target), each token's
+    weighted by w [n], to the float64 sums (new when `stats` is None)."""
+    z = z.double() * w[:, None]
+    y = y.to(torch.float64, copy=True).mul_(w[:, None])  # a copy: `y` may be the forward's own float64 tensor
+    return (stats or Stats.zeros(block, z.shape[1], y.shape[1], z)).add(z, y)
+
+
+@torch.no_grad()
+def refit_sums(model, flat: Flat, windows, *, units: torch.Tensor, channels: torch.Tensor, weighting: str = "norm",
+               stop: bool = True, reduce: Reduce = lambda t: t) -> tuple[Stats, Stats]:
+    """The float64 sums of the two refits (module doc) over `windows` through the flattened pair `flat`,
+    still wide, token-weighted and summed over ranks by `reduce`: (attention, MLP), each with Z^T Z of
+    the kept `units`' (`channels`') inputs to the output linear, Z^T Y with Y the wide output less its
+    bias, and ||Y||^2."""
+    o_proj, down = _outputs(model, flat)
+    keep = {"attn": columns(units, flat.attention.output.sizes[0]), "mlp": channels}
+    bias = {"attn": o_proj.bias, "mlp": down.bias}
+    got: dict = {"attn": None, "mlp": None}
+
+    def adder(key):
+        def add(z, y, w):
+            target = y if bias[key] is None else y - bias[key]
+            got[key] = _add(got[key], (flat.index, flat.index + 1), z[:, keep[key].to(z.device)], target, w)
+        return add
+
+    _passes(model, flat, windows, weighting=weighting, stop=stop, attn=adder("attn"), mlp=adder("mlp"))
+    return got["attn"].reduced(reduce), got["mlp"].reduced(reduce)
+
+
+def solve_refit(stats: Stats, w0: torch.Tensor, *, ridge: float) -> torch.Tensor:
+    """W [k, d] (float64) = W0 + (A + r I)^-1 (B - A W0): the kept units' output rows (an output linear's
+    columns, transposed) that best reproduce the wide block's output, shrunk towards W0 [k, d] (their own)
+    by r = ridge * mean(diag A)."""
+    a, w0 = stats.mtm, w0.to(stats.mtm)
+    shifted = a.clone()
+    shifted.diagonal().add_(ridge * a.diagonal().mean())
+    try:
+        return w0 + torch.linalg.solve(shifted, stats.mty - a @ w0)
+    except torch.linalg.LinAlgError:
+        raise TrspError(f"the merge's refit is singular at ridge={ridge}; raise the ridge or the "
+                        "calibration windows") from None
+
+
+def _writes(model, flat: Flat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per attention unit, per channel) the squared norm of its output columns, float64, a's first."""
+    layer = families.decoder_layers(model)[flat.index]
+    got = []
+    for layout in (flat.attention, flat.mlp):
+        columns = module_at(layer, layout.output.path).weight.double().pow(2).sum(0)
+        got.append(columns.reshape(-1, layout.output.sizes[0]).sum(1))
+    return got[0], got[1]
+
+
+def _top(score: torch.Tensor, writes: torch.Tensor, keep: int) -> torch.Tensor:
+    """The indices of the `keep` highest scores, ascending (a's units before b's). Equal scores go to the
+    unit whose output columns write more: a ReLU channel silent on the calibration windows (score 0) is
+    kept before one whose down column is zero, which can never write anything."""
+    by_writes = torch.sort(writes.to(score.device), descending=True, stable=True).indices
+    order = by_writes[torch.sort(score[by_writes], descending=True, stable=True).indices]
+    return torch.sort(order[:keep]).values
+
+
+def refit_bytes(*, intermediate: int, hidden: int, attention_width: int) -> int:
+    """Bytes of one pair's float64 refit sums (one pair's are held at a time): Z^T Z and Z^T Y of the MLP
+    ([I, I], [I, d]) and of the attention ([w, w], [w, d], w = attention_width: the kept heads' q rows,
+    hidden size without GQA). SmolLM2-135M (I 1536, d 576, w 576): 31 MB; an 8B Llama (14336, 4096, 4096):
+    2.4 GB; a 70B Llama (28672, 8192, 8192): 9.5 GB."""
+    return 8 * (intermediate * (intermediate + hidden) + attention_width * (attention_width + hidden))
+
+
+def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stops: bool = True) -> float:
+    """Dense-forward tokens of merge_pairs over `tokens` calibration tokens: per pair one scoring pass and,
+    with `refit`, one refit pass, each through the model merged so far up to the pair's block, still wide
+    (two layers' worth).
+    `stops=False`: whole passes (ZeRO-3 ranks run every pass to the end)."""
+    passes = 2 if refit else 1
+    cost = 0.0
+    for k, a in enumerate(sorted(firsts)):
+        depth = (a - k + 2) if stops else (num_layers - k)  # k earlier pairs are one layer each by now
+        cost += passes * tokens * depth / num_layers
+    return cost
+
+
+def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str, tokens: int) -> None:
+    """Refuse, in one line and before any pass, a merge that cannot run."""
+    if weighting not in WEIGHTINGS:
+        raise TrspError(f"merge weighting={weighting!r} is not valid; choose one of {', '.join(WEIGHTINGS)}")
+    if not ridge >= 0:
+        raise TrspError(f"merge ridge={ridge!r} is not valid; use a number >= 0 (1e-2 by default)")
+    check_pairs(model=model, firsts=firsts)
+    if not windows:
+        raise TrspError("merge has no calibration windows; pass at least one batch of token ids")
+    first = families.decoder_layers(model)[0]
+    channels = mlp_layout(model, first).units
+    width = module_at(first, attention_layout(model, first).output.path).in_features
+    if refit and tokens < max(channels, width):
+        raise TrspError(f"merge has {tokens} calibration tokens, fewer than the {max(channels, width)} kept inputs "
+                        "(MLP channels, attention q rows) a refit solves for; add calibration windows or merge "
+                        "with refit=False")
+
+
+@torch.no_grad()
+def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e-2, weighting: str = "norm",
+                stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
+    """Merge blocks (a, a + 1) of `model` for every a of `firsts` (original indices, non-overlapping), in
+    place: each pair becomes one block of the original shape at a (module doc); gates are detached.
+
+    `windows`: calibration batches of token ids [B, S] (this rank's shard); `refit`: repair the cut in
+    closed form (False: plain dropping of heads and channels); `ridge`: the refit's shrinkage towards plain
+    dropping; `weighting`: "norm" (each token relative to its stream) or "none"; `stop=False` runs
+    every pass to the end (ZeRO-3); `reduce(t)`: the sum of float64 tensor `t` over ranks.
+    Returns {"pairs": [(a, a + 1)], "removed": the original indices gone (a + 1), "kept": the original
+    index behind each layer of the merged model, "tokens": calibration tokens (all ranks), "cost":
+    dense-forward tokens (merge_cost), "sizes": what a plan counts (hidden, intermediate, attention units
+    and their q rows, the refit's sum bytes), "per_pair": per pair the units and channels kept from
+    each block ("units_from", "channels_from": (from a, from b)) and, with the refit, the attention's and
+    the MLP's output error relative to the wide block's on the calibration tokens, with plain dropping
+    and with the refit ("attn_error_drop", "attn_error_refit", "mlp_error_drop", "mlp_error_refit")}."""
+    firsts = sorted(int(a) for a in firsts)
+    windows = list(windows)
+    local = float(sum(int(w.numel()) for w in windows))
+    tokens = int(round(reduce(torch.tensor(local, dtype=torch.float64)).item()))
+    _check(model=model, firsts=firsts, windows=windows, refit=refit, ridge=ridge, weighting=weighting, tokens=tokens)
+    detach_gates(model)
+    num = families.num_layers(model)
+    removed = [a + 1 for a in firsts]
+    info: dict = {"pairs": [(a, a + 1) for a in firsts], "removed": removed,
+                  "kept": [i for i in range(num) if i not in set(removed)], "tokens": tokens,
+                  "cost": merge_cost(firsts=firsts, num_layers=num, tokens=tokens, refit=refit, stops=stop),
+                  "per_pair": []}
+    for k, a in enumerate(firsts):
+        flat = flatten(model, a - k)
+        info.setdefault("sizes", _sizes(model, flat))
+        info["per_pair"].append(_cut_pair(model, flat, windows, refit=refit, ridge=ridge, weighting=weighting,
+                                          stop=stop, reduce=reduce) | {"pair": (a, a + 1)})
+    return info
+
+
+def _cut_pair(model, flat: Flat, windows, *, refit: bool, ridge: float, weighting: str, stop: bool,
+              reduce: Reduce) -> dict:
+    """Score, refit (with `refit`) and cut the flattened pair `flat`: what was kept from each block and
+    the attention's and MLP's relative output errors on the calibration tokens, dropped and refitted."""
+    unit_scores, channel_scores = scores(model, flat, windows, weighting=weighting, stop=stop, reduce=reduce)
+    unit_writes, channel_writes = _writes(model, flat)
+    units = _top(unit_scores, unit_writes, flat.attention.units)
+    channels = _top(channel_scores, channel_writes, flat.mlp.units)
+    got: dict = {"units_from": _split(units, flat.attention.units), "channels_from": _split(channels, flat.mlp.units)}
+    new = {"attn": None, "mlp": None}
+    if refit:
+        sums = refit_sums(model, flat, windows, units=units, channels=channels, weighting=weighting, stop=stop,
+                          reduce=reduce)
+        keep = (columns(units, flat.attention.output.sizes[0]), channels)
+        for key, stats, linear, kept in zip(new, sums, _outputs(model, flat), keep):
+            w0 = linear.weight[:, kept.to(linear.weight.device)].T.double()
+            w = solve_refit(stats, w0, ridge=ridge)
+            energy = float(stats.yty) or 1.0
+            got |= {f"{key}_error_drop": stats.residual(w0) / energy, f"{key}_error_refit": stats.residual(w) / energy}
+            new[key] = w.T
+    cut(model, flat, units=units, channels=channels, attn_out=new["attn"], mlp_out=new["mlp"])
+    return got
+
+
+def _split(kept: torch.Tensor, units: int) -> tuple[int, int]:
+    """How many of the `kept` wide indices come from block a (below `units`) and from block b."""
+    from_a = int((kept < units).sum())
+    return from_a, len(kept) - from_a
+
+
+def _sizes(model, flat: Flat) -> dict:
+    """The sizes a compute or memory plan of a merge reads (one pair's; every block has the same)."""
+    hidden = families.text_config(model).hidden_size
+    return {"hidden": hidden, "intermediate": flat.mlp.units, "attention_units": flat.attention.units,
+            "unit_q_rows": flat.attention.output.sizes[0],
+            "refit_bytes": refit_bytes(intermediate=flat.mlp.units, hidden=hidden,
+                                       attention_width=flat.attention.units * flat.attention.output.sizes[0])}

@@ -1,0 +1,269 @@
+"""Two adjacent blocks as one (FlattenGPT, ICML 2026): the shape transform of a merge
+(trsp_ray/method/merge.py scores, cuts and repairs with it).
+
+The parallel form. Blocks a and b = a + 1 of a pre-norm decoder compute, on the stream x entering a,
+    h_a = x + A_a(n_a(x)),  x_b = h_a + M_a(m_a(h_a)),  h_b = x_b + A_b(n_b(x_b)),  y = h_b + M_b(m_b(h_b))
+(A attention, M MLP, n and m their norms). The flattened block computes
+    h = x + A_a(n(x)) + A_b(n(x)),   y = h + M_a(m(h)) + M_b(m(h))
+with one attention holding both blocks' heads (each head its own q/k/v rows and o columns) and one MLP
+holding both blocks' channels (each its own gate/up rows and down column). That is the one
+approximation before the cut: block b's attention reads x instead of x_b (it no longer sees what block
+a wrote), block a's MLP reads h instead of h_a (it now sees A_b), and block b's MLP reads h instead of
+h_b (it no longer sees M_a). On a pair whose blocks change the stream little (the pairs
+trsp_ray/method/merge_select.py picks) these differences are small; with GPT-NeoX's parallel residual
+every attention and MLP of both blocks reads x.
+
+The norms fold exactly. n_a(x) = x / rms(x) * (c + w_a) (c = Family.norm_offset, 1 on Gemma): both blocks
+normalise the same x, so the normalisation is shared, and the diagonal c + w_a goes into the input
+columns of the linears that read it, W ((c + w_a) * z) = (W diag(c + w_a)) z. So the flattened norm has
+scale 1 and each head's q/k/v rows (each channel's gate/up rows) carry their own block's scale. A
+LayerNorm's shift beta goes into the same linears' biases (b + W beta); its mean removal is shared too.
+The output projections' biases add (both blocks' contributions do).
+
+Units. Under grouped-query attention an attention unit is a KV group with its query heads (its q rows,
+its k and v rows, its o columns), so a cut back to the original count of units keeps
+num_key_value_heads and num_attention_heads; without it a unit is one head. An MLP unit is a channel.
+Fused projections keep their layout: Phi-3's [q; k; v] and [gate; up] are cut segment by segment,
+GPT-NeoX's per-head q, k, v rows unit by unit (families.Family.qkv_layout).
+
+Refused by name (families.merge_refusal): Qwen3 and Gemma 3's q_norm / k_norm (one weight for all of a
+layer's heads), Gemma 2/3's norms after the attention and the MLP, OPT with its norms after the
+residual adds; a pair of layers with different per-layer settings (sliding against full attention).
+Gemma's scaled embeddings and tied embeddings are outside the blocks and untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from trsp_ray.common.errors import TrspError
+from trsp_ray.method.surgery import remove_layers
+from trsp_ray.models import families
+
+# attention attributes and config fields that count heads (OPT views q by self.num_heads, Phi-3 splits
+# its fused qkv by config.num_attention_heads): a wide attention holds twice as many until it is cut
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
+
+
+def module_at(module, path: str):
+    """The submodule of `module` at dotted `path` (a family table path, e.g. "self_attn.q_proj")."""
+    return operator.attrgetter(path)(module)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One linear of a block: its rows (an input linear) or columns (the output linear) as stacked
+    segments, segment s holding `units` x sizes[s] rows, unit by unit (a fused [q; k; v] has three)."""
+
+    path: str
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a block's attention (units: KV groups) or MLP (units: channels) splits into units."""
+
+    units: int
+    inputs: tuple[Part, ...]
+    output: Part
+    norm: str
+
+
+@dataclass
+class Flat:
+    """A flattened pair: the wide block's index in the model now, its layouts (per original block,
+    the wide block holds 2 x units, a's first), and the attention's head counts to put back."""
+
+    index: int
+    attention: Layout
+    mlp: Layout
+    restore: dict = field(default_factory=dict)
+
+
+def attention_layout(model, layer) -> Layout:
+    """The attention units of decoder `layer` (of the original width) of `model`."""
+    family, text = families.family_of(model), families.text_config(model)
+    heads = text.num_attention_heads
+    groups = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = module_at(layer, family.attn_out_path).in_features // heads
+    per_q = heads // groups * head_dim  # a KV group's query rows
+    paths = family.attn_in_paths
+    if len(paths) == 3:
+        inputs = tuple(Part(p, (s,)) for p, s in zip(paths, (per_q, head_dim, head_dim)))
+    elif family.qkv_layout == "per_head":  # GPT-NeoX: no grouped-query attention, a unit is one head
+        inputs = (Part(paths[0], (per_q + 2 * head_dim,)),)
+    else:
+        inputs = (Part(paths[0], (per_q, head_dim, head_dim)),)
+    return Layout(groups, inputs, Part(family.attn_out_path, (per_q,)), family.norm_paths[0])
+
+
+def mlp_layout(model, layer) -> Layout:
+    """The MLP channels of decoder `layer` of `model` (a fused [gate; up] linear has two segments)."""
+    family = families.family_of(model)
+    channels = module_at(layer, family.mlp_out_path).in_features
+    inputs = tuple(Part(p, (1,) * (module_at(layer, p).out_features // channels)) for p in family.mlp_in_paths)
+    return Layout(channels, inputs, Part(family.mlp_out_path, (1,)), family.norm_paths[1])
+
+
+def _segments(t: torch.Tensor, part: Part, units: int) -> list[torch.Tensor]:
+    """The rows of `t` [R, ...] as one [units, size, ...] tensor per segment of `part`."""
+    pieces = t.split([units * s for s in part.sizes])
+    return [p.unflatten(0, (units, s)) for p, s in zip(pieces, part.sizes)]
+
+
+def _join(ta: torch.Tensor, tb: torch.Tensor, part: Part, units: int) -> torch.Tensor:
+    """Two blocks' rows side by side in every segment of `part`: a's units, then b's."""
+    pairs = zip(_segments(ta, part, units), _segments(tb, part, units))
+    return torch.cat([torch.cat([x, y]).flatten(0, 1) for x, y in pairs])
+
+
+def _take(t: torch.Tensor, part: Part, units: int, keep: torch.Tensor) -> torch.Tensor:
+    """The rows of units `keep` (indices, ascending) in every segment of `part`."""
+    return torch.cat([s[keep.to(s.device)].flatten(0, 1) for s in _segments(t, part, units)])
+
+
+def _set(linear, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Give `linear` a new weight [out, in] (and bias, where given) in its own dtype and device, contiguous
+    (a cut of columns is a transposed view; safetensors writes contiguous tensors only)."""
+    old = linear.weight
+    linear.weight = torch.nn.Parameter(weight.to(old.dtype).contiguous(), requires_grad=old.requires_grad)
+    linear.out_features, linear.in_features = weight.shape
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.to(old.dtype), requires_grad=old.requires_grad)
+
+
+def _folded(model, block, layout: Layout) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """{path: (weight, bias)} in float64 of `block`'s input linears of `layout` with the norm in front of
+    them folded in: W diag(c + w), and b + W beta for a LayerNorm's shift."""
+    norm, c = module_at(block, layout.norm), families.norm_offset(model)
+    scale, shift = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    out = {}
+    for part in layout.inputs:
+        linear = module_at(block, part.path)
+        w = linear.weight.double()
+        b = None if linear.bias is None else linear.bias.double()
+        if shift is not None and bool(shift.any()):
+            if b is None:
+                raise TrspError(f"family {families.family_of(model).name!r}: {layout.norm} has a shift and "
+                                f"{part.path} no bias to take it, so blocks cannot merge")
+            b = b + w @ shift.double()
+        out[part.path] = (w if scale is None else w * (c + scale.double()), b)
+    return out
+
+
+def _plain(norm, c: float) -> None:
+    """`norm` with scale 1 and no shift: its folded scales now sit in the linears after it."""
+    if getattr(norm, "weight", None) is not None:
+        norm.weight.fill_(1.0 - c)
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.zero_()
+
+
+def _attention(flat: Flat) -> str:
+    return flat.attention.output.path.rpartition(".")[0]
+
+
+def _double_heads(attn, restore: dict) -> None:
+    """Double `attn`'s head counts for the wide block (its config: a copy that says so); what they were
+    goes into `restore` (_restore_heads puts it back)."""
+    for name in _HEAD_COUNTS:
+        if isinstance(attn.__dict__.get(name), int):
+            restore[name] = attn.__dict__[name]
+            setattr(attn, name, 2 * attn.__dict__[name])
+    if getattr(attn, "config", None) is not None:
+        restore["config"] = attn.config
+        wide = copy.copy(attn.config)
+        for name in _HEAD_COUNTS:
+            if isinstance(getattr(wide, name, None), int):
+                setattr(wide, name, 2 * getattr(wide, name))
+        attn.config = wide
+
+
+def _restore_heads(attn, restore: dict) -> None:
+    """Put back `attn`'s head counts and config (the model's own object, which save_pretrained writes)."""
+    for name, value in restore.items():
+        setattr(attn, name, value)
+    restore.clear()
+
+
+def family_refusal(model) -> str:
+    """Why no two blocks of `model` can be merged, in one line naming its family ("" = they can)."""
+    reason = families.merge_refusal(model.config)
+    return f"family {families.family_of(model).name!r} cannot merge blocks: {reason}" if reason else ""
+
+
+def pair_refusal(model, first: int) -> str:
+    """Why blocks `first` and `first + 1` of `model` cannot be merged, in one line ("" = they can):
+    the family's (families.merge_refusal), or the two layers differ in a per-layer config list (sliding
+    against full attention: one block cannot be both)."""
+    family, text = families.family_of(model), families.text_config(model)
+    reason = family_refusal(model)
+    if reason:
+        return reason
+    total = families.num_layers(model)
+    if not 0 <= first < total - 1:
+        return f"pair ({first}, {first + 1}) is not valid for a {total}-layer model; a pair starts in [0, {total - 1})"
+    for name in families.per_layer_lists(text, total, family.per_layer_config):
+        got = getattr(text, name)
+        if got[first] != got[first + 1]:
+            return (f"layers {first} and {first + 1} of family {family.name!r} differ in config.{name} "
+                    f"({got[first]!r} vs {got[first + 1]!r}): one merged block cannot be both")
+    return ""
+
+
+def check_pairs(*, model, firsts) -> None:
+    """Refuse, in one line, pairs (first, first + 1) of `model` that overlap or cannot be merged."""
+    firsts = sorted(int(a) for a in firsts)
+    for k, a in enumerate(firsts):
+        reason = pair_refusal(model, a)
+        if reason:
+            raise TrspError(reason)
+        if k and a <= firsts[k - 1] + 1:
+            raise TrspError(f"pairs starting at {firsts} overlap at layer {a}; a layer joins one pair at most")
+
+
+@torch.no_grad()
+def flatten(model, first: int) -> Flat:
+    """Blocks `first` and `first + 1` of `model` as one block of twice the width at `first`, in place (the
+    model has one layer fewer, renumbered by surgery): both blocks' attention units and MLP channels side
+    by side, their norms folded into the linears after them (module doc)."""
+    check_pairs(model=model, firsts=[first])
+    layers = families.decoder_layers(model)
+    a, b = layers[first], layers[first + 1]
+    flat = Flat(first, attention_layout(model, a), mlp_layout(model, a))
+    for layout in (flat.attention, flat.mlp):
+        got_a, got_b = _folded(model, a, layout), _folded(model, b, layout)
+        for part in layout.inputs:
+            (wa, ba), (wb, bb) = got_a[part.path], got_b[part.path]
+            _set(module_at(a, part.path), _join(wa, wb, part, layout.units),
+                 None if ba is None else _join(ba, bb, part, layout.units))
+        out_a, out_b = module_at(a, layout.output.path), module_at(b, layout.output.path)
+        # both blocks' contributions add: o columns side by side, one bias (their sum)
+        _set(out_a, _join(out_a.weight.T, out_b.weight.T, layout.output, layout.units).T,
+             None if out_a.bias is None else out_a.bias + out_b.bias)
+        _plain(module_at(a, layout.norm), families.norm_offset(model))
+    _double_heads(module_at(a, _attention(flat)), flat.restore)
+    remove_layers(model, [first + 1])
+    return flat
+
+
+@torch.no_grad()
+def cut(model, flat: Flat, *, units: torch.Tensor, channels: torch.Tensor, attn_out: torch.Tensor | None = None,
+        mlp_out: torch.Tensor | None = None) -> None:
+    """Keep attention `units` and MLP `channels` (ascending indices into the wide block's, a's first) of
+    the flattened pair `flat`: the block is back to its original shape. `attn_out` [d, width] / `mlp_out`
+    [d, I]: refitted output weights (None: the kept units' own columns)."""
+    layer = families.decoder_layers(model)[flat.index]
+    for layout, keep, new in ((flat.attention, units, attn_out), (flat.mlp, channels, mlp_out)):
+        wide = 2 * layout.units
+        for part in layout.inputs:
+            linear = module_at(layer, part.path)
+            _set(linear, _take(linear.weight, part, wide, keep),
+                 None if linear.bias is None else _take(linear.bias, part, wide, keep))
+        out = module_at(layer, layout.output.path)
+        _set(out, _take(out.weight.T, layout.output, wide, keep).T if new is None else new)
+    _restore_heads(module_at(layer, _attention(flat)), flat.restore)

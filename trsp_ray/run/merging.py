@@ -1,0 +1,89 @@
+"""A merge as a step of a run (--method merge, merge+heal; issue 51): the pairs a selection chose are
+merged into one block each (trsp_ray/method/merge.py) where a drop would remove their second layers.
+
+A merge's drop set is the second layer of every pair (the layers the merged model no longer has), in the
+selection's order, so the manifest, the export, the tables and the plans read it as any drop set; the
+pair of a dropped layer d is (d - 1, d). Its compute is the row's fit (compute.fit_spent): the scoring
+and refit passes (merge.merge_cost) and the float64 sums and solves of the refits (`solve_cost`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from trsp_ray.common.logs import log
+from trsp_ray.plan.compute import FLOAT64_SLOWDOWN, forward_weights, model_shape
+from trsp_ray.plan.shape import Shape
+
+# The refits' float64 work per pair (merge.refit_sums, solve_refit) in FLOPs: per token and refit
+# 2 k (k + d) for Z^T Z and Z^T Y (k the kept inputs: the MLP's channels, the attention's q rows); per
+# refit a solve of k columns against d right-hand sides, k^3 / 3 + 2 k^2 d
+SUMS, FACTOR, SOLVE = 2.0, 1.0 / 3.0, 2.0
+
+
+def merge_windows(cfg, shape: Shape | None = None) -> int:
+    """merging.windows, 0 (auto) resolved to ceil(merging.tokens_per_column x the widest refit / data.seqlen)
+    on cfg.model (or planner `shape`): the one count the run, the plan and the budget read."""
+    m = cfg.merging
+    widest = max(shape_widths(shape or model_shape(cfg.model)))
+    return m.windows or math.ceil(m.tokens_per_column * widest / cfg.data.seqlen)
+
+
+def shape_widths(shape: Shape) -> tuple[int, int]:
+    """(MLP channels, attention q rows) of one block of a model of planner `shape`."""
+    return shape.intermediate, shape.heads * shape.head_dim
+
+
+def solve_cost(shape: Shape, *, tokens: float, pairs: int) -> float:
+    """Dense-forward tokens of the refits' float64 work for `pairs` pairs on `tokens` calibration tokens
+    (FLOPs x compute.FLOAT64_SLOWDOWN over a dense forward's FLOPs per token)."""
+    d = float(shape.hidden)
+    flops = 0.0
+    for k in map(float, shape_widths(shape)):
+        flops += SUMS * k * (k + d) * tokens + FACTOR * k ** 3 + SOLVE * k * k * d
+    return pairs * flops * FLOAT64_SLOWDOWN / (2.0 * forward_weights(shape))
+
+
+def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
+    """An upper bound of a merge's compute before its pairs are known: every scoring and refit pass
+    through the whole depth (merge.merge_cost without early stops) and the refits' float64 work."""
+    from trsp_ray.method.merge import merge_cost
+
+    tokens = merge_windows(cfg, shape) * cfg.data.seqlen
+    passes = merge_cost(firsts=range(n_pairs), num_layers=shape.layers, tokens=tokens, refit=cfg.merging.refit,
+                        stops=False)
+    return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs) if cfg.merging.refit else 0.0)
+
+
+def drop_cost(cfg, *, drop: list[int], num_layers: int) -> float:
+    """A merge's compute once its drop set is known: the passes merge_pairs runs (merge.merge_cost, each
+    stopping after its pair) and the refits' float64 work, on merge_windows' tokens."""
+    from trsp_ray.method.merge import merge_cost
+
+    shape = model_shape(cfg.model)
+    tokens = merge_windows(cfg, shape) * cfg.data.seqlen
+    passes = merge_cost(firsts=[d - 1 for d in drop], num_layers=num_layers, tokens=tokens, refit=cfg.merging.refit)
+    return passes + (solve_cost(shape, tokens=tokens, pairs=len(drop)) if cfg.merging.refit else 0.0)
+
+
+def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[int]:
+    """Merge the pair (d - 1, d) of `model` for every d of `drop` (in place, gates detached) on the
+    calibration `windows` (token ids [B, S] each) with cfg.merging's settings; returns the original index
+    behind each layer left, and adds to `info` what the manifest and the tables record of the merge."""
+    from trsp_ray.method.merge import merge_pairs
+
+    m = cfg.merging
+    done = merge_pairs(model=model, firsts=[d - 1 for d in drop], windows=windows, refit=m.refit, ridge=m.ridge,
+                       weighting=m.weighting)
+    pairs = done["per_pair"]
+    solve = solve_cost(model_shape(cfg.model), tokens=done["tokens"], pairs=len(pairs)) if m.refit else 0.0
+    info.update(merge_pairs=[list(p["pair"]) for p in pairs], merge_tokens=done["tokens"],
+                merge_cost=done["cost"], merge_solve_cost=solve, merge_refit=m.refit,
+                merge_units_from=[list(p["units_from"]) for p in pairs],
+                merge_channels_from=[list(p["channels_from"]) for p in pairs])
+    if m.refit:
+        info["merge_mlp_error"] = [[p["mlp_error_drop"], p["mlp_error_refit"]] for p in pairs]
+        info["merge_attn_error"] = [[p["attn_error_drop"], p["attn_error_refit"]] for p in pairs]
+    log(f"merged pairs {info['merge_pairs']} on {done['tokens']} calibration tokens"
+        + (" with refits" if m.refit else " without refits"))
+    return done["kept"]
