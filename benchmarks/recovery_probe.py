@@ -10,13 +10,20 @@ never used to choose anything in the product.
 
     python benchmarks/recovery_probe.py --budget 1M --objective kd --sets shortgpt 20,21,22,23,24,25,26,27
     python benchmarks/recovery_probe.py --budget 300k --recipe tail --sets tail --set heal.tail_layers=6
+    python benchmarks/recovery_probe.py --budget default,1M --objective ce,kd --sets shortgpt --rows rows.jsonl
 
-Prints one table; the load average is printed beside the wall time of each row.
+`--budget` and `--objective` take comma lists (every set at every budget with every objective;
+`default` is the pipeline's configured heal, no compute budget). With `--rows FILE` each finished
+row (its per-passage LAMBADA results too) is appended to FILE and a rerun reads it back instead of
+healing again, so a long probe can run in parts and later rows pair with earlier ones.
+Prints one line per row and every row's paired LAMBADA difference against the first healed row;
+the load average is printed beside the wall time of each row.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -31,6 +38,10 @@ def _tokens(text: str) -> float:
     return parse(text)
 
 
+def _budgets(text: str) -> list:
+    return [None if b == "default" else _tokens(b) for b in text.split(",")]
+
+
 def paired(a: list[int], b: list[int]) -> tuple[float, float]:
     """(mean of a - b, its standard error) over paired items."""
     d = [x - y for x, y in zip(a, b)]
@@ -43,9 +54,11 @@ def paired(a: list[int], b: list[int]) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sets", nargs="+", required=True, help="drop sets: comma-separated layers, or a selector name")
-    p.add_argument("--budget", type=_tokens, required=True, help="total compute, dense-forward tokens (e.g. 1M)")
+    p.add_argument("--budget", type=_budgets, required=True,
+                   help="total compute, dense-forward tokens (e.g. 1M), or default; a comma list runs each")
     p.add_argument("--method", default=None, help="pipeline that heals (default: the product's default)")
-    p.add_argument("--objective", default="kd", choices=["ce", "kd"])
+    p.add_argument("--objective", default="kd", help="ce | kd, or a comma list (ce,kd) to run each")
+    p.add_argument("--rows", default=None, help="JSONL file of finished rows, read back on a rerun")
     p.add_argument("--recipe", default="all", help="heal.trainable: all | tail | lora | map")
     p.add_argument("--lambada", type=int, default=500)
     p.add_argument("--threads", type=int, default=2)
@@ -65,18 +78,31 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     method = args.method or registry.DEFAULT_METHOD
-    base = ["tracking.enabled=false", f"method={method}", f"recovery.objective={args.objective}",
-            f"heal.trainable={args.recipe}", *args.overrides]
+    objectives = args.objective.split(",")
+    if set(objectives) - {"ce", "kd"}:
+        sys.exit(f"--objective {args.objective!r} is not valid; choose ce, kd or ce,kd")
+    base = ["tracking.enabled=false", f"method={method}", f"heal.trainable={args.recipe}", *args.overrides]
     passages = lambada_passages(args.lambada)
     rows = []
     dense = None
-    for spec_text in ["dense", *args.sets]:
+    done = _read_rows(args.rows)
+    jobs = [("dense", None, "ce")] + [(x, b, o) for x in args.sets for b in args.budget for o in objectives]
+    for spec_text, budget, objective in jobs:
+        key = json.dumps([spec_text, budget, objective, method, args.recipe, args.overrides, args.lambada])
+        if key in done:
+            row = done[key]
+            dense = dense or row
+            rows.append(row)
+            _print(row, dense, cached=True)
+            continue
         t0 = time.time()
         named = spec_text if spec_text in ("dense", *registry.SELECTORS) else None
-        over = list(base)
+        over = [*base, f"recovery.objective={objective}"]
         if named not in (None, "dense"):
             over[1] = f"method={method.replace(registry.method(method).selector, named, 1)}"
-        cfg = load_config(overrides=[*over, f"heal.compute_budget={args.budget}"] if spec_text != "dense" else over)
+        if spec_text != "dense" and budget is not None:
+            over.append(f"heal.compute_budget={budget}")
+        cfg = load_config(overrides=over)
         pipe = resolve(cfg)
         bench = prepare(pipe.cfg)
         if spec_text == "dense":
@@ -87,22 +113,43 @@ def main() -> None:
             model, info, drop = out.model, out.info, out.drop
         items = lambada_items(model, bench.tokenizer, passages, bos=bench.bos)
         nlls = domain_nlls(bench, model)
-        row = {"set": spec_text, "drop": sorted(drop), "acc": sum(items) / len(items), "items": items,
+        row = {"key": key, "set": spec_text, "budget": budget, "objective": objective if drop else "-",
+               "drop": sorted(drop), "acc": sum(items) / len(items), "items": items,
                "ppl": {k: ppl_of(v) for k, v in nlls.items()}, "steps": info.get("heal_steps", 0),
                "cost": info.get("select_cost", 0) + info.get("compensation_cost", 0) + info.get("heal_cost", 0),
                "seconds": time.time() - t0, "load": os.getloadavg()[0]}
         dense = dense or row
         rows.append(row)
-        diff, se = paired(items, dense["items"])
-        print(f"{spec_text:>28} drop {row['drop']} steps {row['steps']} cost {row['cost'] / 1e3:.0f}k  LAMBADA "
-              f"{row['acc']:.3f} ({100 * row['acc'] / dense['acc']:.0f}% dense; vs dense {diff:+.3f} ± {se:.3f})  "
-              + " ".join(f"{k} {v:.2f}" for k, v in row["ppl"].items())
-              + f"  [{row['seconds']:.0f}s, load {row['load']:.2f}]", flush=True)
+        if args.rows:
+            with open(args.rows, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        _print(row, dense, cached=False)
     if len(rows) > 2:
-        print("paired LAMBADA differences against the first drop set:")
+        first = rows[1]
+        print(f"paired LAMBADA differences against {_name(first)} ({len(first['items'])} passages):")
         for row in rows[2:]:
-            diff, se = paired(row["items"], rows[1]["items"])
-            print(f"  {row['set']} - {rows[1]['set']}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})")
+            diff, se = paired(row["items"], first["items"])
+            print(f"  {_name(row)} - {_name(first)}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})")
+
+
+def _name(row: dict) -> str:
+    budget = "default" if row["budget"] is None else f"{row['budget'] / 1e3:g}k"
+    return row["set"] if row["set"] == "dense" else f"{row['set']} @ {budget} {row['objective']}"
+
+
+def _print(row: dict, dense: dict, *, cached: bool) -> None:
+    diff, se = paired(row["items"], dense["items"])
+    when = "read back" if cached else f"{row['seconds']:.0f}s, load {row['load']:.2f}"
+    print(f"{_name(row):>28} drop {row['drop']} steps {row['steps']} cost {row['cost'] / 1e3:.0f}k  LAMBADA "
+          f"{row['acc']:.3f} ({100 * row['acc'] / dense['acc']:.0f}% dense; vs dense {diff:+.3f} ± {se:.3f})  "
+          + " ".join(f"{k} {v:.2f}" for k, v in row["ppl"].items()) + f"  [{when}]", flush=True)
+
+
+def _read_rows(path: str | None) -> dict:
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return {row["key"]: row for row in map(json.loads, filter(str.strip, fh))}
 
 
 if __name__ == "__main__":
