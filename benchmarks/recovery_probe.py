@@ -11,6 +11,7 @@ never used to choose anything in the product.
     python benchmarks/recovery_probe.py --budget 1M --objective kd --sets shortgpt 20,21,22,23,24,25,26,27
     python benchmarks/recovery_probe.py --budget 300k --recipe tail --sets tail --set heal.tail_layers=6
     python benchmarks/recovery_probe.py --budget default,1M --objective ce,kd --sets shortgpt --rows rows.jsonl
+    python benchmarks/recovery_probe.py --method merge --budget default --objective ce --sets merge shortgpt+comp
 
 `--budget` and `--objective` take comma lists (every set at every budget with every objective;
 `default` is the pipeline's configured heal, no compute budget). With `--rows FILE` each finished
@@ -53,7 +54,9 @@ def paired(a: list[int], b: list[int]) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sets", nargs="+", required=True, help="drop sets: comma-separated layers, or a selector name")
+    p.add_argument("--sets", nargs="+", required=True,
+                   help="drop sets: comma-separated layers, a selector name (healed by --method's pipeline) or a "
+                        "pipeline with a '+' in its name (run as it is, e.g. shortgpt+comp)")
     p.add_argument("--budget", type=_budgets, required=True,
                    help="total compute, dense-forward tokens (e.g. 1M), or default; a comma list runs each")
     p.add_argument("--method", default=None, help="pipeline that heals (default: the product's default)")
@@ -96,9 +99,12 @@ def main() -> None:
             _print(row, dense, cached=True)
             continue
         t0 = time.time()
-        named = spec_text if spec_text in ("dense", *registry.SELECTORS) else None
+        pipeline = "+" in spec_text and _is_pipeline(spec_text)
+        named = spec_text if pipeline or spec_text in ("dense", *registry.SELECTORS) else None
         over = [*base, f"recovery.objective={objective}"]
-        if named not in (None, "dense"):
+        if pipeline:  # its own selection, fit and recovery
+            over[1] = f"method={named}"
+        elif named not in (None, "dense"):
             over[1] = f"method={method.replace(registry.method(method).selector, named, 1)}"
         if spec_text != "dense" and budget is not None:
             over.append(f"heal.compute_budget={budget}")
@@ -116,7 +122,8 @@ def main() -> None:
         row = {"key": key, "set": spec_text, "budget": budget, "objective": objective if drop else "-",
                "drop": sorted(drop), "acc": sum(items) / len(items), "items": items,
                "ppl": {k: ppl_of(v) for k, v in nlls.items()}, "steps": info.get("heal_steps", 0),
-               "cost": info.get("select_cost", 0) + info.get("compensation_cost", 0) + info.get("heal_cost", 0),
+               "cost": sum(info.get(k, 0) for k in ("select_cost", "compensation_cost", "merge_cost",
+                                                        "merge_solve_cost", "heal_cost")),
                "seconds": time.time() - t0, "load": os.getloadavg()[0]}
         dense = dense or row
         rows.append(row)
@@ -125,11 +132,22 @@ def main() -> None:
                 fh.write(json.dumps(row) + "\n")
         _print(row, dense, cached=False)
     if len(rows) > 2:
-        first = rows[1]
-        print(f"paired LAMBADA differences against {_name(first)} ({len(first['items'])} passages):")
-        for row in rows[2:]:
-            diff, se = paired(row["items"], first["items"])
-            print(f"  {_name(row)} - {_name(first)}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})")
+        print(f"paired LAMBADA differences between the rows ({len(rows[1]['items'])} passages):")
+        for i, first in enumerate(rows[1:], 1):
+            for row in rows[i + 1:]:
+                diff, se = paired(row["items"], first["items"])
+                print(f"  {_name(row)} - {_name(first)}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})")
+
+
+def _is_pipeline(name: str) -> bool:
+    from trsp_ray.common.errors import TrspError
+    from trsp_ray.config import registry
+
+    try:
+        registry.method(name)
+    except TrspError:
+        return False
+    return True
 
 
 def _name(row: dict) -> str:
