@@ -14,7 +14,6 @@ import torch
 from trsp_ray.common.errors import TrspError
 from trsp_ray.distributed import export as dexport
 from trsp_ray.distributed.export import export_streaming, reload_fits, timeout_for
-from trsp_ray.distributed.ranks import free_port
 from trsp_ray.distributed.shards import ShardWriter, TensorSpec, plan_shards, verify_shards
 from trsp_ray.method.gates import attach_gates
 from trsp_ray.method.surgery import remove_layers
@@ -269,19 +268,9 @@ print("RESULT " + json.dumps(done), flush=True)
 
 
 def _zero3_export(model_dir, out, world: int) -> list[dict]:
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(model_dir), str(out)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)})
-             for r in range(world)]
-    results = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        results.append(json.loads(next(line[7:] for line in stdout.splitlines() if line.startswith("RESULT "))))
-    return results
+    from gloo_ranks import run_ranks
+
+    return run_ranks([sys.executable, "-c", WORKER, str(model_dir), str(out)], world=world)
 
 
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])

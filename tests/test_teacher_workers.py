@@ -4,16 +4,12 @@ its rows of the batch, is the one-process loss on those rows (DeepSpeed over glo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from trsp_ray.distributed.ranks import free_port
 from trsp_ray.method.distill import StoredDistillLoss
 from trsp_ray.method.gates import attach_gates
 from trsp_ray.models.tiny import tiny_model
@@ -62,21 +58,12 @@ print("RESULT " + json.dumps({"computed": computed, "again": again, "losses": lo
 def test_zero3_ranks_fill_the_store_and_give_the_one_process_distillation_loss(tmp_path, world):
     """One (and two) ZeRO-3 ranks over gloo: the shards they store are the one process's, and each
     rank's loss on its rows of two heal batches is the one-process loss on those rows."""
+    from gloo_ranks import run_ranks
     from test_teacher_store import CFG, _stream
 
     tiny_model("llama", layers=3).save_pretrained(tmp_path / "model")
-    port = free_port()
     args = [sys.executable, "-c", ZERO3_WORKER, str(tmp_path / "model"), str(tmp_path / "workers"), str(TESTS)]
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)})
-             for r in range(world)]
-    results = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        results.append(json.loads(next(line[7:] for line in stdout.splitlines() if line.startswith("RESULT "))))
+    results = run_ranks(args, world=world)
 
     # one process: the plain model fills its own store and distils the same student
     model = tiny_model("llama", layers=3)
