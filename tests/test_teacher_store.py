@@ -50,10 +50,13 @@ def _fill(store: TeacherStore, teacher: Counting, windows: int) -> int:
                                     batch_size=store.stream.batch_size), windows=windows)
 
 
-def test_a_second_row_reads_the_stored_teacher_and_never_recomputes_it(tmp_path):
+def test_a_second_row_reads_the_stored_teacher_and_never_recomputes_it(tmp_path, capsys):
     teacher = Counting(tiny_model("llama", layers=2, seed=0).eval())
     first = _store(tmp_path, _stream())
     assert _fill(first, teacher, 10) == 3  # shards of 4 windows: 0-3, 4-7, 8-11
+    progress = [line for line in capsys.readouterr().out.splitlines() if "teacher pass: shard" in line]
+    assert [line.split("shard ")[1] for line in progress] == ["1/3 (4 windows)", "2/3 (4 windows)",
+                                                             "3/3 (4 windows)"]  # the pass shows it moving
     assert teacher.calls == 6  # 12 windows in batches of 2
     assert sorted(p.name for p in (tmp_path / "teacher").glob("*.pt")) == sorted(
         first.path(s).rsplit("/", 1)[1] for s in range(3))

@@ -138,6 +138,8 @@ class TeacherStore:
                 if write:
                     self._write(shard, records)
                 done += 1
+                if write and len(todo) > 1:  # the pass precedes the heal's first step: show it moving
+                    log(f"  teacher pass: shard {done}/{len(todo)} ({len(rows)} windows)")
         if todo:
             log(f"  teacher store: {done} shard(s) of {self.shard_windows} windows computed, "
                 f"{len(self.shards(windows)) - len(todo)} read; {bytes_per_token(self.k)} bytes a token "
