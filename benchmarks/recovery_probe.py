@@ -151,7 +151,9 @@ def _is_pipeline(name: str) -> bool:
 
 
 def _name(row: dict) -> str:
-    budget = "default" if row["budget"] is None else f"{row['budget'] / 1e3:g}k"
+    from trsp_ray.config.budgets import budget_label
+
+    budget = "default" if row["budget"] is None else budget_label(int(row["budget"]))
     return row["set"] if row["set"] == "dense" else f"{row['set']} @ {budget} {row['objective']}"
 
 

@@ -31,8 +31,8 @@ def prune_config(args, *, gpu_default: bool = False):
     cfg = replace(cfg, **{"heal.compute_budget": budget})
     if default:  # the default, per budget
         measured, method, objective = budgets.budget_default(budget)
-        kd = objective != cfg.recovery.objective and cfg.recovery.objective == "ce"
-        cfg = replace(cfg, method=method, **({"recovery.objective": objective} if kd else {}))
+        chosen = cfg.recovery.objective != "ce"  # a --set recovery.objective=kd is kept
+        cfg = replace(cfg, method=method, **({} if chosen else {"recovery.objective": objective}))
         log(f"compute budget {budgets.budget_label(int(budget))}: running {method} with "
             f"recovery.objective={cfg.recovery.objective}, the default measured best at "
             f"{budgets.budget_label(int(measured))} (docs/results.md); --method chooses another")
