@@ -75,6 +75,7 @@ def main() -> None:
     from trsp_ray.config import registry
     from trsp_ray.config.run_config import load_config
     from trsp_ray.data.perplexity import ppl_of
+    from trsp_ray.distributed.audition import audition
     from trsp_ray.run.methods import apply_method
     from trsp_ray.run.pipeline import resolve
     from trsp_ray.run.workbench import prepare
@@ -115,7 +116,7 @@ def main() -> None:
             model, info, drop = bench.scoring_model(), {}, []
         else:
             drop = None if named else [int(x) for x in spec_text.split(",")]
-            out = apply_method(bench, pipe.spec, drop=drop)
+            out = apply_method(bench, pipe.spec, drop=drop, audition=audition)
             model, info, drop = out.model, out.info, out.drop
         items = lambada_items(model, bench.tokenizer, passages, bos=bench.bos)
         nlls = domain_nlls(bench, model)

@@ -82,7 +82,11 @@ def run(cfg: RunConfig, *, overwrite: bool = False) -> dict:
             stage1_seconds = time.perf_counter() - started
             tracker.log_figure(plots.gate_trajectories(stage1.gate_history, stage1.round_ends, stage1.drop_order),
                                "stage1_gates.png")
-        outcome = apply_method(bench, pipe.spec, stage1=stage1, report=report)
+        from trsp_ray.distributed.audition import audition
+
+        outcome = apply_method(bench, pipe.spec, stage1=stage1, report=report, audition=audition)
+        if "audition" in outcome.info:  # a selection by recovery: its trials, best first
+            tracker.log_dict(outcome.info["audition"], "audition.json")
         if "relative_update" in outcome.info:
             tracker.log_dict(outcome.info["relative_update"], "stage2_relative_update.json")
         ppl = bench.heldout_ppl(outcome.model)

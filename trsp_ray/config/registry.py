@@ -35,10 +35,13 @@ ANGULAR_SELECTOR = "angular"  # one dense forward of ShortGPT's windows, every l
 # pairs of adjacent blocks merged into one block each (trsp_ray/method/merge.py), not dropped: its "drop
 # set" is the second layer of every pair, the layers the merged model no longer has
 MERGE_SELECTOR = "merge"
+# chosen by how well each candidate recovers: every candidate drop set (method/candidates.py) gets a short
+# distillation heal as a Ray Tune trial under ASHA, ranked on the calibration's validation tail
+RECOVER_SELECTOR = "recover"
 
 
 SELECTORS = (TRSP_SELECTOR, SHORTGPT_SELECTOR, SLEB_SELECTOR, RANDOM_SELECTOR, TAIL_SELECTOR, ANGULAR_SELECTOR,
-             MERGE_SELECTOR)
+             MERGE_SELECTOR, RECOVER_SELECTOR)
 # A pipeline's fit, by the token its name spells: the map fitted after removal and folded before the
 # heal (trsp_ray/method/compensation.py): comp = least squares (the default's), cos = ReplaceMe's cosine
 # objective for the same map, scalar = Prune&Comp's norm-ratio scales
@@ -99,6 +102,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # FlattenGPT's merge (issue 51): each pair's own closed-form refit is its repair, so no +FIT
     Method("merge", "merge"),
     Method("merge+heal", "merge", heal=True),
+    # issue 50: the drop set that recovers best in a short distillation heal, then the fit and the heal
+    Method("recover+heal", "recover", heal=True),
+    Method("recover+comp+heal", "recover", heal=True, fit="comp"),
 )}
 METHOD_NAMES = tuple(METHODS)
 # the best pipeline found on every column at equal total compute; config.py's and the jobs' default

@@ -32,6 +32,7 @@ from trsp_ray.config.sections import (
     _choice,
     _positive,
 )
+from trsp_ray.config.selection import SelectionConfig
 from trsp_ray.method.recipes import MAP_RECIPE, PARTIAL_RECIPES
 
 
@@ -86,6 +87,7 @@ class RunConfig:
     compensation: CompensationConfig = field(default_factory=CompensationConfig)
     merging: MergeConfig = field(default_factory=MergeConfig)
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 

@@ -252,3 +252,15 @@ def _restore(state: dict, *, gates, batches: Batches, stepper, result: Stage1Res
     result.swaps = list(state.get("swaps", []))
     result.refine_calls, result.refine_cost = state.get("refine_calls", 0), state.get("refine_cost", 0)
     gates.set_bypass(result.drop_order)
+
+
+def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> float:
+    """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model,
+    plus the removal probes."""
+    per_token = 1.0 + (2.0 if train_base else 1.0)
+    cost, start = 0.0, 0
+    for r, end in enumerate(result.round_ends):
+        active = (num_layers - r) / num_layers  # after round r, r layers are bypassed
+        cost += (end - start) * result.tokens_per_step * per_token * active
+        start = end
+    return cost + result.probe_cost

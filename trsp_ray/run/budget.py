@@ -15,6 +15,7 @@ the single process and the Ray Train workers run the same number of steps and th
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from trsp_ray.common.errors import TrspError
@@ -40,6 +41,8 @@ def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float
                          tokens=cfg.baselines.sleb_windows * seqlen)
     if spec.selector in (registry.RANDOM_SELECTOR, registry.TAIL_SELECTOR):
         return 0.0
+    if spec.selector == registry.RECOVER_SELECTOR:  # every trial run to its last step: what it may spend
+        return audition_plan(cfg, spec=spec, num_layers=num_layers).total
     return None
 
 
@@ -175,3 +178,69 @@ def split(cfg, *, spec: registry.Method, num_layers: int, steps: int) -> Budget:
                   heal=trained - teacher, steps=steps, seqlen=seqlen, batch=batch)
 
 
+@dataclass(frozen=True)
+class AuditionPlan:
+    candidates: int  # trials at most (planned_candidates: equal sets run once)
+    steps: int  # heal steps a trial runs at most
+    forward: float  # the candidates' dense forwards
+    fit: float  # one candidate's fit, at most
+    step: float  # one trial step
+    report: float  # one validation report
+    reports: int
+    every: int  # steps between reports
+
+    @property
+    def trial(self) -> float:
+        """One trial run to its last step."""
+        return self.fit + self.steps * self.step + self.reports * self.report
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.candidates * self.trial
+
+
+def audition_plan(cfg, *, spec: registry.Method, num_layers: int) -> AuditionPlan:
+    """The audition `cfg` (a `recover` pipeline `spec`) runs on a model of `num_layers` layers."""
+    from trsp_ray.method import candidates as cands
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.run.audition_plan import MIN_STEPS, trial_config
+    from trsp_ray.run.methods import shortgpt_windows
+
+    s = cfg.selection
+    names = cands.parse(s.candidates)
+    n_drop = n_drop_for(cfg.ratio, num_layers)
+    count = planned_candidates(cfg, names, n_drop=n_drop, num_layers=num_layers)
+    forward = len(cands.needs_forward(names)) * float(shortgpt_windows(cfg, n_drop) * cfg.data.seqlen)
+    tcfg = trial_config(cfg)
+    fit = planned_compensation_cost(tcfg, spec=spec, num_layers=num_layers) if spec.compensate else 0.0
+    step = compute.step_cost(tcfg, spec=spec)
+    report = float(s.val_windows * (cfg.data.seqlen + 1))
+    steps = s.steps
+    budget = cfg.heal.compute_budget
+    if budget:
+        left = s.share * budget - forward - count * (fit + s.reports * report)
+        steps = int(left // (count * step)) if left > 0 else 0
+        if steps < MIN_STEPS:
+            need = forward + count * (fit + s.reports * report + MIN_STEPS * step)
+            raise TrspError(f"heal.compute_budget={budget:g} gives the selection by recovery "
+                            f"{s.share * budget:g} dense-forward tokens (selection.share={s.share:g}), and its "
+                            f"{count} candidates need {need:g} for {MIN_STEPS} heal steps each; raise the "
+                            f"budget to at least {math.ceil(need / s.share):g}, raise selection.share or name fewer "
+                            "selection.candidates")
+    reports = min(s.reports, steps)
+    return AuditionPlan(candidates=count, steps=steps, forward=forward, fit=fit, step=step, report=report,
+                        reports=reports, every=max(1, -(-steps // reports)))
+
+
+def planned_candidates(cfg, names: list[str], *, n_drop: int, num_layers: int) -> int:
+    """Trials the audition may run: every candidate a forward chooses, and the distinct sets of those
+    that need none (with the last layer protected the tail cut is block-1's set: one trial)."""
+    from trsp_ray.method import candidates as cands
+    from trsp_ray.method.stage1 import candidate_layers
+
+    g = cfg.gates
+    allowed = candidate_layers(num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+    forward = [n for n in names if cands.needs_forward([n])]
+    fixed = cands.drop_sets([n for n in names if n not in forward], n_drop=n_drop, num_layers=num_layers,
+                            candidates=allowed)
+    return max(1, len(forward) + len(fixed))

@@ -9,6 +9,7 @@ that also needs weight gradients as 2; a pass through a fraction of the layers c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from trsp_ray.method.boundaries import fold_layers
 from trsp_ray.method.gates import attach_gates
 from trsp_ray.method.heal import run_heal
 from trsp_ray.method.probes import RemovalScorer, common_tokens
-from trsp_ray.method.stage1 import Stage1Result, run_stage1
+from trsp_ray.method.stage1 import Stage1Result, run_stage1, stage1_cost
 from trsp_ray.method.stage2 import run_stage2
 from trsp_ray.method.surgery import remove_layers
 from trsp_ray.method.training import (
@@ -167,28 +168,28 @@ def fixed_windows(stream, count: int) -> list:
     return list(stacked.split(size))
 
 
-def stage1_cost(result: Stage1Result, *, num_layers: int, train_base: bool) -> float:
-    """Dense-forward tokens of a stage-1 run: forward + backward over the layers still in the model,
-    plus the removal probes."""
-    per_token = 1.0 + (2.0 if train_base else 1.0)
-    cost, start = 0.0, 0
-    for r, end in enumerate(result.round_ends):
-        active = (num_layers - r) / num_layers  # after round r, r layers are bypassed
-        cost += (end - start) * result.tokens_per_step * per_token * active
-        start = end
-    return cost + result.probe_cost
+# audition(bench, spec, model=, gates=) -> (drop, info): a selection by recovery, whose trials run on Ray
+# Tune (distributed/audition.py); its callers above this floor hand it in
+Audition = Callable[..., tuple[list[int], dict]]
 
 
 def select(bench, spec: registry.Method, *, model, gates, stage1: Stage1Result | None = None,
-           report: Report = null_report) -> tuple[list[int], dict]:
+           report: Report = null_report, audition: Audition | None = None) -> tuple[list[int], dict]:
     """The drop list of pipeline `spec` (Pipeline.spec) and what choosing it cost (calibration tokens,
     dense-forward tokens).
 
-    TRSP methods reuse a given stage-1 result (one stage-1 run serves every TRSP method and ratio)."""
+    TRSP methods reuse a given stage-1 result (one stage-1 run serves every TRSP method and ratio);
+    a selection by recovery runs `audition`."""
+    from trsp_ray.common.errors import TrspError
     from trsp_ray.method import merge_select, selectors
 
     n_drop, candidates, cfg = bench.n_drop(), bench.candidates(), bench.cfg
     seqlen = cfg.data.seqlen
+    if spec.selector == registry.RECOVER_SELECTOR:
+        if audition is None:
+            raise TrspError(f"method={spec.name} auditions its candidates as Ray Tune trials, which this path "
+                            "cannot start (a search trial or a benchmark row); run it with `trsp-ray prune`")
+        return audition(bench, spec, model=model, gates=gates)
     if spec.uses_stage1:
         if stage1 is None:
             stage1 = run_stage1_for(bench, model=model, report=report)
@@ -308,7 +309,8 @@ FitStore = Callable[[Callable[[], tuple[dict, dict]], Callable[[dict], None]], t
 
 def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None, stage2: bool | None = None,
                  stage1: Stage1Result | None = None, stage2_cfg=None, heal_cfg=None, report: Report = null_report,
-                 on_model: Callable[[object], None] | None = None, fit_store: FitStore | None = None) -> Outcome:
+                 on_model: Callable[[object], None] | None = None, fit_store: FitStore | None = None,
+                 audition: Audition | None = None) -> Outcome:
     """Prune a fresh copy of the model with pipeline `spec` (Pipeline.spec); returns the pruned model and its cost.
 
     `drop` skips the selection (a drop set computed before, e.g. shared by several benchmark rows);
@@ -316,7 +318,8 @@ def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None,
     `on_model` is handed the working copy before anything trains it (a search measures its
     validation loss mid-training through `report`); `fit_store(compute, apply)` shares a least-squares
     fit among runs of the same drop set and fit (a search's trials): it returns compute()'s result,
-    computed now or stored, and hands a stored one's weights to `apply` (compensation.folded_weights)."""
+    computed now or stored, and hands a stored one's weights to `apply` (compensation.folded_weights);
+    `audition`: what runs a selection by recovery (select)."""
     method, cfg = spec.name, bench.cfg
     s2 = stage2_cfg or cfg.stage2
     heal = heal_cfg or (method_heal(cfg) if spec.heal and stage2 is None else cfg.heal)
@@ -333,7 +336,9 @@ def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None,
     gates = attach_gates(model, gate_mode=cfg.gates.gate)
     t0 = time.time()
     if drop is None:
-        drop, info = select(bench, spec, model=model, gates=gates, stage1=stage1, report=report)
+        drop, info = select(bench, spec, model=model, gates=gates, stage1=stage1, report=report, audition=audition)
+        if "budget_heal_steps" in info and heal_cfg is None:  # what a budget left after the selection's trials
+            heal = dataclasses.replace(heal, steps=info["budget_heal_steps"])
     else:
         drop, info = list(drop), {}
     info["select_seconds"] = time.time() - t0

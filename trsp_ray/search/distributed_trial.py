@@ -77,9 +77,9 @@ def _budgeted(cfg, *, spec: registry.Method, stage1: dict | None, n_drop: int, n
     """(cfg with a budgeted heal's steps, the planned compute record): from stage 1's measured cost
     when this trial holds it, else budget.py's plan (the workers select; they report no cost here).
     `spec`: the trial's pipeline's registry entry (resolved where the trial starts)."""
+    from trsp_ray.method.stage1 import stage1_cost
     from trsp_ray.plan import compute
     from trsp_ray.run import budget
-    from trsp_ray.run.methods import stage1_cost
     from trsp_ray.run.pipeline import training_steps
     from trsp_ray.run.workbench import model_hidden
     from trsp_ray.search.pipeline import budgeted

@@ -288,11 +288,10 @@ def check_keys(base: dict, space, points: list[dict], *, num_layers: int) -> Non
 
 def stage1_floor_cost(cfg, *, num_layers: int) -> float:
     """Dense-forward tokens TRSP's stage 1 spends at least: its gate training (the rounds' steps are
-    fixed in advance; probes and refinement only add), by methods.stage1_cost's formula."""
+    fixed in advance; probes and refinement only add), by stage1.stage1_cost's formula."""
     from types import SimpleNamespace
 
-    from trsp_ray.method.stage1 import n_drop_for
-    from trsp_ray.run.methods import stage1_cost
+    from trsp_ray.method.stage1 import n_drop_for, stage1_cost
 
     s1, d = cfg.stage1, cfg.data
     rounds = 1 if s1.selection == "oneshot" else n_drop_for(cfg.ratio, num_layers)

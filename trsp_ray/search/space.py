@@ -24,7 +24,8 @@ TOP_KEYS = ("method", "ratio", "seed")
 # the pipeline's parts (registry.name_of): a point that sets any of them runs the pipeline composed of
 # them and the base method's other parts, so a grid crosses selector x fit x heal recipe
 PIPELINE_KEYS = ("selector", "fit", "heal")
-SECTIONS = ("data", "gates", "stage1", "stage2", "heal", "recovery", "compensation", "merging", "baselines")
+SECTIONS = ("data", "gates", "stage1", "stage2", "heal", "recovery", "compensation", "merging", "baselines",
+            "selection")
 ALGORITHMS = ("grid", "random", "optuna")
 RANGES = ("uniform", "loguniform", "int")
 

@@ -117,7 +117,8 @@ def _selection(bench, cfg_dict: dict, config: dict, *, spec: registry.Method, ke
     where the trial starts): TRSP's from the stage-1 store, a baseline's from the selection store,
     each computed once per key (search/cache.py)."""
     from trsp_ray.method.gates import attach_gates
-    from trsp_ray.run.methods import select, stage1_cost
+    from trsp_ray.method.stage1 import stage1_cost
+    from trsp_ray.run.methods import select
     from trsp_ray.search.pipeline import selection_content
 
     cfg, n_drop = bench.cfg, bench.n_drop()

@@ -1,0 +1,58 @@
+"""What a selection by recovery (the `recover` selector) runs and spends, decided before it runs; and
+how its finished trials are ranked. The trials themselves run on Ray Tune (distributed/audition.py).
+
+Every candidate drop set (method/candidates.py) is a trial: the pipeline's fit of that set, then a
+short heal at the calibration's own windows (data.seqlen x data.batch_size) with the trials'
+objective (selection.objective: distillation from the dense model beside the student by default),
+reporting its loss on the first selection.val_windows windows of the calibration's validation tail
+(which no trial trains on) selection.reports times; ASHA stops the worse half at each rung.
+
+Compute is planned as if every trial ran to its last step (ASHA stops most before; what they spent
+is measured and reported, and a budgeted heal gets what the trials left): the candidates' forwards
+(Block Influence, the angular block), and per candidate its fit, its steps and its reports. With a
+compute budget the trials get selection.share of it: the steps per trial are what that share buys
+once the forwards, fits and reports are paid (at least MIN_STEPS, else a one-line refusal).
+"""
+
+from __future__ import annotations
+
+from trsp_ray.common.errors import TrspError
+from trsp_ray.common.paired import paired_se
+
+MIN_STEPS = 2  # a trial shorter than this ranks the cut, not its recovery
+TIE_SE = 2.0  # two trials within this many paired SE tie; the cheaper one wins
+
+
+def trial_config(cfg):
+    """The configuration a trial heals with: the pipeline's, its heal at the calibration's windows
+    without a budget (data.seqlen x data.batch_size, a constant learning rate), with the trials'
+    objective, its teacher beside it, one process."""
+    from trsp_ray.config.run_config import replace
+
+    return replace(cfg, **{"heal.compute_budget": 0.0, "heal.seqlen": 0, "heal.batch_size": 0, "heal.schedule":
+                           "constant", "recovery.objective": cfg.selection.objective, "recovery.teacher": "auto",
+                           "distributed.workers": 0, "tracking.enabled": False})
+
+
+def rank(trials: list[dict]) -> list[dict]:
+    """The finished trials (each {name, drop, nlls, docs, cost, step}) best first: those that reached
+    the most steps (ASHA's survivors), then by mean validation NLL; a trial within TIE_SE paired SE
+    (clustered by document) of the best ties it, and among tied trials the cheapest leads. Each
+    returned trial carries diff / se / tie against the best."""
+    if not trials:
+        raise TrspError("the selection by recovery finished no trial; see the trial errors above")
+    top = max(t["step"] for t in trials)
+    survivors = sorted((t for t in trials if t["step"] == top), key=lambda t: _mean(t["nlls"]))
+    best = survivors[0]
+    compared = []
+    for t in survivors:
+        diff, se = paired_se(t["nlls"], best["nlls"], clusters=t["docs"] if t["docs"] == best["docs"] else None)
+        compared.append({**t, "diff": diff, "se": se, "tie": abs(diff) <= TIE_SE * se})
+    tied = sorted((t for t in compared if t["tie"]), key=lambda t: (t["cost"], _mean(t["nlls"])))
+    rest = [t for t in compared if not t["tie"]]
+    stopped = sorted((t for t in trials if t["step"] < top), key=lambda t: (-t["step"], _mean(t["nlls"])))
+    return tied + rest + [{**t, "diff": None, "se": None, "tie": False} for t in stopped]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
