@@ -295,3 +295,15 @@ def test_a_stopped_trial_records_its_pipeline_and_the_step_asha_stopped_it_at(tm
     (record,) = _collect([result], tmp_path, base)
     assert (record["status"], record["method"], record["stopped_at_step"]) == ("stopped", "tail+cos+heal.tail", 6)
     assert json.loads(next((tmp_path / "trials").glob("*.json")).read_text())["stopped_at_step"] == 6
+
+
+def test_a_search_refuses_a_selection_by_recovery_before_any_trial(config_dir):
+    """Issue 50: a recover pipeline runs its own Ray Tune trials; as a search trial it would start
+    Tune inside Tune. The plan refuses it in one line, and keeps the pipelines it auditions."""
+    from trsp_ray.search.run import plan_trials
+
+    with pytest.raises(TrspError, match="cannot be a search trial") as info:
+        plan_trials(_plan_base(config_dir), parse_space({"params": {"method": ["tail+heal", "recover+comp+heal"]}}))
+    assert "\n" not in str(info.value) and "method=recover+comp+heal" in str(info.value)
+    plan = plan_trials(_plan_base(config_dir), parse_space({"params": {"method": ["tail+heal", "shortgpt+heal"]}}))
+    assert [p["method"] for p in plan.points] == ["tail+heal", "shortgpt+heal"]

@@ -311,6 +311,20 @@ def planned_costs(cfg, *, spec: registry.Method, num_layers: int) -> tuple[float
     return select, budget.planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
 
 
+def check_trial_selectors(base: dict, points: list[dict]) -> None:
+    """One-line TrspError for a point whose pipeline selects by recovery: a Ray Tune run of its own."""
+    from trsp_ray.config.run_config import from_dict
+    from trsp_ray.run.pipeline import named
+    from trsp_ray.search.space import apply_point
+
+    for point in points:
+        spec = named(from_dict(apply_point(base, point))).spec
+        if spec.selector == registry.RECOVER_SELECTOR:
+            raise TrspError(f"method={spec.name} runs its candidates as Ray Tune trials of its own and cannot be a "
+                            f"search trial; run `trsp-ray prune --method {spec.name}`, or search the pipelines whose "
+                            "drop sets it auditions")
+
+
 def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
     """One-line TrspError, before any trial, for a budgeted point whose method does not heal or whose
     selection and fit leave no heal step (budget.heal_steps says by how much)."""

@@ -92,6 +92,7 @@ def plan_trials(base: RunConfig, space: SearchSpace) -> Plan:
         points, dropped, merged, refused = pipeline.reduce_points(base_dict, space, points, num_layers=num_layers)
         ignored = [dropped.get(i, {}) for i in range(len(points))]
         probes = points
+    pipeline.check_trial_selectors(base_dict, probes)
     pipeline.check_budgets(base_dict, probes, num_layers=num_layers)
     pipeline.check_keys(base_dict, space, probes, num_layers=num_layers)
     if points is not None and space.seeds > 1:  # every point once per seed (search/objective.py averages them)
