@@ -204,19 +204,22 @@ def test_a_path_that_cannot_start_trials_refuses_the_recover_selector(tiny_dir):
         select(bench, registry.method(RECOVER), model=model, gates=attach_gates(model, gate_mode=bench.cfg.gates.gate))
 
 
-def test_the_audition_runs_candidates_as_tune_trials_and_hands_back_the_best(tiny_dir, own_ray_tmpdir):
+def test_the_audition_runs_candidates_as_tune_trials_and_hands_back_the_best(tiny_dir, own_ray_tmpdir, monkeypatch,
+                                                                            tmp_path):
     """On Ray Tune with ASHA: every candidate set is a trial, the winner is the survivor with the lowest
     validation loss (or a cheaper tie), the spent compute is within the plan, and the Ray it started is gone."""
     import ray
 
     from trsp_ray.config import registry
+    from trsp_ray.distributed import audition as audition_module
     from trsp_ray.distributed.audition import audition, candidate_sets
     from trsp_ray.method.gates import attach_gates
     from trsp_ray.run.budget import audition_plan as plan
     from trsp_ray.run.workbench import prepare
 
     bench = prepare(_cfg(f"model={tiny_dir}", "data.seqlen=32", "selection.steps=6", "selection.reports=3",
-                         "selection.val_windows=8", "selection.concurrency=2", "threads=1"))
+                         "selection.val_windows=8", "selection.concurrency=2", "threads=1",
+                         f"checkpoint_dir={tmp_path}"))
     spec = registry.method(RECOVER)
     model = bench.fresh_model()
     drop, info = audition(bench, spec, model=model, gates=attach_gates(model, gate_mode=bench.cfg.gates.gate))
@@ -232,3 +235,11 @@ def test_the_audition_runs_candidates_as_tune_trials_and_hands_back_the_best(tin
     model = bench.fresh_model()
     sets, _ = candidate_sets(bench, model=model, gates=attach_gates(model, gate_mode=bench.cfg.gates.gate))
     assert sorted(tuple(t["drop"]) for t in trials) == sorted(tuple(s) for s in sets.values())
+    # run again (an interrupted prune resumed): every trial, finished or stopped by ASHA, is read back
+    records = {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("auditions/*/trials/*.json")}
+    assert {n: (r["step"], bool(r.get("finished")), bool(r.get("stopped"))) for n, r in records.items()} == {
+        t["name"]: (t["step"], t["step"] == 6, t["step"] < 6) for t in trials}
+    monkeypatch.setattr(audition_module, "_tune", lambda *a, **k: pytest.fail("a finished trial ran again"))
+    model = bench.fresh_model()
+    again, info2 = audition(bench, spec, model=model, gates=attach_gates(model, gate_mode=bench.cfg.gates.gate))
+    assert again == drop and info2["audition"] == trials and info2["select_cost"] == info["select_cost"]

@@ -12,9 +12,11 @@ compute is counted too. Ray is joined or started by ray_session (and stopped aga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from trsp_ray.common.errors import TrspError
@@ -40,15 +42,23 @@ def audition(bench, spec: registry.Method, *, model, gates) -> tuple[list[int], 
     if not sets:
         raise TrspError(f"selection.candidates={cfg.selection.candidates!r} gives no drop set on this model "
                         f"({bench.num_layers} layers, candidates {bench.candidates()}); name others")
-    with tempfile.TemporaryDirectory(prefix="trsp-audition-") as tmp:
-        _tune(cfg, spec, sets, p, Path(tmp))
-        trials = [json.loads(f.read_text()) for f in sorted(Path(tmp, "trials").glob("*.json"))]
+    with _directory(cfg, spec, sets, p) as root:
+        done = _done(root / "trials", sets)
+        if done:
+            log(f"  {len(done)} trial(s) read back from {root}: {', '.join(sorted(done))}")
+        todo = {name: drop for name, drop in sets.items() if name not in done}
+        if todo:
+            failed = _tune(cfg, spec, todo, p, root)
+            _mark_stopped(root / "trials", [n for n in todo if n not in failed], steps=p.steps)
+        trials = [json.loads(f.read_text()) for f in sorted((root / "trials").glob("*.json"))
+                  if f.stem in sets]
     ranked = rank([t for t in trials if t.get("nlls")])
     spent = forward + sum(t["cost"] for t in trials)
     _table(ranked, p)
     best = ranked[0]
     log(f"{spec.name}: {best['name']} recovers best, drop set {best['drop']}; the selection spent "
-        f"{spent / 1e3:.1f}k dense-forward tokens (planned at most {p.total / 1e3:.1f}k)")
+        f"{spent / 1e3:.1f}k dense-forward tokens (planned at most {p.total / 1e3:.1f}k"
+        + (f"; {len(done)} trial(s) in an earlier run" if done else "") + ")")
     summary = [{k: t[k] for k in ("name", "drop", "step", "loss", "cost", "diff", "se", "tie")} for t in ranked]
     info = {"select_cost": spent, "calib_tokens": 0, "audition": summary, "audition_winner": best["name"],
             "audition_steps": p.steps, "candidates": cands.parse(cfg.selection.candidates)}
@@ -75,6 +85,54 @@ def heal_steps_left(bench, spec: registry.Method, *, drop: list[int], select_cos
     return steps
 
 
+@contextlib.contextmanager
+def _directory(cfg, spec: registry.Method, sets: dict, p):
+    """Where the trials' records and Tune's files live: a directory keyed by everything a trial
+    reads (the trial config, the candidate sets, the plan's steps, the model and calibration bytes)
+    under the checkpoint directory, kept, so that an interrupted or repeated audition reads its
+    finished trials back; a temporary one where the checkpoint directory is remote."""
+    from trsp_ray.common.filesystems import is_remote
+    from trsp_ray.run.content import run_inputs, store_key
+
+    base = cfg.checkpoint_dir or str(Path.cwd() / "runs" / "checkpoints")
+    if is_remote(base):
+        with tempfile.TemporaryDirectory(prefix="trsp-audition-") as tmp:
+            yield Path(tmp)
+        return
+    run = {k: v for k, v in trial_config(cfg).to_dict().items() if k not in ("output", "tracking", "threads",
+                                                                             "checkpoint_dir")}
+    what = {"audition": {"run": run, "method": spec.name, "sets": sets, "steps": p.steps, "every": p.every}}
+    key = store_key(what, cfg=cfg.to_dict(), data=run_inputs(cfg.to_dict(), evaluation=False))
+    root = Path(base).expanduser().resolve() / "auditions" / key
+    (root / "trials").mkdir(parents=True, exist_ok=True)
+    yield root
+
+
+def _done(trials: Path, sets: dict) -> dict[str, dict]:
+    """{name: record} of the trials an earlier run finished, or that ASHA stopped there."""
+    out = {}
+    for name in sets:
+        path = trials / f"{name}.json"
+        if path.is_file():
+            record = json.loads(path.read_text())
+            if record.get("finished") or record.get("stopped"):
+                out[name] = record
+    return out
+
+
+def _mark_stopped(trials: Path, names: list[str], *, steps: int) -> None:
+    """Mark the trials `names` (this run's, none failed) that reported but did not reach `steps` as
+    stopped by ASHA: a rerun does not revisit ASHA's decision (a failed trial runs again)."""
+    from trsp_ray.common import atomic
+
+    for name in names:
+        path = trials / f"{name}.json"
+        if path.is_file():
+            record = json.loads(path.read_text())
+            if record.get("nlls") and record["step"] < steps:
+                atomic.write_json(path, {**record, "stopped": True})
+
+
 def candidate_sets(bench, *, model, gates) -> tuple[dict[str, list[int]], float]:
     """({name: drop set}, the forwards' dense-forward tokens) of the configured candidates."""
     from trsp_ray.method import candidates as cands
@@ -99,7 +157,8 @@ def candidate_sets(bench, *, model, gates) -> tuple[dict[str, list[int]], float]
     return sets, float(len(need) * count * cfg.data.seqlen)
 
 
-def _tune(cfg, spec, sets: dict, p, tmp: Path) -> None:
+def _tune(cfg, spec, sets: dict, p, root: Path) -> set[str]:
+    """Run `sets` as Tune trials under ASHA (records under `root`/trials); the names that failed."""
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
@@ -119,13 +178,15 @@ def _tune(cfg, spec, sets: dict, p, tmp: Path) -> None:
             tune.with_resources(run_trial, resources),
             param_space={"run": run, "method": spec.name, "name": tune.grid_search(list(sets)), "sets": sets,
                          "steps": p.steps, "every": p.every, "report_cost": p.report,
-                         "val_windows": cfg.selection.val_windows, "threads": threads, "out": str(tmp / "trials")},
+                         "val_windows": cfg.selection.val_windows, "threads": threads, "out": str(root / "trials")},
             tune_config=tune.TuneConfig(scheduler=scheduler, max_concurrent_trials=concurrency, reuse_actors=True),
-            run_config=tune.RunConfig(name="audition", storage_path=str(tmp / "tune"), verbose=0))
+            run_config=tune.RunConfig(name=f"audition-{time.strftime('%Y%m%d-%H%M%S')}",
+                                      storage_path=str(root / "tune"), verbose=0))
         results = tuner.fit()
-        errors = [str(r.error).splitlines()[0][:300] for r in results if r.error]
-        if errors:
-            log(f"  {len(errors)} audition trial(s) failed: {errors[0]}")
+        failed = {r.config["name"]: str(r.error).splitlines()[0][:300] for r in results if r.error}
+        if failed:
+            log(f"  {len(failed)} audition trial(s) failed: {next(iter(failed.values()))}")
+        return set(failed)
 
 
 def run_trial(config: dict) -> None:
@@ -181,7 +242,8 @@ def execute(config: dict, *, report) -> dict:
         loss = sum(nlls) / len(nlls)
         # a stopped trial may run on to its next report before Tune stops it: counted as if it did
         ahead = min(steps, step + every) * step_cost
-        record.update(step=step, nlls=nlls, docs=docs[: len(nlls)], loss=loss,
+        # the last report finishes the trial: Tune may end it there, before apply_method returns
+        record.update(step=step, nlls=nlls, docs=docs[: len(nlls)], loss=loss, finished=step == steps,
                       cost=fit + ahead + reports * float(config["report_cost"]))
         atomic.write_json(path, record)
         report({"val_loss": loss, "heal_step": step})
@@ -190,8 +252,6 @@ def execute(config: dict, *, report) -> dict:
     os.makedirs(config["out"], exist_ok=True)
     atomic.write_json(path, record)  # a trial failing in its fit still counts what the fit spent
     apply_method(bench, spec, drop=drop, heal_cfg=heal, report=on_metrics, on_model=made.append)
-    record["cost"] = fit + steps * step_cost + reports * float(config["report_cost"])
-    atomic.write_json(path, record)
     return record
 
 
