@@ -243,3 +243,21 @@ def test_the_audition_runs_candidates_as_tune_trials_and_hands_back_the_best(tin
     model = bench.fresh_model()
     again, info2 = audition(bench, spec, model=model, gates=attach_gates(model, gate_mode=bench.cfg.gates.gate))
     assert again == drop and info2["audition"] == trials and info2["select_cost"] == info["select_cost"]
+
+
+def test_trials_at_once_are_as_many_as_host_memory_holds(monkeypatch):
+    """On CPU every trial process holds its own model, teacher and optimizer state: the audition runs
+    no more trials at once than host memory holds at a trial's planned peak."""
+    from trsp_ray.distributed import audition
+    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.run import workbench
+    from trsp_ray.run.audition_plan import trial_config
+
+    cfg = _cfg()
+    peak = single_plan_for_run(trial_config(cfg), device="cpu", memory_gb=100.0).peak
+    assert peak > 1.0  # SmolLM2's heal with its teacher beside it
+    for memory, expected in ((100 * peak, 5), (3.5 * peak, 3), (0.5 * peak, 1)):
+        monkeypatch.setattr(workbench, "device_kind", lambda c, m=memory: ("cpu", m))
+        assert audition.trials_at_once(cfg, 5, cpus=8, gpu=False) == expected
+    assert audition.trials_at_once(cfg, 5, cpus=2, gpu=False) == 1  # 0.5 peaks of memory: one at a time
+    assert audition.trials_at_once(cfg, 5, cpus=8, gpu=True) == 5  # on GPUs Ray gives each trial its own

@@ -167,9 +167,9 @@ def _tune(cfg, spec, sets: dict, p, root: Path) -> set[str]:
 
     with session():
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        concurrency = min(len(sets), cfg.selection.concurrency or cpus)
-        threads = max(1, cpus // concurrency)
         gpu = cfg.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        concurrency = trials_at_once(cfg, len(sets), cpus=cpus, gpu=gpu)
+        threads = max(1, cpus // concurrency)
         resources = {"cpu": threads, "gpu": 1} if gpu else {"cpu": threads}
         run = trial_config(cfg).to_dict()
         scheduler = ASHAScheduler(time_attr="training_iteration", metric="val_loss", mode="min", max_t=p.reports,
@@ -187,6 +187,25 @@ def _tune(cfg, spec, sets: dict, p, root: Path) -> set[str]:
         if failed:
             log(f"  {len(failed)} audition trial(s) failed: {next(iter(failed.values()))}")
         return set(failed)
+
+
+def trials_at_once(cfg, trials: int, *, cpus: int, gpu: bool) -> int:
+    """selection.concurrency, else one trial per CPU (Ray gives each a GPU of its own on GPUs); on CPU
+    no more than host memory holds at a trial's planned peak (the single-process plan of its config:
+    its copy of the model, the dense teacher beside it, the optimizer state, its activations)."""
+    n = min(trials, cfg.selection.concurrency or cpus)
+    if gpu:
+        return max(1, n)
+    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.run.workbench import device_kind
+
+    _, memory = device_kind(cfg)
+    peak = single_plan_for_run(trial_config(cfg), device="cpu", memory_gb=memory).peak
+    held = int(memory // peak)
+    if held < n:
+        log(f"  {n} trials at once would need {n * peak:.1f} GB of host memory ({peak:.1f} GB each) and "
+            f"{memory:.1f} GB is there: {max(1, held)} at a time")
+    return max(1, min(n, held))
 
 
 def run_trial(config: dict) -> None:
