@@ -4,6 +4,7 @@ Ray Tune with ASHA on a tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -148,6 +149,7 @@ def test_the_heal_gets_what_the_selection_did_not_spend(tiny_dir):
 def test_an_audition_trial_trains_on_no_validation_or_heldout_document(tiny_dir, tmp_path, monkeypatch):
     """A trial heals on the calibration's training stream only: no window it trains on holds a run of
     NGRAM tokens of a validation document (the text it is ranked on) or of the held-out text."""
+    from trsp_ray.config import registry
     from trsp_ray.data.calibration import NGRAM
     from trsp_ray.distributed import audition
     from trsp_ray.run import methods
@@ -170,7 +172,8 @@ def test_an_audition_trial_trains_on_no_validation_or_heldout_document(tiny_dir,
 
     monkeypatch.setattr(methods, "run_heal", recording)
     reports = []
-    config = {"run": cfg.to_dict(), "method": RECOVER, "name": "block-3", "sets": {"block-3": [3, 4]}, "steps": 4,
+    spec = dataclasses.asdict(registry.method(RECOVER))
+    config = {"run": cfg.to_dict(), "spec": spec, "name": "block-3", "sets": {"block-3": [3, 4]}, "steps": 4,
               "every": 2, "report_cost": 10.0, "val_windows": 6, "threads": 1, "out": str(tmp_path)}
     record = audition.execute(config, report=reports.append)
     assert [r["heal_step"] for r in reports] == [2, 4] and len(record["nlls"]) == 6
@@ -217,16 +220,16 @@ def test_the_audition_runs_candidates_as_tune_trials_and_hands_back_the_best(tin
     from trsp_ray.run.budget import audition_plan as plan
     from trsp_ray.run.workbench import prepare
 
-    bench = prepare(_cfg(f"model={tiny_dir}", "data.seqlen=32", "selection.steps=6", "selection.reports=3",
-                         "selection.val_windows=8", "selection.concurrency=2", "threads=1",
-                         f"checkpoint_dir={tmp_path}"))
+    bench = prepare(_cfg(f"model={tiny_dir}", "data.seqlen=32", "selection.candidates=bi,bi-tail2,block-3",
+                         "selection.steps=4", "selection.reports=2", "selection.val_windows=8",
+                         "selection.concurrency=2", "threads=1", f"checkpoint_dir={tmp_path}"))
     spec = registry.method(RECOVER)
     model = bench.fresh_model()
     drop, info = audition(bench, spec, model=model, gates=attach_gates(model, gate_mode=bench.cfg.gates.gate))
     assert not ray.is_initialized()
     trials = info["audition"]
-    assert len(trials) >= 3 and drop == trials[0]["drop"] and info["audition_winner"] == trials[0]["name"]
-    finished = [t for t in trials if t["step"] == 6]
+    assert len(trials) == 3 and drop == trials[0]["drop"] and info["audition_winner"] == trials[0]["name"]
+    finished = [t for t in trials if t["step"] == 4]
     assert finished and trials[0] in finished
     lowest = min(finished, key=lambda t: t["loss"])
     assert trials[0] is lowest or trials[0]["tie"]
@@ -238,7 +241,7 @@ def test_the_audition_runs_candidates_as_tune_trials_and_hands_back_the_best(tin
     # run again (an interrupted prune resumed): every trial, finished or stopped by ASHA, is read back
     records = {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("auditions/*/trials/*.json")}
     assert {n: (r["step"], bool(r.get("finished")), bool(r.get("stopped"))) for n, r in records.items()} == {
-        t["name"]: (t["step"], t["step"] == 6, t["step"] < 6) for t in trials}
+        t["name"]: (t["step"], t["step"] == 4, t["step"] < 4) for t in trials}
     monkeypatch.setattr(audition_module, "_tune", lambda *a, **k: pytest.fail("a finished trial ran again"))
     model = bench.fresh_model()
     again, info2 = audition(bench, spec, model=model, gates=attach_gates(model, gate_mode=bench.cfg.gates.gate))

@@ -13,6 +13,7 @@ compute is counted too. Ray is joined or started by ray_session (and stopped aga
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -176,8 +177,8 @@ def _tune(cfg, spec, sets: dict, p, root: Path) -> set[str]:
                                   grace_period=1, reduction_factor=cfg.selection.reduction)
         tuner = tune.Tuner(
             tune.with_resources(run_trial, resources),
-            param_space={"run": run, "method": spec.name, "name": tune.grid_search(list(sets)), "sets": sets,
-                         "steps": p.steps, "every": p.every, "report_cost": p.report,
+            param_space={"run": run, "spec": dataclasses.asdict(spec), "name": tune.grid_search(list(sets)),
+                         "sets": sets, "steps": p.steps, "every": p.every, "report_cost": p.report,
                          "val_windows": cfg.selection.val_windows, "threads": threads, "out": str(root / "trials")},
             tune_config=tune.TuneConfig(scheduler=scheduler, max_concurrent_trials=concurrency, reuse_actors=True),
             run_config=tune.RunConfig(name=f"audition-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -218,8 +219,6 @@ def run_trial(config: dict) -> None:
 def execute(config: dict, *, report) -> dict:
     """One audition trial (`config` as _tune builds it); `report(metrics)` is Tune's. Returns its
     last record."""
-    import dataclasses
-
     import torch
 
     from trsp_ray.common import atomic
@@ -233,7 +232,7 @@ def execute(config: dict, *, report) -> dict:
 
     torch.set_num_threads(int(config["threads"]))
     cfg = from_dict(config["run"])
-    spec = registry.method(config["method"])
+    spec = registry.Method(**config["spec"])  # the resolved pipeline's entry, as plain data
     name, drop = config["name"], list(config["sets"][config["name"]])
     bench = prepare(cfg)
     cal = bench.calibration

@@ -211,7 +211,9 @@ def audition_plan(cfg, *, spec: registry.Method, num_layers: int) -> AuditionPla
     n_drop = n_drop_for(cfg.ratio, num_layers)
     count = planned_candidates(cfg, names, n_drop=n_drop, num_layers=num_layers)
     forward = len(cands.needs_forward(names)) * float(shortgpt_windows(cfg, n_drop) * cfg.data.seqlen)
-    tcfg = trial_config(cfg)
+    from trsp_ray.config.run_config import sized
+
+    tcfg = sized(trial_config(cfg), hidden=compute.model_shape(cfg.model).hidden)  # the fit as the trials size it
     fit = planned_compensation_cost(tcfg, spec=spec, num_layers=num_layers) if spec.compensate else 0.0
     step = compute.step_cost(tcfg, spec=spec)
     report = float(s.val_windows * (cfg.data.seqlen + 1))
