@@ -179,3 +179,19 @@ def test_the_default_pipeline_on_a_gpu_gets_a_budget_sized_for_a_real_heal(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     on_cpu = prune_config(build_parser().parse_args(["prune", "--set", "device=auto"]), gpu_default=True)
     assert on_cpu.heal.compute_budget == 0  # CPU: today's short heal
+
+
+def test_a_budget_sized_heal_scales_its_learning_rate_with_its_batch_up_to_twice():
+    """Issue 50: at 1M the heal's batch doubles (HEAL_SHAPES) and its rate with it (measured: every
+    domain's perplexity lower at 2x); beyond 2x the rate is not measured and stays at 2x; a configured
+    batch, or a budget that keeps data.batch_size, keeps stage2.lr."""
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.run.methods import method_heal
+
+    def lr(*extra):
+        return method_heal(load_config(overrides=["method=shortgpt+comp+heal", "stage2.lr=1e-4", *extra])).lr
+
+    assert lr() == pytest.approx(1e-4) and lr("heal.compute_budget=300000") == pytest.approx(1e-4)
+    assert lr("heal.compute_budget=1000000") == pytest.approx(2e-4)
+    assert lr("heal.compute_budget=100000000") == pytest.approx(2e-4)  # batch 8x, rate capped at 2x
+    assert lr("heal.compute_budget=1000000", "heal.batch_size=8") == pytest.approx(1e-4)

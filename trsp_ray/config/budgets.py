@@ -15,7 +15,8 @@ BUDGET_DEFAULTS = (
     # 1M: the default's drop set healed on the heal stream, cross-entropy 0.182 LAMBADA (61% of dense)
     # against distillation's 0.162 at the same compute (+0.020 +- 0.011, a tie) with lower perplexity
     # on every domain; both above today's 70k default (0.138), paired on 500 passages. The selection by
-    # recovery (recover+comp+heal) chose the same drop set and tied it with fewer heal steps (0.176)
+    # recovery (recover+comp+heal) chose the same drop set and tied it with fewer heal steps (0.176).
+    # With the heal's rate doubled with its batch (compute.heal_lr_scale) the 1M default keeps 0.192 (65%)
     (1e6, DEFAULT_METHOD, "ce"),
 )
 

@@ -155,6 +155,21 @@ def heal_shape(cfg) -> tuple[int, int]:
     return h.seqlen or seqlen, h.batch_size or d.batch_size * scale
 
 
+# The heal's learning rate grows with the batch a budget sizes (HEAL_SHAPES: the linear scaling rule),
+# at most this much: at 1M (batch 2x) SmolLM2's heal at 2x stage2.lr lowered every domain's held-out
+# perplexity (wiki 32.10 -> 30.78, code 6.94 -> 6.51, prose 19.04 -> 17.10) and raised LAMBADA 0.182 ->
+# 0.192 (docs/results.md); larger factors are not measured, so larger batches keep 2x
+MAX_HEAL_LR_SCALE = 2.0
+
+
+def heal_lr_scale(cfg) -> float:
+    """The factor on stage2.lr of a heal method's heal: its batch over data.batch_size where the budget
+    sized the batch (heal.batch_size 0), capped at MAX_HEAL_LR_SCALE; 1 for a configured batch."""
+    if cfg.heal.batch_size:
+        return 1.0
+    return min(heal_shape(cfg)[1] / cfg.data.batch_size, MAX_HEAL_LR_SCALE)
+
+
 def heal_reads_stream(cfg) -> bool:
     """Whether the heal reads the heal stream (data/stream.HealStream; workbench.heal_stream): from
     the first budget of HEAL_SHAPES, or with heal.seqlen / heal.batch_size set. Below it a short heal

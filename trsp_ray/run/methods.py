@@ -261,15 +261,15 @@ def _heal(bench, *, model, heal, report: Report, map_layers=()):
 
 def method_heal(cfg):
     """The heal a heal method (e.g. trsp+heal) runs: stage 2's weight-update budget (stage2.steps
-    batches at stage2.lr, stage2.trainable unless heal.trainable names another recipe: heal_recipe)
-    on the pruned model, then any heal.steps on top."""
+    batches at stage2.lr times compute.heal_lr_scale, stage2.trainable unless heal.trainable names
+    another recipe: heal_recipe) on the pruned model, then any heal.steps on top."""
     from dataclasses import replace
 
     from trsp_ray.config.run_config import heal_recipe
 
     trainable, rank = heal_recipe(cfg, heal_method=True)
-    return replace(cfg.heal, steps=cfg.stage2.steps + cfg.heal.steps, lr=cfg.stage2.lr, trainable=trainable,
-                   lora_rank=rank)
+    return replace(cfg.heal, steps=cfg.stage2.steps + cfg.heal.steps, lr=cfg.stage2.lr * compute.heal_lr_scale(cfg),
+                   trainable=trainable, lora_rank=rank)
 
 
 @contextmanager
