@@ -16,7 +16,9 @@ never used to choose anything in the product.
 `--budget` and `--objective` take comma lists (every set at every budget with every objective;
 `default` is the pipeline's configured heal, no compute budget). With `--rows FILE` each finished
 row (its per-passage LAMBADA results too) is appended to FILE and a rerun reads it back instead of
-healing again, so a long probe can run in parts and later rows pair with earlier ones.
+healing again, so a long probe can run in parts and later rows pair with earlier ones. A row's key
+covers its resolved configuration, its heal's settings and the bytes and libraries it read
+(run/content.store_key): after a change to any of them the row is healed again, never read stale.
 Prints one line per row and every row's paired LAMBADA difference against the first healed row;
 the load average is printed beside the wall time of each row.
 """
@@ -92,13 +94,6 @@ def main() -> None:
     done = _read_rows(args.rows)
     jobs = [("dense", None, "ce")] + [(x, b, o) for x in args.sets for b in args.budget for o in objectives]
     for spec_text, budget, objective in jobs:
-        key = json.dumps([spec_text, budget, objective, method, args.recipe, args.overrides, args.lambada])
-        if key in done:
-            row = done[key]
-            dense = dense or row
-            rows.append(row)
-            _print(row, dense, cached=True)
-            continue
         t0 = time.time()
         pipeline = "+" in spec_text and _is_pipeline(spec_text)
         named = spec_text if pipeline or spec_text in ("dense", *registry.SELECTORS) else None
@@ -111,6 +106,14 @@ def main() -> None:
             over.append(f"heal.compute_budget={budget}")
         cfg = load_config(overrides=over)
         pipe = resolve(cfg)
+        key = json.dumps([spec_text, budget, objective, method, args.recipe, args.overrides, args.lambada,
+                          _resolved_key(pipe, dense=spec_text == "dense")])
+        if key in done:
+            row = done[key]
+            dense = dense or row
+            rows.append(row)
+            _print(row, dense, cached=True)
+            continue
         bench = prepare(pipe.cfg)
         if spec_text == "dense":
             model, info, drop = bench.scoring_model(), {}, []
@@ -138,6 +141,22 @@ def main() -> None:
             for row in rows[i + 1:]:
                 diff, se = paired(row["items"], first["items"])
                 print(f"  {_name(row)} - {_name(first)}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})")
+
+
+def _resolved_key(pipe, *, dense: bool) -> str:
+    """What a row depends on beyond its command line (run/content.store_key): the resolved
+    configuration, the heal a heal method runs (its steps, rate, recipe), the bytes of the model and
+    of every text, the library versions and the precision; a row is read back only where none changed.
+    The dense row depends on the model, the texts and the libraries only."""
+    import dataclasses
+
+    from trsp_ray.run.content import run_inputs, store_key
+    from trsp_ray.run.methods import method_heal
+
+    d = pipe.cfg.to_dict()
+    what = {"dense": d["model"]} if dense else {
+        "cfg": d, "heal": dataclasses.asdict(method_heal(pipe.cfg) if pipe.spec.heal else pipe.cfg.heal)}
+    return store_key(what, cfg=d, data=run_inputs(d))
 
 
 def _is_pipeline(name: str) -> bool:
