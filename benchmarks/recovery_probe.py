@@ -4,7 +4,9 @@ For each drop set (layer indices, or a selector's name: its drop set on the run'
 the product's pipeline (`--method`, default the default pipeline) heals it with the budget's steps
 (run/budget.resolve, the selection charged as the pipeline plans it) and the chosen objective and
 recipe; then LAMBADA last-word accuracy on the first N test passages (scored here directly, the
-lambada_openai rule, benchmarks/capability.py) and each domain's held-out PPL. Every row is paired
+lambada_openai rule, benchmarks/capability.py), each domain's held-out PPL and, with `--zeroshot K`,
+the paper's five-task zero-shot mean on the first K items of each task (lm-eval on the healed model
+in memory, the benchmark's metric per task). Every row is paired
 with the dense model on the same passages (difference and its paired SE). LAMBADA is reported,
 never used to choose anything in the product.
 
@@ -66,6 +68,7 @@ def main() -> None:
     p.add_argument("--rows", default=None, help="JSONL file of finished rows, read back on a rerun")
     p.add_argument("--recipe", default="all", help="heal.trainable: all | tail | lora | map")
     p.add_argument("--lambada", type=int, default=500)
+    p.add_argument("--zeroshot", type=int, default=0, help="items per zero-shot task (0: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
@@ -107,7 +110,7 @@ def main() -> None:
         cfg = load_config(overrides=over)
         pipe = resolve(cfg)
         key = json.dumps([spec_text, budget, objective, method, args.recipe, args.overrides, args.lambada,
-                          _resolved_key(pipe, dense=spec_text == "dense")])
+                          _resolved_key(pipe, dense=spec_text == "dense")] + ([args.zeroshot] if args.zeroshot else []))
         if key in done:
             row = done[key]
             dense = dense or row
@@ -123,12 +126,13 @@ def main() -> None:
             model, info, drop = out.model, out.info, out.drop
         items = lambada_items(model, bench.tokenizer, passages, bos=bench.bos)
         nlls = domain_nlls(bench, model)
+        zeroshot = _zeroshot(model, bench.tokenizer, args.zeroshot) if args.zeroshot else None
         row = {"key": key, "set": spec_text, "budget": budget, "objective": objective if drop else "-",
                "drop": sorted(drop), "acc": sum(items) / len(items), "items": items,
                "ppl": {k: ppl_of(v) for k, v in nlls.items()}, "steps": info.get("heal_steps", 0),
                "cost": sum(info.get(k, 0) for k in ("select_cost", "compensation_cost", "merge_cost",
                                                         "merge_solve_cost", "heal_cost")),
-               "seconds": time.time() - t0, "load": os.getloadavg()[0]}
+               "seconds": time.time() - t0, "load": os.getloadavg()[0], **({"zeroshot": zeroshot} if zeroshot else {})}
         dense = dense or row
         rows.append(row)
         if args.rows:
@@ -140,7 +144,37 @@ def main() -> None:
         for i, first in enumerate(rows[1:], 1):
             for row in rows[i + 1:]:
                 diff, se = paired(row["items"], first["items"])
-                print(f"  {_name(row)} - {_name(first)}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})")
+                print(f"  {_name(row)} - {_name(first)}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})"
+                      + ("" if zeroshot_paired(row, first) is None else
+                         " LAMBADA; zero-shot {:+.3f} ± {:.3f}".format(*zeroshot_paired(row, first))))
+
+
+def _zeroshot(model, tokenizer, limit: int) -> dict:
+    """The paper's five tasks on the first `limit` items each, per-item results kept for pairing."""
+    from trsp_ray.evaluation.harness import run_tasks
+    from trsp_ray.evaluation.tasks import PAPER_TASKS, write_task_dir
+
+    return run_tasks(model, tokenizer, tasks=list(PAPER_TASKS), limit=limit, task_dir=write_task_dir(PAPER_TASKS),
+                     items=True)["tasks"]
+
+
+def zeroshot_mean(row: dict) -> float | None:
+    """The five-task zero-shot mean of a row (the benchmark's metric per task), None if not scored."""
+    from trsp_ray.benchmark.stats import zeroshot_stats
+
+    z = zeroshot_stats(row["zeroshot"]) if row.get("zeroshot") else None
+    return None if z is None else z[0]
+
+
+def zeroshot_paired(a: dict, b: dict) -> tuple[float, float] | None:
+    """(a - b, paired SE) of the zero-shot mean over the same items, None where either lacks it."""
+    from trsp_ray.benchmark.stats import paired as paired_runs
+    from trsp_ray.benchmark.stats import zeroshot_items
+
+    if not (a.get("zeroshot") and b.get("zeroshot")):
+        return None
+    p = paired_runs({0: zeroshot_items(a["zeroshot"])}, {0: zeroshot_items(b["zeroshot"])})
+    return p["diff"], p["se"]
 
 
 def _resolved_key(pipe, *, dense: bool) -> str:
@@ -182,7 +216,8 @@ def _print(row: dict, dense: dict, *, cached: bool) -> None:
     when = "read back" if cached else f"{row['seconds']:.0f}s, load {row['load']:.2f}"
     print(f"{_name(row):>28} drop {row['drop']} steps {row['steps']} cost {row['cost'] / 1e3:.0f}k  LAMBADA "
           f"{row['acc']:.3f} ({100 * row['acc'] / dense['acc']:.0f}% dense; vs dense {diff:+.3f} ± {se:.3f})  "
-          + " ".join(f"{k} {v:.2f}" for k, v in row["ppl"].items()) + f"  [{when}]", flush=True)
+          + " ".join(f"{k} {v:.2f}" for k, v in row["ppl"].items())
+          + ("" if zeroshot_mean(row) is None else f"  zero-shot {zeroshot_mean(row):.3f}") + f"  [{when}]", flush=True)
 
 
 def _read_rows(path: str | None) -> dict:

@@ -104,12 +104,13 @@ def test_a_budget_too_small_for_the_trials_is_refused_naming_the_minimum():
         plan(_smollm2(f"heal.compute_budget={minimum * 0.98}"), spec=spec, num_layers=30)
 
 
-def _trial(name, loss, *, step=8, cost=100.0, noise=0.0, seed=0):
+def _trial(name, loss, *, step=8, cost=100.0, noise=0.0, seed=0, acc=None):
     windows = 2.0 + torch.randn(40, generator=torch.Generator().manual_seed(99))  # what every trial finds hard
     own = noise * torch.randn(40, generator=torch.Generator().manual_seed(seed))
     nlls = (windows - windows.mean() + loss + own - own.mean()).tolist()
+    accs = None if acc is None else (acc + 0.02 * (own - own.mean()) / max(noise, 1e-9)).tolist()
     return {"name": name, "drop": [1], "nlls": nlls, "docs": [f"d{i // 2}" for i in range(40)], "cost": cost,
-            "step": step, "loss": sum(nlls) / 40}
+            "step": step, "loss": sum(nlls) / 40, **({"accs": accs} if accs else {})}
 
 
 def test_the_ranking_puts_survivors_first_breaks_ties_by_compute_and_keeps_clear_wins():
@@ -124,6 +125,23 @@ def test_the_ranking_puts_survivors_first_breaks_ties_by_compute_and_keeps_clear
     assert [t["name"] for t in tied] == ["y", "x"] and all(t["tie"] for t in tied)
     with pytest.raises(TrspError, match="finished no trial"):
         rank([])
+
+
+def test_a_tie_on_loss_goes_to_the_trial_that_answers_more_cloze_items_before_the_cheaper_one():
+    from trsp_ray.run.audition_plan import rank
+
+    # x and y tie on loss; y is cheaper but answers clearly fewer next tokens: x leads
+    x = _trial("x", 2.000, noise=0.05, cost=300.0, seed=3, acc=0.40)
+    y = _trial("y", 2.001, noise=0.05, cost=100.0, seed=4, acc=0.30)
+    z = _trial("z", 2.6, noise=0.05, cost=50.0, seed=5, acc=0.50)  # clearly worse loss: its accuracy does not lift it
+    ranked = rank([y, z, x])
+    assert [t["name"] for t in ranked] == ["x", "y", "z"]
+    assert ranked[1]["acc_diff"] == pytest.approx(-0.10, abs=0.01) and ranked[1]["tie"] is True
+    assert ranked[2]["acc_diff"] is None and ranked[2]["tie"] is False
+    # the same accuracies within noise: the cheaper one leads again
+    close = rank([_trial("x", 2.000, noise=0.05, cost=300.0, seed=3, acc=0.400),
+                  _trial("y", 2.001, noise=0.05, cost=100.0, seed=4, acc=0.401)])
+    assert [t["name"] for t in close] == ["y", "x"]
 
 
 def test_the_heal_gets_what_the_selection_did_not_spend(tiny_dir):

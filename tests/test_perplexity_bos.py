@@ -171,3 +171,30 @@ def test_every_path_starts_its_windows_with_bos(tmp_path):
     assert (worker.next()[:, 0] == 1).all() and worker.next().shape == (cfg.data.batch_size, 16)
     assert torch.equal(_batches(cfg, _worker_bench(bench),
                                 seed_offset=0).next(), bench.batches().next())  # the single process's stream
+
+
+class _EchoModel(torch.nn.Module):
+    """Predicts that the next token repeats the current one (logits: 9 on the input token, 0 elsewhere)."""
+
+    def __init__(self, vocab: int = 8):
+        super().__init__()
+        self.vocab = vocab
+        self.scale = torch.nn.Parameter(torch.tensor(9.0))
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.scale * torch.nn.functional.one_hot(input_ids, self.vocab).float())
+
+
+def test_cloze_accuracy_scores_each_next_token_against_the_greedy_choice():
+    from trsp_ray.data.perplexity import nlls_of, scores_of
+
+    chunks = torch.tensor([[5, 5, 5, 5], [1, 2, 1, 2], [1, 1, 2, 2], [3, 3, 3, 4]])
+    nlls, accs = scores_of(_EchoModel(), chunks, batch_size=3)
+    # the echo is right where a token repeats: all 3, none, 2 of 3 (1->1, 2->2), 2 of 3 (3->3 twice)
+    assert accs == pytest.approx([1.0, 0.0, 2 / 3, 2 / 3])
+    right = -math.log(math.exp(9) / (math.exp(9) + 7))
+    wrong = -math.log(1 / (math.exp(9) + 7))
+    assert nlls == pytest.approx([right, wrong, (2 * right + wrong) / 3, (2 * right + wrong) / 3], rel=1e-3)
+    assert nlls == pytest.approx(nlls_of(_EchoModel(), chunks, batch_size=2))

@@ -87,7 +87,7 @@ def zeroshot_stats(tasks: dict) -> tuple[float, float] | None:
     return sum(accs) / len(accs), math.sqrt(sum(s * s for s in ses)) / len(ses)
 
 
-def _zeroshot_items(tasks: dict) -> dict | None:
+def zeroshot_items(tasks: dict) -> dict | None:
     from trsp_ray.evaluation.tasks import PAPER_TASKS
 
     if not all(t in tasks and "items" in tasks[t] for t in PAPER_TASKS):
@@ -159,7 +159,7 @@ def _row_summary(row: registry.Row, runs: list[dict], dense_params: int, dense_n
     if zs:
         s["zero-shot"] = _with_se(zs)
         s["per seed"]["zero-shot"] = [z for z, _ in zs]
-        items = {r["seed"]: _zeroshot_items(r["zeroshot"]) for r in runs if r.get("zeroshot")}
+        items = {r["seed"]: zeroshot_items(r["zeroshot"]) for r in runs if r.get("zeroshot")}
         if all(items.values()):
             s["items"]["zero-shot"] = items
     return s

@@ -72,26 +72,37 @@ def window_nlls(
     return nlls_of(model, windows(ids, seqlen, max_windows, bos=bos), batch_size=batch_size, progress=progress)
 
 
-@torch.no_grad()
 def nlls_of(model, chunks: torch.Tensor, *, batch_size: int = 1,
             progress: Callable[[int, int], None] | None = None) -> list[float]:
     """Mean next-token NLL (nats) of each window of `chunks` [n, seqlen] (as `windows` or
     trsp_ray.data.heldout cut them), in order."""
+    return scores_of(model, chunks, batch_size=batch_size, progress=progress)[0]
+
+
+@torch.no_grad()
+def scores_of(model, chunks: torch.Tensor, *, batch_size: int = 1,
+              progress: Callable[[int, int], None] | None = None) -> tuple[list[float], list[float]]:
+    """(mean next-token NLL, cloze accuracy) of each window of `chunks` [n, seqlen], in order; the
+    cloze accuracy of a window is the share of its next tokens the model's greedy choice gets right
+    (every position a cloze item, the held-out text's own answer key)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    out: list[float] = []
+    nlls: list[float] = []
+    accs: list[float] = []
     for start in range(0, chunks.shape[0], batch_size):
         batch = chunks[start : start + batch_size].to(device)
-        logits = model(input_ids=batch, use_cache=False).logits.float()
+        logits = model(input_ids=batch, use_cache=False).logits.float()[:, :-1]
+        target = batch[:, 1:]
         nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
         ).view(batch.shape[0], -1)
-        out += nll.mean(dim=1).tolist()
+        nlls += nll.mean(dim=1).tolist()
+        accs += (logits.argmax(dim=-1) == target).float().mean(dim=1).tolist()
         if progress is not None:
             progress(min(start + batch_size, chunks.shape[0]), chunks.shape[0])
     model.train(was_training)
-    return out
+    return nlls, accs
 
 
 def perplexity(model, ids: torch.Tensor, *, seqlen: int, batch_size: int = 1, max_windows: int | None = None,

@@ -5,9 +5,10 @@ budget. What runs and what it may spend is planned in run/audition_plan.py.
 The driver computes the candidates on its own model (one Block Influence forward, one angular
 forward) and starts Tune; each trial loads the model in its own process (`reuse_actors` keeps it
 loaded for the next), prunes a copy to its candidate set, fits it as the pipeline does and heals it
-for the planned steps, reporting its loss on the calibration's validation tail, which no trial
-trains on. Every report is also written to the trial's record (atomically), so a stopped trial's
-compute is counted too. Ray is joined or started by ray_session (and stopped again if started here).
+for the planned steps, reporting its loss and cloze accuracy (next-token, greedy) on the
+calibration's validation tail, which no trial trains on. Every report is also written to the
+trial's record (atomically), so a stopped trial's compute is counted too. Ray is joined or started
+by ray_session (and stopped again if started here).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def audition(bench, spec: registry.Method, *, model, gates) -> tuple[list[int], 
     log(f"{spec.name}: {best['name']} recovers best, drop set {best['drop']}; the selection spent "
         f"{spent / 1e3:.1f}k dense-forward tokens (planned at most {p.total / 1e3:.1f}k"
         + (f"; {len(done)} trial(s) in an earlier run" if done else "") + ")")
-    summary = [{k: t[k] for k in ("name", "drop", "step", "loss", "cost", "diff", "se", "tie")} for t in ranked]
+    summary = [{k: t.get(k) for k in ("name", "drop", "step", "loss", "cloze", "cost", "diff", "se", "tie")}
+               for t in ranked]
     info = {"select_cost": spent, "calib_tokens": 0, "audition": summary, "audition_winner": best["name"],
             "audition_steps": p.steps, "candidates": cands.parse(cfg.selection.candidates)}
     steps = heal_steps_left(bench, spec, drop=list(best["drop"]), select_cost=spent)
@@ -223,7 +225,7 @@ def execute(config: dict, *, report) -> dict:
 
     from trsp_ray.common import atomic
     from trsp_ray.config.run_config import for_method, from_dict, sized
-    from trsp_ray.data.perplexity import window_nlls
+    from trsp_ray.data.perplexity import scores_of, windows
     from trsp_ray.models import families
     from trsp_ray.plan import compute
     from trsp_ray.run.budget import fit_cost
@@ -243,7 +245,8 @@ def execute(config: dict, *, report) -> dict:
     step_cost = compute.step_cost(cfg, spec=spec, drop=drop)
     steps, every = int(config["steps"]), int(config["every"])
     made: list = []
-    record = {"name": name, "drop": sorted(drop), "step": 0, "nlls": [], "docs": [], "loss": None, "cost": fit}
+    record = {"name": name, "drop": sorted(drop), "step": 0, "nlls": [], "accs": [], "docs": [], "loss": None,
+              "cloze": None, "cost": fit}
     path = Path(config["out"], f"{name}.json")
     reports = 0
 
@@ -253,15 +256,16 @@ def execute(config: dict, *, report) -> dict:
             return
         model = made[-1]
         was = model.training
-        nlls = window_nlls(model, bench.val_ids, seqlen=val_seqlen, batch_size=4,
-                           max_windows=int(config["val_windows"]), bos=bench.bos)
+        nlls, accs = scores_of(model, windows(bench.val_ids, val_seqlen, int(config["val_windows"]), bos=bench.bos),
+                               batch_size=4)
         model.train(was)
         reports += 1
         loss = sum(nlls) / len(nlls)
         # a stopped trial may run on to its next report before Tune stops it: counted as if it did
         ahead = min(steps, step + every) * step_cost
         # the last report finishes the trial: Tune may end it there, before apply_method returns
-        record.update(step=step, nlls=nlls, docs=docs[: len(nlls)], loss=loss, finished=step == steps,
+        record.update(step=step, nlls=nlls, accs=accs, docs=docs[: len(nlls)], loss=loss,
+                      cloze=sum(accs) / len(accs), finished=step == steps,
                       cost=fit + ahead + reports * float(config["report_cost"]))
         atomic.write_json(path, record)
         report({"val_loss": loss, "heal_step": step})
@@ -279,6 +283,8 @@ def _table(ranked: list[dict], p) -> None:
     rows = [{"candidate": t["name"], "drop": ",".join(map(str, t["drop"])), "steps": f"{t['step']}/{p.steps}",
              "val NLL": f"{t['loss']:.4f}",
              "vs best": "-" if t["diff"] is None else f"{t['diff']:+.4f} ± {t['se']:.4f}",
+             "cloze acc": "-" if t.get("cloze") is None else f"{t['cloze']:.4f}",
+             "vs best ": "-" if t.get("acc_diff") is None else f"{t['acc_diff']:+.4f} ± {t['acc_se']:.4f}",
              "call": "best" if t is ranked[0] else ("stopped" if t["diff"] is None else
                                                      ("tie" if t["tie"] else "worse")),
              "compute": f"{t['cost'] / 1e3:.1f}k"} for t in ranked]
