@@ -168,10 +168,10 @@ def test_an_audition_trial_trains_on_no_validation_or_heldout_document(tiny_dir,
     """A trial heals on the calibration's training stream only: no window it trains on holds a run of
     NGRAM tokens of a validation document (the text it is ranked on) or of the held-out text."""
     from trsp_ray.config import registry
+    from trsp_ray.config.run_config import trial_config
     from trsp_ray.data.calibration import NGRAM
     from trsp_ray.distributed import audition
     from trsp_ray.run import methods
-    from trsp_ray.run.audition_plan import trial_config
     from trsp_ray.run.workbench import prepare
 
     cfg = trial_config(_cfg(f"model={tiny_dir}", "data.seqlen=32"))
@@ -270,15 +270,36 @@ def test_trials_at_once_are_as_many_as_host_memory_holds(monkeypatch):
     """On CPU every trial process holds its own model, teacher and optimizer state: the audition runs
     no more trials at once than host memory holds at a trial's planned peak."""
     from trsp_ray.distributed import audition
-    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.plan.single_plan import trial_peak
     from trsp_ray.run import workbench
-    from trsp_ray.run.audition_plan import trial_config
 
     cfg = _cfg()
-    peak = single_plan_for_run(trial_config(cfg), device="cpu", memory_gb=100.0).peak
+    peak = trial_peak(cfg, device="cpu", memory_gb=100.0).total
     assert peak > 1.0  # SmolLM2's heal with its teacher beside it
     for memory, expected in ((100 * peak, 5), (3.5 * peak, 3), (0.5 * peak, 1)):
         monkeypatch.setattr(workbench, "device_kind", lambda c, m=memory: ("cpu", m))
         assert audition.trials_at_once(cfg, 5, cpus=8, gpu=False) == expected
     assert audition.trials_at_once(cfg, 5, cpus=2, gpu=False) == 1  # 0.5 peaks of memory: one at a time
     assert audition.trials_at_once(cfg, 5, cpus=8, gpu=True) == 5  # on GPUs Ray gives each trial its own
+
+
+def test_the_plan_holds_the_trials_side_by_side_on_cpu_and_one_per_gpu():
+    """`trsp-ray plan` and the driver's route see the selection trials as a stage: on CPU the trials
+    the audition runs at once, each its own process, beside the run's own model."""
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.plan.single_plan import SELECTION_TRIALS, single_plan_for_run, trial_peak
+
+    cfg = _cfg("selection.concurrency=3")
+    one = trial_peak(cfg, device="cpu", memory_gb=100.0)
+    assert one.name in ("heal", "compensation") and one.total > 1.0
+
+    def stage(memory, device="cpu", c=cfg):
+        return next(st for st in single_plan_for_run(c, device=device, memory_gb=memory).stages
+                    if st.name == SELECTION_TRIALS)
+
+    model = sum(gb for part, gb in one.parts.items() if "model (" in part)
+    assert stage(100.0).total == pytest.approx(3 * one.total + model)  # concurrency 3, memory for all
+    assert stage(2.5 * one.total).total == pytest.approx(2 * one.total + model)  # memory holds two
+    assert stage(80.0, "gpu").total == pytest.approx(trial_peak(cfg, device="gpu", memory_gb=80.0).total)
+    plain = load_config(overrides=["tracking.enabled=false"])  # the default pipeline runs no trials
+    assert SELECTION_TRIALS not in [st.name for st in single_plan_for_run(plain, device="cpu", memory_gb=100.0).stages]

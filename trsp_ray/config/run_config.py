@@ -334,3 +334,13 @@ def replace(cfg: Any, **changes: Any) -> Any:
     for head, sub in nested.items():
         flat[head] = replace(getattr(cfg, head), **sub)
     return dataclasses.replace(cfg, **flat)
+
+
+def trial_config(cfg: RunConfig) -> RunConfig:
+    """The configuration a selection-by-recovery trial heals with (run/audition_plan.py): the
+    pipeline's, its heal at the calibration's windows without a budget (data.seqlen x
+    data.batch_size, a constant learning rate), with the trials' objective, its teacher beside it,
+    one process."""
+    return replace(cfg, **{"heal.compute_budget": 0.0, "heal.seqlen": 0, "heal.batch_size": 0, "heal.schedule":
+                           "constant", "recovery.objective": cfg.selection.objective, "recovery.teacher": "auto",
+                           "distributed.workers": 0, "tracking.enabled": False})

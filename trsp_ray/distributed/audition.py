@@ -24,7 +24,8 @@ from pathlib import Path
 from trsp_ray.common.errors import TrspError
 from trsp_ray.common.logs import log
 from trsp_ray.config import registry
-from trsp_ray.run.audition_plan import rank, trial_config
+from trsp_ray.config.run_config import trial_config
+from trsp_ray.run.audition_plan import rank
 from trsp_ray.run.budget import audition_plan as plan
 
 
@@ -194,21 +195,21 @@ def _tune(cfg, spec, sets: dict, p, root: Path) -> set[str]:
 
 def trials_at_once(cfg, trials: int, *, cpus: int, gpu: bool) -> int:
     """selection.concurrency, else one trial per CPU (Ray gives each a GPU of its own on GPUs); on CPU
-    no more than host memory holds at a trial's planned peak (the single-process plan of its config:
-    its copy of the model, the dense teacher beside it, the optimizer state, its activations)."""
+    no more than host memory holds at a trial's planned peak (plan/single_plan.trial_peak: its copy of
+    the model, the dense teacher beside it, the optimizer state, its activations)."""
     n = min(trials, cfg.selection.concurrency or cpus)
     if gpu:
         return max(1, n)
-    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.plan.single_plan import trial_peak
     from trsp_ray.run.workbench import device_kind
 
     _, memory = device_kind(cfg)
-    peak = single_plan_for_run(trial_config(cfg), device="cpu", memory_gb=memory).peak
-    held = int(memory // peak)
+    peak = trial_peak(cfg, device="cpu", memory_gb=memory).total
+    held = max(1, min(n, int(memory // peak)))
     if held < n:
         log(f"  {n} trials at once would need {n * peak:.1f} GB of host memory ({peak:.1f} GB each) and "
-            f"{memory:.1f} GB is there: {max(1, held)} at a time")
-    return max(1, min(n, held))
+            f"{memory:.1f} GB is there: {held} at a time")
+    return held
 
 
 def run_trial(config: dict) -> None:

@@ -25,6 +25,7 @@ Measured: benchmarks/planner_single.py; the fit on workers: benchmarks/fit_memor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from trsp_ray.method.recipes import TAIL_RECIPE
@@ -219,10 +220,12 @@ def fit_setup(cfg, *, methods: tuple[str, ...] | None, layers: int, hidden: int)
 
 
 PRUNED_EVALUATION = "evaluation (pruned)"
+SELECTION_TRIALS = "selection trials"  # the recover selector's trials, each its own process
 
 
-def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark rows)."""
+def single_stages(cfg, *, methods: tuple[str, ...] | None = None, trials: bool = True) -> tuple[str, ...]:
+    """The single-process stages `cfg` runs (for every method of `methods` when given, e.g. benchmark
+    rows); `trials`: with a selection by recovery's trials (False: one trial's own stages)."""
     from trsp_ray.config import registry
     from trsp_ray.plan.compute import heal_teacher
 
@@ -230,6 +233,8 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None) -> tuple[str, 
     for m in methods or (cfg.method,):
         selector, recovery = registry.recipe(m)
         wanted = ["stage 1"] if selector == registry.TRSP_SELECTOR else []
+        if selector == registry.RECOVER_SELECTOR and trials:
+            wanted.append(SELECTION_TRIALS)
         if recovery == "stage2" and cfg.stage2.enabled and cfg.stage2.steps > 0:
             wanted.append("stage 2")
         if selector in registry.FORWARD_SELECTORS:
@@ -260,10 +265,12 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
                 heal_lora_rank: int = 8, heal_tail_layers: int = 3, heal_maps: int = 0,
-                fit: FitSetup | None = None, teacher: TeacherPass | None = None) -> SinglePlan:
+                fit: FitSetup | None = None, teacher: TeacherPass | None = None,
+                trials: StagePlan | None = None) -> SinglePlan:
     """The plan of the single-process `stages` (names as `single_stages` gives them); the heal trains
     `heal_trainable` (heal.py's recipes: the tail's k = `heal_tail_layers`, the map's `heal_maps`);
-    `fit`: the least-squares fit of the "compensation" stage; `teacher`: the "teacher pass" stage's."""
+    `fit`: the least-squares fit of the "compensation" stage; `teacher`: the "teacher pass" stage's;
+    `trials`: the "selection trials" stage (`trials_stage`)."""
     from trsp_ray.config import registry
 
     built = []
@@ -287,6 +294,10 @@ def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: i
             grad = heal_tail_layers if heal_trainable == TAIL_RECIPE else None
             built.append(single_training(name, s, st, trained_params=trained, gated=False, lora=lora, layers=kept,
                                          grad_layers=grad, heal=True))
+        elif name == SELECTION_TRIALS:
+            if trials is None:
+                raise ValueError("the selection trials' plan needs their stage (trials_stage)")
+            built.append(trials)
         elif name == "teacher pass":
             if teacher is None:
                 raise ValueError("the teacher pass's plan needs its TeacherPass (teacher_plan.teacher_pass_for_run)")
@@ -304,8 +315,9 @@ def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: i
 
 
 def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[str, ...] | None = None,
-                        shape: Shape | None = None) -> SinglePlan:
-    """The single-process plan of `cfg` (or of every method in `methods`) on one `device` of `memory_gb`."""
+                        shape: Shape | None = None, trials: bool = True) -> SinglePlan:
+    """The single-process plan of `cfg` (or of every method in `methods`) on one `device` of `memory_gb`;
+    `trials` as `single_stages` takes it."""
     from trsp_ray.config import registry
     from trsp_ray.config.run_config import heal_recipe
     from trsp_ray.method.stage1 import n_drop_for
@@ -319,10 +331,38 @@ def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[st
     n_drop = n_drop_for(cfg.ratio, s.layers)
     # the map recipe: the most folds any planned method's drop set can take
     maps = max(planned_maps(registry.recipe(m)[0], n_drop=n_drop) for m in (methods or (cfg.method,)))
-    return single_plan(s, st, single_stages(cfg, methods=methods), n_drop=n_drop, heal_trainable=trainable,
-                       heal_lora_rank=rank, heal_tail_layers=cfg.heal.tail_layers, heal_maps=maps,
+    stages = single_stages(cfg, methods=methods, trials=trials)
+    return single_plan(s, st, stages, n_drop=n_drop, heal_trainable=trainable, heal_lora_rank=rank,
+                       heal_tail_layers=cfg.heal.tail_layers, heal_maps=maps,
                        fit=fit_setup(cfg, methods=methods, layers=s.layers, hidden=s.hidden),
-                       teacher=teacher_pass_for_run(cfg, s, heal_method=heals))
+                       teacher=teacher_pass_for_run(cfg, s, heal_method=heals),
+                       trials=trials_stage(cfg, device=device, memory_gb=memory_gb, shape=s)
+                       if SELECTION_TRIALS in stages else None)
+
+
+def trial_peak(cfg, *, device: str, memory_gb: float, shape: Shape | None = None) -> StagePlan:
+    """One recovery trial's largest stage, its fit or heal as its process runs them (trial_config)."""
+    from trsp_ray.config.run_config import trial_config
+
+    own = single_plan_for_run(trial_config(cfg), device=device, memory_gb=memory_gb, shape=shape, trials=False)
+    return max((st for st in own.stages if st.name in ("compensation", "heal")), key=lambda st: st.total)
+
+
+def trials_stage(cfg, *, device: str, memory_gb: float, shape: Shape | None = None) -> StagePlan:
+    """The selection trials on one device: on a GPU one (each has its own); on CPU as many side by
+    side as distributed/audition.trials_at_once runs (concurrency or cores, candidates, memory)."""
+    from trsp_ray.method.candidates import parse
+
+    peak = trial_peak(cfg, device=device, memory_gb=memory_gb, shape=shape)
+    n = 1
+    if device == "cpu":
+        wanted = min(len(parse(cfg.selection.candidates)), cfg.selection.concurrency or os.cpu_count() or 1)
+        n = max(1, min(wanted, int(memory_gb // peak.total)))  # what host memory holds, at least one
+    parts = {f"{part} (trial {peak.name}{f', x {n} at once' if n > 1 else ''})": gb * n
+             for part, gb in peak.parts.items()}
+    if device == "cpu":  # the run's own process keeps its model in the same memory meanwhile
+        parts["the run's model beside the trials"] = sum(gb for part, gb in peak.parts.items() if "model (" in part)
+    return StagePlan(SELECTION_TRIALS, parts)
 
 
 def run_shape(cfg) -> Shape:

@@ -24,17 +24,6 @@ MIN_STEPS = 2  # a trial shorter than this ranks the cut, not its recovery
 TIE_SE = 2.0  # two trials within this many paired SE tie; the cheaper one wins
 
 
-def trial_config(cfg):
-    """The configuration a trial heals with: the pipeline's, its heal at the calibration's windows
-    without a budget (data.seqlen x data.batch_size, a constant learning rate), with the trials'
-    objective, its teacher beside it, one process."""
-    from trsp_ray.config.run_config import replace
-
-    return replace(cfg, **{"heal.compute_budget": 0.0, "heal.seqlen": 0, "heal.batch_size": 0, "heal.schedule":
-                           "constant", "recovery.objective": cfg.selection.objective, "recovery.teacher": "auto",
-                           "distributed.workers": 0, "tracking.enabled": False})
-
-
 def rank(trials: list[dict]) -> list[dict]:
     """The finished trials (each {name, drop, nlls, accs, docs, cost, step}) best first.
 

@@ -201,9 +201,10 @@ class AuditionPlan:
 
 def audition_plan(cfg, *, spec: registry.Method, num_layers: int) -> AuditionPlan:
     """The audition `cfg` (a `recover` pipeline `spec`) runs on a model of `num_layers` layers."""
+    from trsp_ray.config.run_config import trial_config
     from trsp_ray.method import candidates as cands
     from trsp_ray.method.stage1 import n_drop_for
-    from trsp_ray.run.audition_plan import MIN_STEPS, trial_config
+    from trsp_ray.run.audition_plan import MIN_STEPS
     from trsp_ray.run.methods import shortgpt_windows
 
     s = cfg.selection
