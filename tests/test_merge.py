@@ -240,9 +240,41 @@ def test_the_selector_skips_pairs_of_two_attention_types():
         merge_select(tiny_model("gemma2"), None, [], n_pairs=1, candidates=[1, 2])
 
 
+@pytest.mark.parametrize("family", MERGING)
+def test_the_pair_target_brings_the_merged_block_closer_to_the_two_blocks_output(family):
+    """Target "pair" refits the MLP towards the stream the two original blocks leave; "wide" towards the
+    flattened block's. On the calibration tokens the pair target's merged block must come closer to the
+    pair's own output: a misaligned target (wrong token, sign or bias) would not."""
+    model, windows = _model(family), _windows(16, seed=3)
+    layers, got = families.decoder_layers(model), {}
+
+    def keep(key):
+        return lambda _m, _i, out: got.setdefault(key, []).append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [layers[3].register_forward_hook(keep("truth")), layers[1].register_forward_hook(keep("x"))]
+    for ids in windows:
+        _logits(model, ids)
+    for h in handles:
+        h.remove()
+    errors = {}
+    for target in ("wide", "pair"):
+        merged = copy.deepcopy(model)
+        merge_pairs(model=merged, firsts=[2], windows=windows, target=target, weighting="none")
+        handle = families.decoder_layers(merged)[2].register_forward_hook(keep(target))
+        for ids in windows:
+            _logits(merged, ids)
+        handle.remove()
+        errors[target] = sum(float((m - y).pow(2).sum()) for m, y in zip(got[target], got["truth"])) / sum(
+            float((y - x).pow(2).sum()) for y, x in zip(got["truth"], got["x"]))
+    assert errors["pair"] < 0.9 * errors["wide"], errors
+
+
 def test_costs_count_the_passes_up_to_each_pair():
     # pairs at 2 and 10 of 30 layers: the first pass runs layers 0..3 (4 of 30), the second the model merged
     # once up to layer 11 (11 layers); two passes each with the refit
     assert merge_cost(firsts=[10, 2], num_layers=30, tokens=300) == pytest.approx(2 * 300 * (4 + 11) / 30)
     assert merge_cost(firsts=[2], num_layers=30, tokens=300, refit=False, stops=False) == pytest.approx(300)
+    # target "pair": a third pass after the attention's cut, which also runs the pair's two original blocks
+    assert merge_cost(firsts=[10, 2], num_layers=30, tokens=300, target="pair") == pytest.approx(
+        300 * (3 * (4 + 11) + 2 * 2) / 30)
     assert select_cost(tokens=512) == 512.0

@@ -25,6 +25,13 @@ keeps 3 of 6), one pair at layers 8-9, validation PPL on the calibration tail (d
 33.0; attention cut 38.9, with its refit 35.0 (its calibration error 0.42 -> 0.18 of the wide output's
 energy); MLP cut 34.6, with its refit 34.5 (held-out per-token error 0.21 -> 0.12, median).
 
+The target (merging.target). "wide": both refits aim at the flattened block's own outputs, as above.
+"pair" (the default): the attention's refit does, then the attention is cut and one more pass refits
+the MLP's down columns towards the stream the two original blocks leave on the same input (copies of
+them run inside the pass), Y = y* - (the block's output less its MLP's) - the down bias: the last linear
+repairs the flattening's approximation and the attention's cut too, as the fold repairs a drop. On
+SmolLM2-135M at 8 of 30 (docs/results.md) it raised LAMBADA from 0.032 to 0.088 and halved wiki PPL.
+
 Order. Pairs are merged from the first, each on the stream the earlier merges left (the windows run
 through the model as merged so far), so every pair's cut and repair see what the final model feeds it.
 Each pass stops after the pair's block (merge_cost counts it).
@@ -32,29 +39,33 @@ Each pass stops after the pair's block (merge_cost counts it).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 
 from trsp_ray.common.errors import TrspError
-from trsp_ray.method.boundaries import Stop, hooked_pass
+from trsp_ray.method.boundaries import Stop, hidden, hooked_pass
 from trsp_ray.method.compensation import Stats
 from trsp_ray.method.compensation_forms import WEIGHTINGS
 from trsp_ray.method.gates import detach_gates
-from trsp_ray.method.merge_blocks import Flat, attention_layout, check_pairs, cut, flatten, mlp_layout, module_at
+from trsp_ray.method.merge_blocks import Flat, attention_layout, check_pairs, cut_part, flatten, mlp_layout, module_at
 from trsp_ray.models import families
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+TARGETS = ("pair", "wide")  # what the MLP's refit reproduces: the two blocks' own output, or the wide block's
 def _token_weights(x: torch.Tensor, weighting: str) -> torch.Tensor:
     """[n] float32 on x's device: 1 / the norm of each token's stream entering the block ("norm"), or 1."""
     x = x.reshape(-1, x.shape[-1]).float()
     return x.new_ones(x.shape[0]) if weighting == "none" else 1.0 / x.norm(dim=-1).clamp_min(1e-12)
 
 
-def _passes(model, flat: Flat, windows, *, weighting: str, stop: bool, attn=None, mlp=None) -> int:
+def _passes(model, flat: Flat, windows, *, weighting: str, stop: bool, attn=None, mlp=None, block=None,
+            enter=None) -> int:
     """Run `windows` (token ids [B, S] each) through `model` with hooks on the flattened block: attn(z, y,
     w) gets the attention output linear's input [n, width] and output [n, d], mlp(z, y, w) the MLP output
-    linear's [n, I] and [n, d], both with the token weights w [n]. `stop`: each pass ends after the
+    linear's [n, I] and [n, d], both with the token weights w [n]; block(y, w) the block's output
+    [n, d], after them; enter(args, kwargs) the block's call as it begins. `stop`: each pass ends after the
     block. Returns the tokens run."""
     layer = families.decoder_layers(model)[flat.index]
     now: dict = {}
@@ -62,6 +73,8 @@ def _passes(model, flat: Flat, windows, *, weighting: str, stop: bool, attn=None
 
     def weigh(_module, args, kwargs):
         now["w"] = _token_weights(args[0] if args else kwargs["hidden_states"], weighting)
+        if enter is not None:
+            enter(args, kwargs)
 
     def halt(*_):
         raise Stop
@@ -74,6 +87,8 @@ def _passes(model, flat: Flat, windows, *, weighting: str, stop: bool, attn=None
             if call is not None:
                 hook = lambda _m, inputs, output, call=call: call(rows(inputs[0]), rows(output), now["w"])  # noqa: E731
                 handles.append(module_at(layer, path).register_forward_hook(hook))
+        if block is not None:
+            handles.append(layer.register_forward_hook(lambda _m, _i, output: block(rows(hidden(output)), now["w"])))
         if stop:
             handles.append(layer.register_forward_hook(halt))
         hooked_pass(model, batch, handles)
@@ -128,25 +143,59 @@ def _add(stats: Stats | None, block: tuple[int, int], z: torch.Tensor, y: torch.
 
 
 @torch.no_grad()
-def refit_sums(model, flat: Flat, windows, *, units: torch.Tensor, channels: torch.Tensor, weighting: str = "norm",
-               stop: bool = True, reduce: Reduce = lambda t: t) -> tuple[Stats, Stats]:
+def refit_sums(model, flat: Flat, windows, *, units: torch.Tensor | None, channels: torch.Tensor | None,
+               weighting: str = "norm", stop: bool = True, reduce: Reduce = lambda t: t) -> tuple:
     """The float64 sums of the two refits (module doc) over `windows` through the flattened pair `flat`,
     still wide, token-weighted and summed over ranks by `reduce`: (attention, MLP), each with Z^T Z of
     the kept `units`' (`channels`') inputs to the output linear, Z^T Y with Y the wide output less its
-    bias, and ||Y||^2."""
+    bias, and ||Y||^2; a part whose kept units are None is not summed (its entry is None)."""
     o_proj, down = _outputs(model, flat)
-    keep = {"attn": columns(units, flat.attention.output.sizes[0]), "mlp": channels}
+    keep = {"attn": None if units is None else columns(units, flat.attention.output.sizes[0]), "mlp": channels}
     bias = {"attn": o_proj.bias, "mlp": down.bias}
     got: dict = {"attn": None, "mlp": None}
 
     def adder(key):
+        if keep[key] is None:
+            return None
+
         def add(z, y, w):
             target = y if bias[key] is None else y - bias[key]
             got[key] = _add(got[key], (flat.index, flat.index + 1), z[:, keep[key].to(z.device)], target, w)
         return add
 
     _passes(model, flat, windows, weighting=weighting, stop=stop, attn=adder("attn"), mlp=adder("mlp"))
-    return got["attn"].reduced(reduce), got["mlp"].reduced(reduce)
+    return tuple(None if got[key] is None else got[key].reduced(reduce) for key in ("attn", "mlp"))
+
+
+@torch.no_grad()
+def pair_mlp_sums(model, flat: Flat, windows, pair: torch.nn.ModuleList, *, channels: torch.Tensor,
+                  weighting: str = "norm", stop: bool = True, reduce: Reduce = lambda t: t) -> Stats:
+    """The float64 sums of the MLP's refit towards the pair's own output (target "pair", module doc), over
+    `windows` through the flattened pair `flat` whose attention is already cut: Z the kept `channels`'
+    activations [n, k], Y = y* - (the block's output less what its MLP output linear wrote, bias
+    included) - that linear's bias, so Z W^T + bias completes the stream to y*, the output of `pair` (the
+    two blocks as they were, run on the block's own input and arguments)."""
+    down = _outputs(model, flat)[1]
+    now: dict = {}
+    got: dict = {"stats": None}
+
+    def enter(args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        for block in pair:  # each original block on the stream the one before it left
+            x = hidden(block(x, *args[1:], **kwargs) if args else block(**{**kwargs, "hidden_states": x}))
+        now["truth"] = x.reshape(-1, x.shape[-1])
+
+    def mlp(z, y, _w):
+        now["z"], now["y"] = z[:, channels.to(z.device)], y
+
+    def block_out(out, w):
+        target = now["truth"].double() - out.double() + now["y"].double()
+        if down.bias is not None:
+            target -= down.bias.double()
+        got["stats"] = _add(got["stats"], (flat.index, flat.index + 1), now["z"], target, w)
+
+    _passes(model, flat, windows, weighting=weighting, stop=stop, mlp=mlp, block=block_out, enter=enter)
+    return got["stats"].reduced(reduce)
 
 
 def solve_refit(stats: Stats, w0: torch.Tensor, *, ridge: float) -> torch.Tensor:
@@ -190,21 +239,25 @@ def refit_bytes(*, intermediate: int, hidden: int, attention_width: int) -> int:
     return 8 * (intermediate * (intermediate + hidden) + attention_width * (attention_width + hidden))
 
 
-def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stops: bool = True) -> float:
+def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stops: bool = True,
+               target: str = "wide") -> float:
     """Dense-forward tokens of merge_pairs over `tokens` calibration tokens: per pair one scoring pass and,
-    with `refit`, one refit pass, each through the model merged so far up to the pair's block, still wide
-    (two layers' worth).
-    `stops=False`: whole passes (ZeRO-3 ranks run every pass to the end)."""
-    passes = 2 if refit else 1
+    with `refit`, one refit pass (target "pair": one more, the MLP's refit after the attention's cut, which
+    also runs the pair's two original blocks), each through the model merged so far up to the pair's
+    block (two layers' worth). `stops=False`: whole passes (ZeRO-3 ranks run every pass to the end)."""
+    pair = refit and target == "pair"
+    passes = (3 if pair else 2) if refit else 1
     cost = 0.0
     for k, a in enumerate(sorted(firsts)):
         depth = (a - k + 2) if stops else (num_layers - k)  # k earlier pairs are one layer each by now
-        cost += passes * tokens * depth / num_layers
+        cost += (passes * depth + (2 if pair else 0)) * tokens / num_layers
     return cost
 
 
-def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str, tokens: int) -> None:
+def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str, tokens: int, target: str) -> None:
     """Refuse, in one line and before any pass, a merge that cannot run."""
+    if target not in TARGETS:
+        raise TrspError(f"merge target={target!r} is not valid; choose one of {', '.join(TARGETS)}")
     if weighting not in WEIGHTINGS:
         raise TrspError(f"merge weighting={weighting!r} is not valid; choose one of {', '.join(WEIGHTINGS)}")
     if not ridge >= 0:
@@ -223,13 +276,14 @@ def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str,
 
 @torch.no_grad()
 def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e-2, weighting: str = "norm",
-                stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
+                target: str = "pair", stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
     """Merge blocks (a, a + 1) of `model` for every a of `firsts` (original indices, non-overlapping), in
     place: each pair becomes one block of the original shape at a (module doc); gates are detached.
 
     `windows`: calibration batches of token ids [B, S] (this rank's shard); `refit`: repair the cut in
     closed form (False: plain dropping of heads and channels); `ridge`: the refit's shrinkage towards plain
-    dropping; `weighting`: "norm" (each token relative to its stream) or "none"; `stop=False` runs
+    dropping; `weighting`: "norm" (each token relative to its stream) or "none"; `target`: what the MLP's
+    refit reproduces, "pair" (the two blocks' own output) or "wide" (the flattened block's); `stop=False` runs
     every pass to the end (ZeRO-3); `reduce(t)`: the sum of float64 tensor `t` over ranks.
     Returns {"pairs": [(a, a + 1)], "removed": the original indices gone (a + 1), "kept": the original
     index behind each layer of the merged model, "tokens": calibration tokens (all ranks), "cost":
@@ -242,44 +296,61 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     windows = list(windows)
     local = float(sum(int(w.numel()) for w in windows))
     tokens = int(round(reduce(torch.tensor(local, dtype=torch.float64)).item()))
-    _check(model=model, firsts=firsts, windows=windows, refit=refit, ridge=ridge, weighting=weighting, tokens=tokens)
+    _check(model=model, firsts=firsts, windows=windows, refit=refit, ridge=ridge, weighting=weighting, tokens=tokens,
+           target=target)
     detach_gates(model)
     num = families.num_layers(model)
     removed = [a + 1 for a in firsts]
     info: dict = {"pairs": [(a, a + 1) for a in firsts], "removed": removed,
                   "kept": [i for i in range(num) if i not in set(removed)], "tokens": tokens,
-                  "cost": merge_cost(firsts=firsts, num_layers=num, tokens=tokens, refit=refit, stops=stop),
+                  "cost": merge_cost(firsts=firsts, num_layers=num, tokens=tokens, refit=refit, stops=stop,
+                                     target=target),
                   "per_pair": []}
     for k, a in enumerate(firsts):
+        layers = families.decoder_layers(model)
+        pair = copy.deepcopy(layers[a - k:a - k + 2]) if refit and target == "pair" else None
         flat = flatten(model, a - k)
         info.setdefault("sizes", _sizes(model, flat))
-        info["per_pair"].append(_cut_pair(model, flat, windows, refit=refit, ridge=ridge, weighting=weighting,
+        info["per_pair"].append(_cut_pair(model, flat, windows, pair, refit=refit, ridge=ridge, weighting=weighting,
                                           stop=stop, reduce=reduce) | {"pair": (a, a + 1)})
     return info
 
 
-def _cut_pair(model, flat: Flat, windows, *, refit: bool, ridge: float, weighting: str, stop: bool,
-              reduce: Reduce) -> dict:
+def _cut_pair(model, flat: Flat, windows, pair: torch.nn.ModuleList | None, *, refit: bool, ridge: float,
+              weighting: str, stop: bool, reduce: Reduce) -> dict:
     """Score, refit (with `refit`) and cut the flattened pair `flat`: what was kept from each block and
-    the attention's and MLP's relative output errors on the calibration tokens, dropped and refitted."""
+    the attention's and MLP's relative output errors on the calibration tokens, dropped and refitted.
+    `pair` (the two blocks as they were; None: target "wide"): the MLP's refit aims at their output, on a
+    pass after the attention's cut."""
     unit_scores, channel_scores = scores(model, flat, windows, weighting=weighting, stop=stop, reduce=reduce)
     unit_writes, channel_writes = _writes(model, flat)
     units = _top(unit_scores, unit_writes, flat.attention.units)
     channels = _top(channel_scores, channel_writes, flat.mlp.units)
     got: dict = {"units_from": _split(units, flat.attention.units), "channels_from": _split(channels, flat.mlp.units)}
-    new = {"attn": None, "mlp": None}
-    if refit:
-        sums = refit_sums(model, flat, windows, units=units, channels=channels, weighting=weighting, stop=stop,
-                          reduce=reduce)
-        keep = (columns(units, flat.attention.output.sizes[0]), channels)
-        for key, stats, linear, kept in zip(new, sums, _outputs(model, flat), keep):
-            w0 = linear.weight[:, kept.to(linear.weight.device)].T.double()
-            w = solve_refit(stats, w0, ridge=ridge)
-            energy = float(stats.yty) or 1.0
-            got |= {f"{key}_error_drop": stats.residual(w0) / energy, f"{key}_error_refit": stats.residual(w) / energy}
-            new[key] = w.T
-    cut(model, flat, units=units, channels=channels, attn_out=new["attn"], mlp_out=new["mlp"])
-    return got
+    if not refit:
+        cut_part(model, flat, "attention", keep=units)
+        cut_part(model, flat, "mlp", keep=channels)
+        return got
+    attn, mlp = refit_sums(model, flat, windows, units=units, channels=None if pair is not None else channels,
+                           weighting=weighting, stop=stop, reduce=reduce)
+    o_proj, down = _outputs(model, flat)
+    out, errors = _solved(attn, o_proj, columns(units, flat.attention.output.sizes[0]), ridge=ridge, key="attn")
+    cut_part(model, flat, "attention", keep=units, out=out)
+    if pair is not None:
+        mlp = pair_mlp_sums(model, flat, windows, pair, channels=channels, weighting=weighting, stop=stop,
+                            reduce=reduce)
+    out, more = _solved(mlp, down, channels, ridge=ridge, key="mlp")
+    cut_part(model, flat, "mlp", keep=channels, out=out)
+    return got | errors | more
+
+
+def _solved(stats: Stats, linear, kept: torch.Tensor, *, ridge: float, key: str) -> tuple[torch.Tensor, dict]:
+    """One refit solved from `stats`: the new output weight [d, k] of `linear`'s `kept` input columns, and
+    the relative errors on the calibration tokens with plain dropping and with the refit."""
+    w0 = linear.weight[:, kept.to(linear.weight.device)].T.double()
+    w = solve_refit(stats, w0, ridge=ridge)
+    energy = float(stats.yty) or 1.0
+    return w.T, {f"{key}_error_drop": stats.residual(w0) / energy, f"{key}_error_refit": stats.residual(w) / energy}
 
 
 def _split(kept: torch.Tensor, units: int) -> tuple[int, int]:

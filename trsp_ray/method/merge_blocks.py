@@ -252,18 +252,25 @@ def flatten(model, first: int) -> Flat:
 
 
 @torch.no_grad()
+def cut_part(model, flat: Flat, part: str, *, keep: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    """Keep units `keep` (ascending indices into the wide block's, a's first) of the flattened pair `flat`'s
+    `part` ("attention" or "mlp"): that part is back to its original width. `out` [d, width]: refitted
+    output weights (None: the kept units' own columns). The attention's head counts go back with its cut."""
+    layer, layout = families.decoder_layers(model)[flat.index], getattr(flat, part)
+    wide = 2 * layout.units
+    for piece in layout.inputs:
+        linear = module_at(layer, piece.path)
+        _set(linear, _take(linear.weight, piece, wide, keep),
+             None if linear.bias is None else _take(linear.bias, piece, wide, keep))
+    output = module_at(layer, layout.output.path)
+    _set(output, _take(output.weight.T, layout.output, wide, keep).T if out is None else out)
+    if part == "attention":
+        _restore_heads(module_at(layer, _attention(flat)), flat.restore)
+
+
 def cut(model, flat: Flat, *, units: torch.Tensor, channels: torch.Tensor, attn_out: torch.Tensor | None = None,
         mlp_out: torch.Tensor | None = None) -> None:
-    """Keep attention `units` and MLP `channels` (ascending indices into the wide block's, a's first) of
-    the flattened pair `flat`: the block is back to its original shape. `attn_out` [d, width] / `mlp_out`
-    [d, I]: refitted output weights (None: the kept units' own columns)."""
-    layer = families.decoder_layers(model)[flat.index]
-    for layout, keep, new in ((flat.attention, units, attn_out), (flat.mlp, channels, mlp_out)):
-        wide = 2 * layout.units
-        for part in layout.inputs:
-            linear = module_at(layer, part.path)
-            _set(linear, _take(linear.weight, part, wide, keep),
-                 None if linear.bias is None else _take(linear.bias, part, wide, keep))
-        out = module_at(layer, layout.output.path)
-        _set(out, _take(out.weight.T, layout.output, wide, keep).T if new is None else new)
-    _restore_heads(module_at(layer, _attention(flat)), flat.restore)
+    """cut_part of both parts: attention `units` and MLP `channels` kept, the block back to its original
+    shape."""
+    cut_part(model, flat, "attention", keep=units, out=attn_out)
+    cut_part(model, flat, "mlp", keep=channels, out=mlp_out)

@@ -51,7 +51,7 @@ def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
 
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
     passes = merge_cost(firsts=range(n_pairs), num_layers=shape.layers, tokens=tokens, refit=cfg.merging.refit,
-                        stops=False)
+                        stops=False, target=cfg.merging.target)
     return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs) if cfg.merging.refit else 0.0)
 
 
@@ -62,7 +62,8 @@ def drop_cost(cfg, *, drop: list[int], num_layers: int) -> float:
 
     shape = model_shape(cfg.model)
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
-    passes = merge_cost(firsts=[d - 1 for d in drop], num_layers=num_layers, tokens=tokens, refit=cfg.merging.refit)
+    passes = merge_cost(firsts=[d - 1 for d in drop], num_layers=num_layers, tokens=tokens, refit=cfg.merging.refit,
+                        target=cfg.merging.target)
     return passes + (solve_cost(shape, tokens=tokens, pairs=len(drop)) if cfg.merging.refit else 0.0)
 
 
@@ -74,7 +75,7 @@ def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[in
 
     m = cfg.merging
     done = merge_pairs(model=model, firsts=[d - 1 for d in drop], windows=windows, refit=m.refit, ridge=m.ridge,
-                       weighting=m.weighting)
+                       weighting=m.weighting, target=m.target)
     pairs = done["per_pair"]
     solve = solve_cost(model_shape(cfg.model), tokens=done["tokens"], pairs=len(pairs)) if m.refit else 0.0
     info.update(merge_pairs=[list(p["pair"]) for p in pairs], merge_tokens=done["tokens"],
