@@ -147,10 +147,10 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     else:
         logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
         plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
-    if name == registry.MERGE_SELECTOR:  # the wide pair's extra layer and one pair's float64 refit sums
+    if name == registry.MERGE_SELECTOR:  # the wide pair's extra layer, the pair's copies (target "pair"), sums
         from trsp_ray.method.merge import refit_bytes
 
-        plan.parts["merge: the wide pair + its refit sums"] = (s.layer_params * e + refit_bytes(
+        plan.parts["merge: the wide pair, the pair's copies + sums"] = (3 * s.layer_params * e + refit_bytes(
             intermediate=s.intermediate, hidden=s.hidden, attention_width=s.heads * s.head_dim)) / GB
     if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
