@@ -266,11 +266,3 @@ def cut_part(model, flat: Flat, part: str, *, keep: torch.Tensor, out: torch.Ten
     _set(output, _take(output.weight.T, layout.output, wide, keep).T if out is None else out)
     if part == "attention":
         _restore_heads(module_at(layer, _attention(flat)), flat.restore)
-
-
-def cut(model, flat: Flat, *, units: torch.Tensor, channels: torch.Tensor, attn_out: torch.Tensor | None = None,
-        mlp_out: torch.Tensor | None = None) -> None:
-    """cut_part of both parts: attention `units` and MLP `channels` kept, the block back to its original
-    shape."""
-    cut_part(model, flat, "attention", keep=units, out=attn_out)
-    cut_part(model, flat, "mlp", keep=channels, out=mlp_out)
