@@ -156,3 +156,41 @@ def test_a_compute_budget_pays_the_merge_before_the_heal(workspaces):
     steps = budget.resolve(heal, spec=registry.method("merge+heal"), num_layers=8).stage2.steps
     step = compute.step_cost(heal, spec=registry.method("merge+heal"))
     assert select > 0 and steps == int((4 * planned - select - planned) // step)
+
+
+def test_the_planned_merge_bounds_every_placement_of_its_pairs_and_is_met_by_the_deepest():
+    """planned_cost is what a merge of any n pairs can spend (each pass stops after its pair), so a budget
+    is never overrun, and no looser: the deepest pairs spend exactly it."""
+    from trsp_ray.plan.compute import model_shape
+    from trsp_ray.run.merging import drop_cost, planned_cost
+
+    cfg = load_config(None, ["method=merge", "data.seqlen=32", "merging.windows=256"])
+    layers = model_shape(cfg.model).layers  # 30
+    for target in ("pair", "wide"):
+        c = replace(cfg, **{"merging.target": target})
+        bound = planned_cost(c, model_shape(c.model), n_pairs=3)
+        for firsts in ([0, 2, 4], [1, 9, 20], [3, 16, 25], [21, 23, 26], [22, 25, 27]):
+            spent = drop_cost(c, drop=[a + 1 for a in firsts], num_layers=layers)
+            assert spent <= bound * (1 + 1e-12), (target, firsts, spent, bound)
+        assert drop_cost(c, drop=[25, 27, 29], num_layers=layers) == pytest.approx(bound)
+        assert drop_cost(c, drop=[1, 3, 5], num_layers=layers) < 0.6 * bound
+
+
+def test_a_budget_heals_with_what_the_merge_left_not_with_its_planned_bound(workspaces):
+    """The budget's steps are resolved on the deepest pairs' cost; pairs chosen shallower leave more, and
+    the heal gets it: selection + merge + heal stay within the budget, with less than one step unspent."""
+    from trsp_ray.plan import compute
+    from trsp_ray.run import budget
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    spec = registry.method("merge+heal")
+    cfg = _config(workspaces("llama"), "merge+heal")
+    step = compute.step_cost(cfg, spec=spec)
+    total = budget.planned_compensation_cost(cfg, spec=spec, num_layers=8) + 4 * step + 5000
+    cfg = budget.resolve(replace(cfg, **{"heal.compute_budget": total}), spec=spec, num_layers=8)
+    info = apply_method(prepare(cfg), spec).info
+    used = info["select_cost"] + compute.fit_spent(info)
+    assert max(int(p[1]) for p in info["merge_pairs"]) < 7  # not the deepest pairs: the merge left more
+    assert info["heal_steps"] > cfg.stage2.steps
+    assert total - step < used + info["heal_steps"] * step <= total

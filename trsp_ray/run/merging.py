@@ -45,13 +45,17 @@ def solve_cost(shape: Shape, *, tokens: float, pairs: int) -> float:
 
 
 def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
-    """An upper bound of a merge's compute before its pairs are known: every scoring and refit pass
-    through the whole depth (merge.merge_cost without early stops) and the refits' float64 work."""
+    """An upper bound of a merge's compute before its pairs are known: merge.merge_cost on the deepest
+    pairs `n_pairs` non-overlapping pairs can be (the last two layers, the two before them, ...), each
+    pass stopping after its pair as merge_pairs runs it (a merge runs in one process only), and the
+    refits' float64 work. Any pairs cost at most this: a pair's passes grow with its depth, and the k-th
+    pair from the top is at most 2k layers from the end."""
     from trsp_ray.method.merge import merge_cost
 
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
-    passes = merge_cost(firsts=range(n_pairs), num_layers=shape.layers, tokens=tokens, refit=cfg.merging.refit,
-                        stops=False, target=cfg.merging.target)
+    deepest = [shape.layers - 2 * k for k in range(1, n_pairs + 1)]
+    passes = merge_cost(firsts=deepest, num_layers=shape.layers, tokens=tokens, refit=cfg.merging.refit,
+                        target=cfg.merging.target)
     return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs) if cfg.merging.refit else 0.0)
 
 
@@ -65,6 +69,25 @@ def drop_cost(cfg, *, drop: list[int], num_layers: int) -> float:
     passes = merge_cost(firsts=[d - 1 for d in drop], num_layers=num_layers, tokens=tokens, refit=cfg.merging.refit,
                         target=cfg.merging.target)
     return passes + (solve_cost(shape, tokens=tokens, pairs=len(drop)) if cfg.merging.refit else 0.0)
+
+
+def heal_left(cfg, *, spec, heal, drop: list[int], info: dict):
+    """`heal` with the steps heal.compute_budget leaves after what this run's selection and merge spent
+    (`info`'s select_cost and merge costs, on `drop`): the budget's steps were resolved on planned_cost,
+    a bound over the deepest pairs, and shallower pairs spend less (SmolLM2 at 8 of 30, 1M: the bound
+    856k, the angular pairs 546k, so 10 steps become 35). Unchanged without a budget, for a pipeline that
+    does not heal, or where the selection did not run here (a drop set handed in)."""
+    if not (cfg.heal.compute_budget and spec.heal) or "select_cost" not in info:
+        return heal
+    import dataclasses
+
+    from trsp_ray.plan.compute import fit_spent
+    from trsp_ray.run.budget import heal_steps
+
+    steps = heal_steps(cfg, spec=spec, select=info["select_cost"], comp=fit_spent(info), drop=drop)
+    log(f"{cfg.method}: the merge spent {fit_spent(info) / 1e3:.0f}k dense-forward tokens of the "
+        f"{cfg.heal.compute_budget / 1e3:.0f}k budget; the heal gets the {steps} steps left (planned {heal.steps})")
+    return dataclasses.replace(heal, steps=steps)
 
 
 def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[int]:

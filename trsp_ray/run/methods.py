@@ -40,7 +40,7 @@ from trsp_ray.method.training import (
 )
 from trsp_ray.models import families
 from trsp_ray.plan import compute
-from trsp_ray.run.merging import merge_layers, merge_windows
+from trsp_ray.run.merging import heal_left, merge_layers, merge_windows
 from trsp_ray.run.teacher_store import stored_objective
 from trsp_ray.run.workbench import heal_stream
 
@@ -355,6 +355,7 @@ def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None,
     if spec.merges:  # each pair (d - 1, d) becomes one block (run/merging.py) where a drop removes d
         windows = fixed_windows(bench.batches(FIT_STREAM), merge_windows(cfg))
         kept = merge_layers(model, drop=drop, windows=windows, cfg=cfg, info=info)
+        heal = heal if heal_cfg is not None else heal_left(cfg, spec=spec, heal=heal, drop=drop, info=info)
     else:
         kept = remove_layers(model, drop)
     del gates  # its wrappers hold the removed layers: on the GPU they stayed through the fit and the heal
