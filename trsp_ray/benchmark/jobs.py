@@ -123,12 +123,12 @@ def compensation_steps(cfg: RunConfig, drop, *, spec: registry.Method, num_layer
 def compute_budget_steps(cfg: RunConfig, row: registry.Row, selection: dict, *, spec: registry.Method, drop,
                          num_layers: int) -> int:
     """Steps of a trained row at total compute cfg.heal.compute_budget: what it leaves after the row's
-    selection (as measured) and its fit (run.budget.heal_steps, each step at the row's recipe's and
+    selection (as measured) and its fit (plan.compute.heal_steps, each step at the row's recipe's and
     objective's cost, a distillation's teacher included)."""
     from trsp_ray.run import budget
 
     comp = budget.fit_cost(cfg, spec=spec, drop=drop, num_layers=num_layers)
-    return budget.heal_steps(cfg, spec=spec, select=selection["info"].get("select_cost", 0.0), comp=comp, drop=drop)
+    return compute.heal_steps(cfg, spec=spec, select=selection["info"].get("select_cost", 0.0), comp=comp, drop=drop)
 
 
 def lambada(bench, model, *, limit: int) -> dict:

@@ -77,7 +77,8 @@ def heal_steps_left(bench, spec: registry.Method, *, drop: list[int], select_cos
     reserved the most it could spend) and the fit of `drop`; None without a budget."""
     from trsp_ray.config.run_config import for_method, sized
     from trsp_ray.models import families
-    from trsp_ray.run.budget import fit_cost, heal_steps
+    from trsp_ray.plan.compute import heal_steps
+    from trsp_ray.run.budget import fit_cost
 
     cfg = bench.cfg
     if not (cfg.heal.compute_budget and spec.heal):

@@ -266,3 +266,18 @@ def extra_heal_steps(extra_cost: float, *, step_cost: float) -> int:
     if step_cost <= 0:
         raise ValueError(f"step_cost={step_cost} must be > 0")
     return max(0, round(extra_cost / step_cost))
+
+
+def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None) -> int:
+    """Heal steps heal.compute_budget leaves after a selection and a compensation costing `select` and
+    `comp` dense-forward tokens (the search calls it with a selection's measured cost and its `drop`),
+    each step at its recipe's cost (compute.step_cost); a one-line TrspError when not even one step is left."""
+    from trsp_ray.common.errors import TrspError
+
+    budget, step = cfg.heal.compute_budget, step_cost(cfg, spec=spec, drop=drop)
+    steps = int((budget - select - comp) // step)
+    if steps < 1:
+        raise TrspError(f"heal.compute_budget={budget:g} dense-forward tokens cannot meet {cfg.method}: its selection "
+                        f"costs {select:g}, compensation {comp:g} and one heal step {step:g}; raise it to at least "
+                        f"{select + comp + step:g}")
+    return steps

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from trsp_ray.common.errors import TrspError
 from trsp_ray.config import registry
 from trsp_ray.plan import compute
+from trsp_ray.plan.compute import heal_steps
 
 
 def planned_select_cost(cfg, *, spec: registry.Method, num_layers: int) -> float | None:
@@ -105,19 +106,6 @@ def resolve(cfg, *, spec: registry.Method, num_layers: int):
                         f"{registry.DEFAULT_METHOD}")
     comp = planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
     return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp))
-
-
-def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None) -> int:
-    """Heal steps heal.compute_budget leaves after a selection and a compensation costing `select` and
-    `comp` dense-forward tokens (the search calls it with a selection's measured cost and its `drop`),
-    each step at its recipe's cost (compute.step_cost); a one-line TrspError when not even one step is left."""
-    budget, step = cfg.heal.compute_budget, compute.step_cost(cfg, spec=spec, drop=drop)
-    steps = int((budget - select - comp) // step)
-    if steps < 1:
-        raise TrspError(f"heal.compute_budget={budget:g} dense-forward tokens cannot meet {cfg.method}: its selection "
-                        f"costs {select:g}, compensation {comp:g} and one heal step {step:g}; raise it to at least "
-                        f"{select + comp + step:g}")
-    return steps
 
 
 def with_heal_steps(cfg, steps: int):

@@ -81,8 +81,7 @@ def heal_left(cfg, *, spec, heal, drop: list[int], info: dict):
         return heal
     import dataclasses
 
-    from trsp_ray.plan.compute import fit_spent
-    from trsp_ray.run.budget import heal_steps
+    from trsp_ray.plan.compute import fit_spent, heal_steps
 
     steps = heal_steps(cfg, spec=spec, select=info["select_cost"], comp=fit_spent(info), drop=drop)
     log(f"{cfg.method}: the merge spent {fit_spent(info) / 1e3:.0f}k dense-forward tokens of the "

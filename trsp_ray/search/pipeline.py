@@ -22,7 +22,7 @@ does but none of its keys. The data.eval_* settings act in no trial: every trial
 config's validation windows (search/objective.py).
 
 Compute (SPEC section 5): with heal.compute_budget every trial's heal gets the steps the budget leaves
-after its selection and its fit (budget.heal_steps, from the selection's measured cost and the fit's
+after its selection and its fit (compute.heal_steps, from the selection's measured cost and the fit's
 cost for the drop set), so every total lies within one heal step below the budget. `check_budgets`
 refuses, before any trial, a budget that a point's selection (TRSP: its gate training alone, a floor
 known in advance) and planned fit leave no heal step of.
@@ -327,9 +327,9 @@ def check_trial_selectors(base: dict, points: list[dict]) -> None:
 
 def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
     """One-line TrspError, before any trial, for a budgeted point whose method does not heal or whose
-    selection and fit leave no heal step (budget.heal_steps says by how much)."""
+    selection and fit leave no heal step (compute.heal_steps says by how much)."""
     from trsp_ray.config.run_config import from_dict
-    from trsp_ray.run import budget
+    from trsp_ray.plan import compute
     from trsp_ray.run.pipeline import resolve
     from trsp_ray.search.space import apply_point
 
@@ -342,14 +342,14 @@ def check_budgets(base: dict, points: list[dict], *, num_layers: int) -> None:
             raise TrspError(f"--compute-budget {cfg.heal.compute_budget:g} is spent on a heal, and method "
                             f"{cfg.method!r} does not heal; search heal methods (e.g. shortgpt+heal, trsp+heal)")
         select, comp = planned_costs(cfg, spec=spec, num_layers=num_layers)
-        budget.heal_steps(cfg, spec=spec, select=select, comp=comp)
+        compute.heal_steps(cfg, spec=spec, select=select, comp=comp)
 
 
 def max_heal_steps(base: dict, points: list[dict], *, num_layers: int) -> int:
     """The most steps any point trains (a budgeted heal at most what its budget buys after the planned
     selection and fit): how many validation reports ASHA may see."""
     from trsp_ray.config.run_config import from_dict
-    from trsp_ray.run import budget
+    from trsp_ray.plan import compute
     from trsp_ray.run.methods import method_heal
     from trsp_ray.run.pipeline import resolve
     from trsp_ray.search.space import apply_point
@@ -360,7 +360,7 @@ def max_heal_steps(base: dict, points: list[dict], *, num_layers: int) -> int:
         cfg, spec = pipe.cfg, pipe.spec
         if cfg.heal.compute_budget and spec.heal:
             select, comp = planned_costs(cfg, spec=spec, num_layers=num_layers)
-            most = max(most, budget.heal_steps(cfg, spec=spec, select=select, comp=comp))
+            most = max(most, compute.heal_steps(cfg, spec=spec, select=select, comp=comp))
         else:
             heal = method_heal(cfg).steps if spec.heal else cfg.heal.steps
             most = max(most, cfg.stage2.steps, heal)
@@ -382,12 +382,13 @@ def trial_stage1_key(cfg_dict: dict, fingerprint: str, *, n_drop: int) -> str:
 def budgeted(cfg, *, spec: registry.Method, drop: list[int], select_cost: float, num_layers: int, hidden: int):
     """(cfg whose heal has the steps heal.compute_budget leaves, the fit's cost for `drop`): the
     selection's measured cost and the fit's exact cost for this drop set, so every trial's total lies
-    within one heal step below the budget (budget.heal_steps). Without a budget: cfg unchanged.
+    within one heal step below the budget (compute.heal_steps). Without a budget: cfg unchanged.
     `spec`: the trial's pipeline's registry entry."""
     from trsp_ray.config.run_config import for_method, sized
+    from trsp_ray.plan import compute
     from trsp_ray.run import budget
 
     fit = budget.fit_cost(sized(for_method(cfg), hidden=hidden), spec=spec, drop=drop, num_layers=num_layers)
     if not (cfg.heal.compute_budget and spec.heal):
         return cfg, fit
-    return budget.with_heal_steps(cfg, budget.heal_steps(cfg, spec=spec, select=select_cost, comp=fit, drop=drop)), fit
+    return budget.with_heal_steps(cfg, compute.heal_steps(cfg, spec=spec, select=select_cost, comp=fit, drop=drop)), fit
