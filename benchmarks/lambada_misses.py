@@ -35,7 +35,8 @@ def first_predictions(model, tokenizer, passages, *, bos: int | None) -> list[tu
             ctx_ids = tokenizer(ctx, add_special_tokens=False).input_ids
             ids = ([bos] if bos is not None else []) + tokenizer(ctx + cont, add_special_tokens=False).input_ids
             n = len(ctx_ids) + (bos is not None)
-            pred = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, n - 1:len(ids) - 1].argmax(-1)
+            batch = torch.tensor([ids], device=next(model.parameters()).device)
+            pred = model(input_ids=batch, use_cache=False).logits[0, n - 1:len(ids) - 1].argmax(-1).cpu()
             out.append((int(pred[0]), int(pred[0]) in set(ids[:n]), pred.tolist() == ids[n:]))
     return out
 

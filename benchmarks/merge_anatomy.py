@@ -43,13 +43,14 @@ def _stream(model, layer_index: int, windows, *, entering: bool) -> list:
 
     def grab(_m, args, kwargs, output=None):
         x = (args[0] if args else kwargs["hidden_states"]) if output is None else hidden(output)
-        got.append(x.detach().float())
+        got.append(x.detach().float().cpu())  # every variant's streams compared on the host
 
     hook = (layer.register_forward_pre_hook(lambda m, a, k: grab(m, a, k), with_kwargs=True) if entering else
             layer.register_forward_hook(lambda m, a, k, o: grab(m, a, k, o), with_kwargs=True))
     try:
         with torch.no_grad():
             for w in windows:
+                w = w.to(next(model.parameters()).device)
                 logits = model(input_ids=w, use_cache=False).logits[:, :-1].float()
                 nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
                                                         reduction="sum")
