@@ -11,8 +11,9 @@ import torch
 
 from trsp_ray.common.errors import TrspError
 from trsp_ray.method.gates import attach_gates
-from trsp_ray.method.merge import columns, merge_cost, merge_pairs, refit_sums, scores, solve_refit
+from trsp_ray.method.merge import columns, merge_pairs, refit_sums, scores, solve_refit
 from trsp_ray.method.merge_blocks import flatten, module_at
+from trsp_ray.method.merge_costs import merge_cost
 from trsp_ray.method.merge_select import choose_pairs, merge_select, pair_starts, select_cost
 from trsp_ray.method.surgery import remove_layers
 from trsp_ray.models import families
@@ -269,6 +270,40 @@ def test_the_pair_target_brings_the_merged_block_closer_to_the_two_blocks_output
     assert errors["pair"] < 0.9 * errors["wide"], errors
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_the_dense_target_is_the_pair_target_on_the_first_pair_and_closer_to_dense_after_it(family):
+    """Target "dense" refits the MLP towards the stream the dense model leaves after the pair (stored in one
+    pass before any merge). On the first pair that stream is the two original blocks' output on the same
+    input, so the merge must equal the pair target's bit for bit in function; on a later pair the input
+    carries the first merge's error, and the dense target must leave the pair's output closer to the dense
+    stream than the pair target, which repairs only the pair's own error: a target taken from the wrong
+    window, layer or token order would not."""
+    model, windows = _model(family, layers=8), _windows(16, seed=3)
+    layers, got = families.decoder_layers(model), {}
+
+    def keep(key):
+        return lambda _m, _i, out: got.setdefault(key, []).append(out[0] if isinstance(out, tuple) else out)
+
+    handle = layers[5].register_forward_hook(keep("dense"))
+    for ids in windows:
+        _logits(model, ids)
+    handle.remove()
+    logits, errors = {}, {}
+    for target in ("pair", "dense"):
+        first = copy.deepcopy(model)
+        merge_pairs(model=first, firsts=[1], windows=windows, target=target, weighting="none")
+        logits[target] = torch.cat([_logits(first, ids) for ids in windows])
+        both = copy.deepcopy(model)
+        merge_pairs(model=both, firsts=[1, 4], windows=windows, target=target, weighting="none")
+        handle = families.decoder_layers(both)[3].register_forward_hook(keep(target))  # the pair (4, 5) merged
+        for ids in windows:
+            _logits(both, ids)
+        handle.remove()
+        errors[target] = sum(float((m - y).pow(2).sum()) for m, y in zip(got[target], got["dense"]))
+    torch.testing.assert_close(logits["dense"], logits["pair"], rtol=1e-4, atol=1e-5)
+    assert errors["dense"] < 0.95 * errors["pair"], errors
+
+
 def test_costs_count_the_passes_up_to_each_pair():
     # pairs at 2 and 10 of 30 layers: the first pass runs layers 0..3 (4 of 30), the second the model merged
     # once up to layer 11 (11 layers); two passes each with the refit
@@ -277,4 +312,7 @@ def test_costs_count_the_passes_up_to_each_pair():
     # target "pair": a third pass after the attention's cut, which also runs the pair's two original blocks
     assert merge_cost(firsts=[10, 2], num_layers=30, tokens=300, target="pair") == pytest.approx(
         300 * (3 * (4 + 11) + 2 * 2) / 30)
+    # target "dense": the same three passes without the original blocks, and one dense pass to layer 11
+    assert merge_cost(firsts=[10, 2], num_layers=30, tokens=300, target="dense") == pytest.approx(
+        300 * (3 * (4 + 11) + 12) / 30)
     assert select_cost(tokens=512) == 512.0

@@ -166,7 +166,7 @@ def test_the_planned_merge_bounds_every_placement_of_its_pairs_and_is_met_by_the
 
     cfg = load_config(None, ["method=merge", "data.seqlen=32", "merging.windows=256"])
     layers = model_shape(cfg.model).layers  # 30
-    for target in ("pair", "wide"):
+    for target in ("pair", "wide", "dense"):
         c = replace(cfg, **{"merging.target": target})
         bound = planned_cost(c, model_shape(c.model), n_pairs=3)
         for firsts in ([0, 2, 4], [1, 9, 20], [3, 16, 25], [21, 23, 26], [22, 25, 27]):
@@ -194,3 +194,32 @@ def test_a_budget_heals_with_what_the_merge_left_not_with_its_planned_bound(work
     assert max(int(p[1]) for p in info["merge_pairs"]) < 7  # not the deepest pairs: the merge left more
     assert info["heal_steps"] > cfg.stage2.steps
     assert total - step < used + info["heal_steps"] * step <= total
+
+
+def test_the_dense_targets_are_the_bytes_the_plan_holds_for_them_on_the_host():
+    """Target "dense" stores every pair's dense stream before the first merge: the streams dense_streams
+    returns are target_bytes' count, and the single-process plan of a merge holds targets_gb of them on
+    the host beside a GPU (in the one memory on CPU); another target holds none."""
+    from trsp_ray.method.merge import dense_streams
+    from trsp_ray.method.merge_costs import target_bytes
+    from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.plan.single_plan import single_plan_for_run
+    from trsp_ray.run.merging import merge_windows, targets_gb
+
+    model = tiny_model("llama", layers=8).float()
+    windows = [torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    got = dense_streams(model, [1, 5], windows)
+    held = sum(t.numel() * t.element_size() for pair in got for t in pair)
+    assert held == target_bytes(pairs=2, tokens=3 * 2 * 24, hidden=model.config.hidden_size, dtype_bytes=4)
+
+    cfg = load_config(None, ["method=merge", "dtype=bf16"])
+    gb = targets_gb(cfg, dtype_bytes=2)
+    shape_hidden = 576  # SmolLM2-135M, the default model: 8 pairs at ratio 0.25 of 30 layers
+    assert gb == pytest.approx(8 * merge_windows(cfg) * cfg.data.seqlen * shape_hidden * 2 / 1024**3)
+    on_gpu = single_plan_for_run(cfg, device="gpu", memory_gb=80.0)
+    merge_stage = next(st for st in on_gpu.stages if st.name == registry.MERGE_SELECTOR)
+    assert merge_stage.host == pytest.approx(gb) and merge_stage.parts["merge: the dense targets"] == 0.0
+    on_cpu = single_plan_for_run(cfg, device="cpu", memory_gb=24.0)
+    merge_stage = next(st for st in on_cpu.stages if st.name == registry.MERGE_SELECTOR)
+    assert merge_stage.parts["merge: the dense targets"] == pytest.approx(gb)
+    assert targets_gb(replace(cfg, **{"merging.target": "pair"}), dtype_bytes=2) == 0.0

@@ -304,12 +304,13 @@ class MergeConfig:
     refit: bool = True  # repair each cut in closed form; false: plain dropping of the weaker heads and channels
     ridge: float = 1e-2  # the refit's shrinkage towards plain dropping, relative to the mean diagonal of Z^T Z
     weighting: str = "norm"  # as compensation.weighting: each token relative to its stream's norm, or none
-    # what the MLP's refit reproduces: "pair", the two blocks' own output (two more passes a pair), or "wide",
-    # the flattened block's (method/merge.py)
-    target: str = "pair"
+    # what the MLP's refit reproduces (method/merge.py): "dense", the stream the dense model leaves after the
+    # pair (stored on the host in one pass, merge_costs.target_bytes); "pair", the two blocks' own output on the
+    # merged stream; "wide", the flattened block's
+    target: str = "dense"
 
     def __post_init__(self):
-        _choice("merging.target", self.target, ("pair", "wide"))
+        _choice("merging.target", self.target, ("pair", "wide", "dense"))
         _positive("merging.windows", self.windows, allow_zero=True)
         _positive("merging.tokens_per_column", self.tokens_per_column)
         _positive("merging.ridge", self.ridge, allow_zero=True)

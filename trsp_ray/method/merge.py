@@ -26,11 +26,15 @@ keeps 3 of 6), one pair at layers 8-9, validation PPL on the calibration tail (d
 energy); MLP cut 34.6, with its refit 34.5 (held-out per-token error 0.21 -> 0.12, median).
 
 The target (merging.target). "wide": both refits aim at the flattened block's own outputs, as above.
-"pair" (the default): the attention's refit does, then the attention is cut and one more pass refits
-the MLP's down columns towards the stream the two original blocks leave on the same input (copies of
-them run inside the pass), Y = y* - (the block's output less its MLP's) - the down bias: the last linear
-repairs the flattening's approximation and the attention's cut too, as the fold repairs a drop. On
-SmolLM2-135M at 8 of 30 (docs/results.md) it raised LAMBADA from 0.032 to 0.088 and halved wiki PPL.
+"pair": the attention's refit does, then the attention is cut and one more pass refits the MLP's down
+columns towards the stream the two original blocks leave on the same input (copies of them run inside
+the pass), Y = y* - (the block's output less its MLP's) - the down bias: the last linear repairs the
+flattening's approximation and the attention's cut too, as the fold repairs a drop. On SmolLM2-135M at
+8 of 30 (docs/results.md) it raised LAMBADA from 0.032 to 0.088 and halved wiki PPL. "dense" (the
+default): the same, with y* the stream the dense model leaves after the pair on the same window, stored
+on the host by one pass before the first merge (dense_streams, target_bytes): each pair's refit also
+repairs what the earlier merges left in its input, as the sequential fold does. Same pairs: LAMBADA 0.090,
+every domain's perplexity 7-17% lower than "pair" (wiki 55.9 -> 50.3), and no original blocks to run.
 
 Order. Pairs are merged from the first, each on the stream the earlier merges left (the windows run
 through the model as merged so far), so every pair's cut and repair see what the final model feeds it.
@@ -50,10 +54,12 @@ from trsp_ray.method.compensation import Stats
 from trsp_ray.method.compensation_forms import WEIGHTINGS
 from trsp_ray.method.gates import detach_gates
 from trsp_ray.method.merge_blocks import Flat, attention_layout, check_pairs, cut_part, flatten, mlp_layout, module_at
+from trsp_ray.method.merge_costs import merge_cost, refit_bytes
 from trsp_ray.models import families
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
-TARGETS = ("pair", "wide")  # what the MLP's refit reproduces: the two blocks' own output, or the wide block's
+# what the MLP's refit reproduces: the two blocks' own output, the wide block's, or the dense model's stream
+TARGETS = ("pair", "wide", "dense")
 def _token_weights(x: torch.Tensor, weighting: str) -> torch.Tensor:
     """[n] float32 on x's device: 1 / the norm of each token's stream entering the block ("norm"), or 1."""
     x = x.reshape(-1, x.shape[-1]).float()
@@ -168,19 +174,23 @@ def refit_sums(model, flat: Flat, windows, *, units: torch.Tensor | None, channe
 
 
 @torch.no_grad()
-def pair_mlp_sums(model, flat: Flat, windows, pair: torch.nn.ModuleList, *, channels: torch.Tensor,
+def pair_mlp_sums(model, flat: Flat, windows, pair: torch.nn.ModuleList | list, *, channels: torch.Tensor,
                   weighting: str = "norm", stop: bool = True, reduce: Reduce = lambda t: t) -> Stats:
     """The float64 sums of the MLP's refit towards the pair's own output (target "pair", module doc), over
     `windows` through the flattened pair `flat` whose attention is already cut: Z the kept `channels`'
     activations [n, k], Y = y* - (the block's output less what its MLP output linear wrote, bias
     included) - that linear's bias, so Z W^T + bias completes the stream to y*, the output of `pair` (the
-    two blocks as they were, run on the block's own input and arguments)."""
+    two blocks as they were, run on the block's own input and arguments); or, when `pair` is a list (target
+    "dense"), y* = its i-th tensor [n, d] for the i-th window: the dense model's stream there (dense_streams)."""
     down = _outputs(model, flat)[1]
-    now: dict = {}
+    now: dict = {"window": 0}
     got: dict = {"stats": None}
 
     def enter(args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
+        if isinstance(pair, list):
+            now["truth"], now["window"] = pair[now["window"]].to(x.device), now["window"] + 1
+            return
         for block in pair:  # each original block on the stream the one before it left
             x = hidden(block(x, *args[1:], **kwargs) if args else block(**{**kwargs, "hidden_states": x}))
         now["truth"] = x.reshape(-1, x.shape[-1])
@@ -196,6 +206,27 @@ def pair_mlp_sums(model, flat: Flat, windows, pair: torch.nn.ModuleList, *, chan
 
     _passes(model, flat, windows, weighting=weighting, stop=stop, mlp=mlp, block=block_out, enter=enter)
     return got["stats"].reduced(reduce)
+
+
+@torch.no_grad()
+def dense_streams(model, firsts, windows) -> list[list[torch.Tensor]]:
+    """Per pair (a, a + 1) of `firsts`, per window: the stream the dense `model` leaves after block a + 1, [n, d]
+    in the stream's dtype on the host (target "dense"), from one pass a window that stops after the deepest
+    pair (target_bytes counts them)."""
+    layers = families.decoder_layers(model)
+    got: list[list[torch.Tensor]] = [[] for _ in firsts]
+
+    def keeper(k):
+        return lambda _m, _i, out: got[k].append(hidden(out).reshape(-1, hidden(out).shape[-1]).cpu())
+
+    def halt(*_):
+        raise Stop
+
+    for batch in windows:
+        handles = [layers[a + 1].register_forward_hook(keeper(k)) for k, a in enumerate(firsts)]
+        handles.append(layers[max(firsts) + 1].register_forward_hook(halt))
+        hooked_pass(model, batch, handles)
+    return got
 
 
 def solve_refit(stats: Stats, w0: torch.Tensor, *, ridge: float) -> torch.Tensor:
@@ -231,29 +262,6 @@ def _top(score: torch.Tensor, writes: torch.Tensor, keep: int) -> torch.Tensor:
     return torch.sort(order[:keep]).values
 
 
-def refit_bytes(*, intermediate: int, hidden: int, attention_width: int) -> int:
-    """Bytes of one pair's float64 refit sums (one pair's are held at a time): Z^T Z and Z^T Y of the MLP
-    ([I, I], [I, d]) and of the attention ([w, w], [w, d], w = attention_width: the kept heads' q rows,
-    hidden size without GQA). SmolLM2-135M (I 1536, d 576, w 576): 31 MB; an 8B Llama (14336, 4096, 4096):
-    2.4 GB; a 70B Llama (28672, 8192, 8192): 9.5 GB."""
-    return 8 * (intermediate * (intermediate + hidden) + attention_width * (attention_width + hidden))
-
-
-def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stops: bool = True,
-               target: str = "wide") -> float:
-    """Dense-forward tokens of merge_pairs over `tokens` calibration tokens: per pair one scoring pass and,
-    with `refit`, one refit pass (target "pair": one more, the MLP's refit after the attention's cut, which
-    also runs the pair's two original blocks), each through the model merged so far up to the pair's
-    block (two layers' worth). `stops=False`: whole passes (ZeRO-3 ranks run every pass to the end)."""
-    pair = refit and target == "pair"
-    passes = (3 if pair else 2) if refit else 1
-    cost = 0.0
-    for k, a in enumerate(sorted(firsts)):
-        depth = (a - k + 2) if stops else (num_layers - k)  # k earlier pairs are one layer each by now
-        cost += (passes * depth + (2 if pair else 0)) * tokens / num_layers
-    return cost
-
-
 def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str, tokens: int, target: str) -> None:
     """Refuse, in one line and before any pass, a merge that cannot run."""
     if target not in TARGETS:
@@ -276,14 +284,15 @@ def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str,
 
 @torch.no_grad()
 def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e-2, weighting: str = "norm",
-                target: str = "pair", stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
+                target: str = "dense", stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
     """Merge blocks (a, a + 1) of `model` for every a of `firsts` (original indices, non-overlapping), in
     place: each pair becomes one block of the original shape at a (module doc); gates are detached.
 
     `windows`: calibration batches of token ids [B, S] (this rank's shard); `refit`: repair the cut in
     closed form (False: plain dropping of heads and channels); `ridge`: the refit's shrinkage towards plain
     dropping; `weighting`: "norm" (each token relative to its stream) or "none"; `target`: what the MLP's
-    refit reproduces, "pair" (the two blocks' own output) or "wide" (the flattened block's); `stop=False` runs
+    refit reproduces, "dense" (the dense model's stream after the pair), "pair" (the two blocks' own output)
+    or "wide" (the flattened block's); `stop=False` runs
     every pass to the end (ZeRO-3); `reduce(t)`: the sum of float64 tensor `t` over ranks.
     Returns {"pairs": [(a, a + 1)], "removed": the original indices gone (a + 1), "kept": the original
     index behind each layer of the merged model, "tokens": calibration tokens (all ranks), "cost":
@@ -306,9 +315,12 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
                   "cost": merge_cost(firsts=firsts, num_layers=num, tokens=tokens, refit=refit, stops=stop,
                                      target=target),
                   "per_pair": []}
+    truths = dense_streams(model, firsts, windows) if refit and target == "dense" else None
     for k, a in enumerate(firsts):
         layers = families.decoder_layers(model)
         pair = copy.deepcopy(layers[a - k:a - k + 2]) if refit and target == "pair" else None
+        if truths is not None:
+            pair, truths[k] = truths[k], []  # each pair's targets are freed once its refit has read them
         flat = flatten(model, a - k)
         info.setdefault("sizes", _sizes(model, flat))
         info["per_pair"].append(_cut_pair(model, flat, windows, pair, refit=refit, ridge=ridge, weighting=weighting,
@@ -316,7 +328,7 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     return info
 
 
-def _cut_pair(model, flat: Flat, windows, pair: torch.nn.ModuleList | None, *, refit: bool, ridge: float,
+def _cut_pair(model, flat: Flat, windows, pair: torch.nn.ModuleList | list | None, *, refit: bool, ridge: float,
               weighting: str, stop: bool, reduce: Reduce) -> dict:
     """Score, refit (with `refit`) and cut the flattened pair `flat`: what was kept from each block and
     the attention's and MLP's relative output errors on the calibration tokens, dropped and refitted.

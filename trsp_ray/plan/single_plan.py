@@ -1,25 +1,21 @@
-"""Single-process plan: the memory of a run's stages in one process on one device (driver.run, the
-benchmark, search trials, reproduction cells).
-
-One device holds the working copy of the model (Workbench.fresh_model; the original stays in host
-memory, so on CPU both count), then per stage: a training stage's activations (activations.py);
-per parameter, Adam's two fp32 moments (8) and, for bf16/fp16, an fp32 master copy (4):
-training.TorchStepper. The step's fp32 gradients (4 per parameter) appear after backward freed
-the activations, so the stage peaks at the larger of the two. A no-grad forward holds one layer's
-intermediates and its logits (bytes per token, e = dtype bytes, V vocab): SLEB the model-dtype
-logits, their fp32 upcast and the log-softmax (eV + 4V + 4V; fp32 skips the upcast); evaluation
-(perplexity.py) fp32 logits, their shifted copy and the log-softmax (12V); ShortGPT's Block
-Influence and the angular block run the decoder stack alone (selectors.decoder_forward: no logits)
-and hold the larger of one layer and Block Influence's fp32 probe (activations.probe_bytes; counting
-the logits put Block Influence 59-80% over on one H200); SLEB and angular also the inputs of every
-layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squares
-fit ("compensation", after the removal): on a GPU a transient dense copy on the device (the pruned copy
-steps out to host memory, methods._dense_beside; the fold lands there; the copy is dropped before the
-pruned copy returns, and the removed layers before the fit: the first H200 run, which held all three,
-measured 4.03 GiB on a 1B against 2.52 planned), on CPU the pruned copy and the original; beside it the
-fit's sums and its largest phase over min(data.batch_size, windows) windows per forward
-(plan/compensation_plan.fit_phases, the workers' formula). The pruned model's evaluation holds its kept
-weights ("evaluation (pruned)").
+"""Single-process plan: the memory of a run's stages in one process on one device (driver.run, the benchmark,
+search trials, reproduction cells). One device holds the working copy of the model (Workbench.fresh_model; the
+original stays in host memory, so on CPU both count), then per stage: a training stage's activations
+(activations.py); per parameter, Adam's two fp32 moments (8) and, for bf16/fp16, an fp32 master copy (4):
+training.TorchStepper. The step's fp32 gradients (4 per parameter) appear after backward freed the activations,
+so the stage peaks at the larger of the two. A no-grad forward holds one layer's intermediates and its logits
+(bytes per token, e = dtype bytes, V vocab): SLEB the model-dtype logits, their fp32 upcast and the log-softmax
+(eV + 4V + 4V; fp32 skips the upcast); evaluation (perplexity.py) fp32 logits, their shifted copy and the
+log-softmax (12V); ShortGPT's Block Influence and the angular block run the decoder stack alone
+(selectors.decoder_forward: no logits) and hold the larger of one layer and Block Influence's fp32 probe
+(activations.probe_bytes; counting the logits put Block Influence 59-80% over on one H200); SLEB and angular
+also the inputs of every layer for one batch (L e h): baselines.sleb_drop streams batches. The least-squares fit
+("compensation", after the removal): on a GPU a transient dense copy on the device (the pruned copy steps out to
+host memory, methods._dense_beside; the fold lands there; the copy is dropped before the pruned copy returns,
+and the removed layers before the fit: the first H200 run, which held all three, measured 4.03 GiB on a 1B
+against 2.52 planned), on CPU the pruned copy and the original; beside it the fit's sums and its largest phase
+over min(data.batch_size, windows) windows per forward (plan/compensation_plan.fit_phases, the workers'
+formula). The pruned model's evaluation holds its kept weights ("evaluation (pruned)").
 Measured: benchmarks/planner_single.py; the fit on workers: benchmarks/fit_memory.py.
 """
 
@@ -56,6 +52,7 @@ class SingleSetup:
     eval_seqlen: int = 2048
     kd: bool = False  # recovery.objective == "kd": stage 2 and the heal read a dense teacher
     stored_teacher_k: int = 0  # > 0: the heal reads the teacher store's top-k records instead (teacher_plan)
+    merge_targets_gb: float = 0.0  # a merge's stored dense targets (run/merging.targets_gb), in host memory
 
 
 @dataclass
@@ -148,10 +145,12 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
         logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
         plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
     if name == registry.MERGE_SELECTOR:  # the wide pair's extra layer, the pair's copies (target "pair"), sums
-        from trsp_ray.method.merge import refit_bytes
+        from trsp_ray.method.merge_costs import refit_bytes
 
         plan.parts["merge: the wide pair, the pair's copies + sums"] = (3 * s.layer_params * e + refit_bytes(
             intermediate=s.intermediate, hidden=s.hidden, attention_width=s.heads * s.head_dim)) / GB
+        plan.parts["merge: the dense targets"] = st.merge_targets_gb if st.device == "cpu" else 0.0  # else host
+        plan.host += 0.0 if st.device == "cpu" else st.merge_targets_gb
     if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
     return plan
@@ -252,6 +251,7 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None, trials: bool =
 
 def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
     from trsp_ray.plan.compute import heal_teacher
+    from trsp_ray.run.merging import targets_gb
 
     e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(cfg.dtype, 2 if device == "gpu" else 4)
     d = cfg.data
@@ -260,7 +260,8 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
                        trainable=cfg.stage2.trainable, lora_rank=cfg.stage2.lora_rank,
                        train_base=cfg.stage1.train_base, baseline_batch=d.batch_size, baseline_seqlen=d.seqlen,
                        eval_batch=4, eval_seqlen=d.eval_seqlen, kd=cfg.recovery.objective == "kd",
-                       stored_teacher_k=cfg.recovery.kd_topk if heal_teacher(cfg) == "stored" else 0)
+                       stored_teacher_k=cfg.recovery.kd_topk if heal_teacher(cfg) == "stored" else 0,
+                       merge_targets_gb=targets_gb(cfg, dtype_bytes=e))
 
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",

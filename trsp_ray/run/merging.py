@@ -4,7 +4,7 @@ merged into one block each (trsp_ray/method/merge.py) where a drop would remove 
 A merge's drop set is the second layer of every pair (the layers the merged model no longer has), in the
 selection's order, so the manifest, the export, the tables and the plans read it as any drop set; the
 pair of a dropped layer d is (d - 1, d). Its compute is the row's fit (compute.fit_spent): the scoring
-and refit passes (merge.merge_cost) and the float64 sums and solves of the refits (`solve_cost`).
+and refit passes (merge_costs.merge_cost) and the float64 sums and solves of the refits (`solve_cost`).
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ def solve_cost(shape: Shape, *, tokens: float, pairs: int) -> float:
 
 
 def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
-    """An upper bound of a merge's compute before its pairs are known: merge.merge_cost on the deepest
+    """An upper bound of a merge's compute before its pairs are known: merge_costs.merge_cost on the deepest
     pairs `n_pairs` non-overlapping pairs can be (the last two layers, the two before them, ...), each
     pass stopping after its pair as merge_pairs runs it (a merge runs in one process only), and the
     refits' float64 work. Any pairs cost at most this: a pair's passes grow with its depth, and the k-th
     pair from the top is at most 2k layers from the end."""
-    from trsp_ray.method.merge import merge_cost
+    from trsp_ray.method.merge_costs import merge_cost
 
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
     deepest = [shape.layers - 2 * k for k in range(1, n_pairs + 1)]
@@ -59,10 +59,22 @@ def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
     return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs) if cfg.merging.refit else 0.0)
 
 
+def targets_gb(cfg, *, dtype_bytes: int) -> float:
+    """Host GB of target "dense"'s stored streams (merge_costs.target_bytes) at cfg's pair count; else 0."""
+    if not (cfg.merging.refit and cfg.merging.target == "dense"):
+        return 0.0
+    from trsp_ray.method.merge_costs import target_bytes
+    from trsp_ray.method.stage1 import n_drop_for
+
+    shape = model_shape(cfg.model)
+    return target_bytes(pairs=n_drop_for(cfg.ratio, shape.layers), tokens=merge_windows(cfg, shape) * cfg.data.seqlen,
+                        hidden=shape.hidden, dtype_bytes=dtype_bytes) / 1024**3
+
+
 def drop_cost(cfg, *, drop: list[int], num_layers: int) -> float:
-    """A merge's compute once its drop set is known: the passes merge_pairs runs (merge.merge_cost, each
+    """A merge's compute once its drop set is known: the passes merge_pairs runs (merge_costs.merge_cost, each
     stopping after its pair) and the refits' float64 work, on merge_windows' tokens."""
-    from trsp_ray.method.merge import merge_cost
+    from trsp_ray.method.merge_costs import merge_cost
 
     shape = model_shape(cfg.model)
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen

@@ -1,0 +1,38 @@
+"""What a merge (trsp_ray/method/merge.py) costs before it runs: its passes in dense-forward tokens and the
+bytes it holds (the refit's sums, target "dense"'s stored streams), read by merge_pairs, the budget
+(run/merging.py) and the single-process plan."""
+
+from __future__ import annotations
+
+
+def refit_bytes(*, intermediate: int, hidden: int, attention_width: int) -> int:
+    """Bytes of one pair's float64 refit sums (one pair's are held at a time): Z^T Z and Z^T Y of the MLP
+    ([I, I], [I, d]) and of the attention ([w, w], [w, d], w = attention_width: the kept heads' q rows,
+    hidden size without GQA). SmolLM2-135M (I 1536, d 576, w 576): 31 MB; an 8B Llama (14336, 4096, 4096):
+    2.4 GB; a 70B Llama (28672, 8192, 8192): 9.5 GB."""
+    return 8 * (intermediate * (intermediate + hidden) + attention_width * (attention_width + hidden))
+
+
+def target_bytes(*, pairs: int, tokens: int, hidden: int, dtype_bytes: int) -> int:
+    """Bytes of target "dense"'s stored streams on the host (dense_streams: every pair's, held from the start;
+    each is freed once its pair is merged): SmolLM2-135M in fp32 at 8 pairs of 43,008 tokens: 793 MB."""
+    return pairs * tokens * hidden * dtype_bytes
+
+
+def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stops: bool = True,
+               target: str = "wide") -> float:
+    """Dense-forward tokens of merge_pairs over `tokens` calibration tokens: per pair one scoring pass and,
+    with `refit`, one refit pass (target "pair": one more, the MLP's refit after the attention's cut, which
+    also runs the pair's two original blocks), each through the model merged so far up to the pair's
+    block (two layers' worth); target "dense": the same three passes, and one pass of the dense model to the
+    deepest pair's end that stores the targets. `stops=False`: whole passes (ZeRO-3 ranks run every pass to
+    the end)."""
+    pair = refit and target == "pair"
+    dense = refit and target == "dense"
+    passes = (3 if pair or dense else 2) if refit else 1
+    firsts = sorted(firsts)
+    cost = (max(firsts) + 2) * tokens / num_layers if dense and firsts else 0.0
+    for k, a in enumerate(firsts):
+        depth = (a - k + 2) if stops else (num_layers - k)  # k earlier pairs are one layer each by now
+        cost += (passes * depth + (2 if pair else 0)) * tokens / num_layers
+    return cost
