@@ -308,9 +308,17 @@ class MergeConfig:
     # pair (stored on the host in one pass, merge_costs.target_bytes); "pair", the two blocks' own output on the
     # merged stream; "wide", the flattened block's
     target: str = "dense"
+    # which attention units a cut keeps (method/merge_choice.py): "energy", those that write most; "loss", the
+    # candidate set (at most unit_trials) whose cut leaves the lowest loss on choice_windows calibration windows
+    units: str = "loss"
+    unit_trials: int = 24
+    choice_windows: int = 16
 
     def __post_init__(self):
         _choice("merging.target", self.target, ("pair", "wide", "dense"))
+        _choice("merging.units", self.units, ("energy", "loss"))
+        _positive("merging.unit_trials", self.unit_trials)
+        _positive("merging.choice_windows", self.choice_windows)
         _positive("merging.windows", self.windows, allow_zero=True)
         _positive("merging.tokens_per_column", self.tokens_per_column)
         _positive("merging.ridge", self.ridge, allow_zero=True)

@@ -54,7 +54,8 @@ from trsp_ray.method.compensation import Stats
 from trsp_ray.method.compensation_forms import WEIGHTINGS
 from trsp_ray.method.gates import detach_gates
 from trsp_ray.method.merge_blocks import Flat, attention_layout, check_pairs, cut_part, flatten, mlp_layout, module_at
-from trsp_ray.method.merge_costs import merge_cost, refit_bytes
+from trsp_ray.method.merge_choice import candidates, choose_units, first_rows, sub_stats
+from trsp_ray.method.merge_costs import choice_sets, merge_cost, refit_bytes
 from trsp_ray.models import families
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -284,7 +285,8 @@ def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str,
 
 @torch.no_grad()
 def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e-2, weighting: str = "norm",
-                target: str = "dense", stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
+                target: str = "dense", units: str = "loss", trials: int = 24, choice_windows: int = 16,
+                stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
     """Merge blocks (a, a + 1) of `model` for every a of `firsts` (original indices, non-overlapping), in
     place: each pair becomes one block of the original shape at a (module doc); gates are detached.
 
@@ -310,10 +312,15 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     detach_gates(model)
     num = families.num_layers(model)
     removed = [a + 1 for a in firsts]
+    choice = {"trials": trials, "windows": first_rows(windows, choice_windows)} if units == "loss" else None
+    first = families.decoder_layers(model)[0]
+    sets = choice_sets(attention_layout(model, first).units, trials) if choice else 0
+    seen = reduce(torch.tensor(float(sum(int(w.numel()) for w in choice["windows"])) if choice else 0.0,
+                               dtype=torch.float64))
     info: dict = {"pairs": [(a, a + 1) for a in firsts], "removed": removed,
                   "kept": [i for i in range(num) if i not in set(removed)], "tokens": tokens,
                   "cost": merge_cost(firsts=firsts, num_layers=num, tokens=tokens, refit=refit, stops=stop,
-                                     target=target),
+                                     target=target, sets=sets, choice_tokens=int(round(seen.item()))),
                   "per_pair": []}
     truths = dense_streams(model, firsts, windows) if refit and target == "dense" else None
     for k, a in enumerate(firsts):
@@ -324,29 +331,42 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
         flat = flatten(model, a - k)
         info.setdefault("sizes", _sizes(model, flat))
         info["per_pair"].append(_cut_pair(model, flat, windows, pair, refit=refit, ridge=ridge, weighting=weighting,
-                                          stop=stop, reduce=reduce) | {"pair": (a, a + 1)})
+                                          stop=stop, reduce=reduce, choice=choice) | {"pair": (a, a + 1)})
     return info
 
 
 def _cut_pair(model, flat: Flat, windows, pair: torch.nn.ModuleList | list | None, *, refit: bool, ridge: float,
-              weighting: str, stop: bool, reduce: Reduce) -> dict:
+              weighting: str, stop: bool, reduce: Reduce, choice: dict | None = None) -> dict:
     """Score, refit (with `refit`) and cut the flattened pair `flat`: what was kept from each block and
     the attention's and MLP's relative output errors on the calibration tokens, dropped and refitted.
     `pair` (the two blocks as they were; None: target "wide"): the MLP's refit aims at their output, on a
-    pass after the attention's cut."""
+    pass after the attention's cut. `choice` ({"trials", "windows"}; None: the energy choice): the attention
+    units kept by the loss they leave (merge_choice.py)."""
     unit_scores, channel_scores = scores(model, flat, windows, weighting=weighting, stop=stop, reduce=reduce)
     unit_writes, channel_writes = _writes(model, flat)
     units = _top(unit_scores, unit_writes, flat.attention.units)
     channels = _top(channel_scores, channel_writes, flat.mlp.units)
-    got: dict = {"units_from": _split(units, flat.attention.units), "channels_from": _split(channels, flat.mlp.units)}
     if not refit:
         cut_part(model, flat, "attention", keep=units)
         cut_part(model, flat, "mlp", keep=channels)
-        return got
-    attn, mlp = refit_sums(model, flat, windows, units=units, channels=None if pair is not None else channels,
-                           weighting=weighting, stop=stop, reduce=reduce)
+        return {"units_from": _split(units, flat.attention.units), "channels_from": _split(channels, flat.mlp.units)}
     o_proj, down = _outputs(model, flat)
-    out, errors = _solved(attn, o_proj, columns(units, flat.attention.output.sizes[0]), ridge=ridge, key="attn")
+    width, chosen = flat.attention.output.sizes[0], {}
+    summed = torch.arange(2 * flat.attention.units) if choice else units
+    attn, mlp = refit_sums(model, flat, windows, units=summed, channels=None if pair is not None else channels,
+                           weighting=weighting, stop=stop, reduce=reduce)
+    if choice:  # merging.units=loss (merge_choice.py): every candidate cut, refitted from the full-width sums
+        def refit_for(keep):
+            return _solved(sub_stats(attn, columns(keep, width)), o_proj, columns(keep, width), ridge=ridge,
+                           key="attn")[0]
+
+        sets = candidates(units, unit_scores, trials=choice["trials"])
+        units, losses = choose_units(model, flat, sets, refit_for, choice["windows"], reduce=reduce)
+        attn = sub_stats(attn, columns(units, width))
+        chosen = {"unit_losses": losses, "energy_rank": sorted(losses).index(losses[0])}
+    got: dict = {"units_from": _split(units, flat.attention.units), "channels_from": _split(channels, flat.mlp.units),
+                 **chosen}
+    out, errors = _solved(attn, o_proj, columns(units, width), ridge=ridge, key="attn")
     cut_part(model, flat, "attention", keep=units, out=out)
     if pair is not None:
         mlp = pair_mlp_sums(model, flat, windows, pair, channels=channels, weighting=weighting, stop=stop,

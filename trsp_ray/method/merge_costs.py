@@ -4,6 +4,8 @@ bytes it holds (the refit's sums, target "dense"'s stored streams), read by merg
 
 from __future__ import annotations
 
+import math
+
 
 def refit_bytes(*, intermediate: int, hidden: int, attention_width: int) -> int:
     """Bytes of one pair's float64 refit sums (one pair's are held at a time): Z^T Z and Z^T Y of the MLP
@@ -19,14 +21,23 @@ def target_bytes(*, pairs: int, tokens: int, hidden: int, dtype_bytes: int) -> i
     return pairs * tokens * hidden * dtype_bytes
 
 
+def choice_sets(units: int, trials: int) -> int:
+    """How many attention unit sets merging.units=loss tries a pair (merge_choice.candidates): every way to
+    keep `units` of the wide block's 2 x units when there are at most `trials`, else the energy choice and
+    its single swaps (units^2 of them), at most `trials` in all."""
+    every = math.comb(2 * units, units)
+    return every if every <= trials else min(trials, 1 + units * units)
+
+
 def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stops: bool = True,
-               target: str = "wide") -> float:
+               target: str = "wide", sets: int = 0, choice_tokens: int = 0) -> float:
     """Dense-forward tokens of merge_pairs over `tokens` calibration tokens: per pair one scoring pass and,
     with `refit`, one refit pass (target "pair": one more, the MLP's refit after the attention's cut, which
     also runs the pair's two original blocks), each through the model merged so far up to the pair's
     block (two layers' worth); target "dense": the same three passes, and one pass of the dense model to the
     deepest pair's end that stores the targets. `stops=False`: whole passes (ZeRO-3 ranks run every pass to
-    the end)."""
+    the end). merging.units=loss: `sets` trials a pair (choice_sets), each a whole pass of `choice_tokens`
+    through the model merged so far."""
     pair = refit and target == "pair"
     dense = refit and target == "dense"
     passes = (3 if pair or dense else 2) if refit else 1
@@ -35,4 +46,5 @@ def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stop
     for k, a in enumerate(firsts):
         depth = (a - k + 2) if stops else (num_layers - k)  # k earlier pairs are one layer each by now
         cost += (passes * depth + (2 if pair else 0)) * tokens / num_layers
+        cost += sets * choice_tokens * (num_layers - k) / num_layers if refit else 0.0
     return cost

@@ -52,7 +52,7 @@ class SingleSetup:
     eval_seqlen: int = 2048
     kd: bool = False  # recovery.objective == "kd": stage 2 and the heal read a dense teacher
     stored_teacher_k: int = 0  # > 0: the heal reads the teacher store's top-k records instead (teacher_plan)
-    merge_targets_gb: float = 0.0  # a merge's stored dense targets (run/merging.targets_gb), in host memory
+    merge_gb: tuple = (0.0, 0.0)  # a merge's own device and host memory (run/merging.merge_memory)
 
 
 @dataclass
@@ -144,13 +144,10 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     else:
         logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
         plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
-    if name == registry.MERGE_SELECTOR:  # the wide pair's extra layer, the pair's copies (target "pair"), sums
-        from trsp_ray.method.merge_costs import refit_bytes
-
-        plan.parts["merge: the wide pair, the pair's copies + sums"] = (3 * s.layer_params * e + refit_bytes(
-            intermediate=s.intermediate, hidden=s.hidden, attention_width=s.heads * s.head_dim)) / GB
-        plan.parts["merge: the dense targets"] = st.merge_targets_gb if st.device == "cpu" else 0.0  # else host
-        plan.host += 0.0 if st.device == "cpu" else st.merge_targets_gb
+    if name == registry.MERGE_SELECTOR:  # run/merging.merge_memory: on the device, and on the host
+        device, host = st.merge_gb
+        plan.parts["merge: wide pair, copies, sums, trial logits"] = device + (host if st.device == "cpu" else 0.0)
+        plan.host += 0.0 if st.device == "cpu" else host
     if name in registry.LAYER_INPUT_SELECTORS:
         plan.parts["layer inputs of one batch"] = tokens * s.layers * e * s.hidden / GB
     return plan
@@ -251,7 +248,7 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None, trials: bool =
 
 def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
     from trsp_ray.plan.compute import heal_teacher
-    from trsp_ray.run.merging import targets_gb
+    from trsp_ray.run.merging import merge_memory
 
     e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(cfg.dtype, 2 if device == "gpu" else 4)
     d = cfg.data
@@ -261,7 +258,7 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
                        train_base=cfg.stage1.train_base, baseline_batch=d.batch_size, baseline_seqlen=d.seqlen,
                        eval_batch=4, eval_seqlen=d.eval_seqlen, kd=cfg.recovery.objective == "kd",
                        stored_teacher_k=cfg.recovery.kd_topk if heal_teacher(cfg) == "stored" else 0,
-                       merge_targets_gb=targets_gb(cfg, dtype_bytes=e))
+                       merge_gb=merge_memory(cfg, dtype_bytes=e))
 
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",

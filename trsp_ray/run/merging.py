@@ -34,14 +34,27 @@ def shape_widths(shape: Shape) -> tuple[int, int]:
     return shape.intermediate, shape.heads * shape.head_dim
 
 
-def solve_cost(shape: Shape, *, tokens: float, pairs: int) -> float:
+def solve_cost(shape: Shape, *, tokens: float, pairs: int, sets: int = 0) -> float:
     """Dense-forward tokens of the refits' float64 work for `pairs` pairs on `tokens` calibration tokens
-    (FLOPs x compute.FLOAT64_SLOWDOWN over a dense forward's FLOPs per token)."""
+    (FLOPs x compute.FLOAT64_SLOWDOWN over a dense forward's FLOPs per token); `sets` > 0 (merging.units=loss):
+    the attention's sums over the wide block's columns and one solve per unit set tried."""
     d = float(shape.hidden)
-    flops = 0.0
-    for k in map(float, shape_widths(shape)):
-        flops += SUMS * k * (k + d) * tokens + FACTOR * k ** 3 + SOLVE * k * k * d
+    mlp, attn = map(float, shape_widths(shape))
+    flops = SUMS * mlp * (mlp + d) * tokens + FACTOR * mlp ** 3 + SOLVE * mlp * mlp * d
+    summed = 2 * attn if sets else attn
+    flops += SUMS * summed * (summed + d) * tokens + max(sets, 1) * (FACTOR * attn ** 3 + SOLVE * attn * attn * d)
     return pairs * flops * FLOAT64_SLOWDOWN / (2.0 * forward_weights(shape))
+
+
+def choice(cfg, shape: Shape) -> dict:
+    """merge_cost's and solve_cost's count of merging.units=loss's trials: {"sets", "choice_tokens"} ({} for
+    the energy choice)."""
+    m = cfg.merging
+    if not (m.refit and m.units == "loss"):
+        return {}
+    from trsp_ray.method.merge_costs import choice_sets
+
+    return {"sets": choice_sets(shape.kv_heads, m.unit_trials), "choice_tokens": m.choice_windows * cfg.data.seqlen}
 
 
 def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
@@ -54,9 +67,29 @@ def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
 
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
     deepest = [shape.layers - 2 * k for k in range(1, n_pairs + 1)]
+    trials = choice(cfg, shape)
     passes = merge_cost(firsts=deepest, num_layers=shape.layers, tokens=tokens, refit=cfg.merging.refit,
-                        target=cfg.merging.target)
-    return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs) if cfg.merging.refit else 0.0)
+                        target=cfg.merging.target, **trials)
+    sets = trials.get("sets", 0)
+    return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs, sets=sets) if cfg.merging.refit else 0.0)
+
+
+def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> tuple[float, float]:
+    """(device GB, host GB) a merge holds beside the model and one layer's pass (the single plan's merge stage):
+    the wide pair's extra layer; two layers' copies (target "pair": the pair as it was; units=loss: the wide
+    block a trial cuts); the refit's float64 sums (units=loss: the attention's over the wide block's columns);
+    units=loss: one batch's logits and their fp32 loss; target "dense"'s stored streams, on the host."""
+    from trsp_ray.method.merge_costs import refit_bytes
+
+    m, e = cfg.merging, dtype_bytes
+    shape = shape or model_shape(cfg.model)
+    loss = m.refit and m.units == "loss"
+    copies = 2 if m.refit and (m.target == "pair" or loss) else 0
+    mlp, attn = shape_widths(shape)
+    sums = refit_bytes(intermediate=mlp, hidden=shape.hidden, attention_width=attn * (2 if loss else 1))
+    logits = cfg.data.batch_size * cfg.data.seqlen * shape.vocab * (e + 8) if loss else 0
+    device = (1 + copies) * shape.layer_params * e + (sums if m.refit else 0) + logits
+    return device / 1024**3, targets_gb(cfg, dtype_bytes=e)
 
 
 def targets_gb(cfg, *, dtype_bytes: int) -> float:
@@ -78,9 +111,11 @@ def drop_cost(cfg, *, drop: list[int], num_layers: int) -> float:
 
     shape = model_shape(cfg.model)
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
+    trials = choice(cfg, shape)
     passes = merge_cost(firsts=[d - 1 for d in drop], num_layers=num_layers, tokens=tokens, refit=cfg.merging.refit,
-                        target=cfg.merging.target)
-    return passes + (solve_cost(shape, tokens=tokens, pairs=len(drop)) if cfg.merging.refit else 0.0)
+                        target=cfg.merging.target, **trials)
+    sets = trials.get("sets", 0)
+    return passes + (solve_cost(shape, tokens=tokens, pairs=len(drop), sets=sets) if cfg.merging.refit else 0.0)
 
 
 def heal_left(cfg, *, spec, heal, drop: list[int], info: dict):
@@ -109,9 +144,12 @@ def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[in
 
     m = cfg.merging
     done = merge_pairs(model=model, firsts=[d - 1 for d in drop], windows=windows, refit=m.refit, ridge=m.ridge,
-                       weighting=m.weighting, target=m.target)
+                       weighting=m.weighting, target=m.target, units=m.units, trials=m.unit_trials,
+                       choice_windows=m.choice_windows)
     pairs = done["per_pair"]
-    solve = solve_cost(model_shape(cfg.model), tokens=done["tokens"], pairs=len(pairs)) if m.refit else 0.0
+    shape = model_shape(cfg.model)
+    sets = choice(cfg, shape).get("sets", 0)
+    solve = solve_cost(shape, tokens=done["tokens"], pairs=len(pairs), sets=sets) if m.refit else 0.0
     info.update(merge_pairs=[list(p["pair"]) for p in pairs], merge_tokens=done["tokens"],
                 merge_cost=done["cost"], merge_solve_cost=solve, merge_refit=m.refit,
                 merge_units_from=[list(p["units_from"]) for p in pairs],

@@ -1,0 +1,83 @@
+"""Which attention units a merge should keep, one pair at a time: every candidate set's refit error and the
+held-out loss it leaves (the measurement behind merging.units=loss, trsp_ray/method/merge_choice.py).
+
+For pair (a, a + 1) of the default model, flattened alone (every other layer dense, the MLP left wide): the
+attention's refit sums over the wide block's columns on C calibration windows (the merge's own stream), then
+for each candidate set (every way to keep half the wide block's units when there are at most --trials, else
+the energy choice and its nearest swaps) the attention cut and refitted in closed form, and scored on the
+first W held-out windows (never fitted on): the refit's error relative to the wide output's energy on the
+calibration tokens, and the mean next-token loss in nats. The energy choice (what merging.units=energy keeps)
+is marked.
+
+    python benchmarks/merge_units.py --pair 8 --calib 64 --windows 16
+
+Prints one table, sorted by loss, and the load average beside the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pair", type=int, required=True, help="first layer a of the pair (a, a + 1)")
+    p.add_argument("--calib", type=int, default=64, help="calibration windows the refit is summed on")
+    p.add_argument("--windows", type=int, default=16, help="held-out windows scored")
+    p.add_argument("--trials", type=int, default=100, help="at most this many unit sets")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+
+    import torch
+
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.method import merge
+    from trsp_ray.method.merge_blocks import flatten
+    from trsp_ray.method.merge_choice import candidates, choose_units, mean_loss, sub_stats
+    from trsp_ray.method.training import FIT_STREAM
+    from trsp_ray.run.methods import fixed_windows
+    from trsp_ray.run.pipeline import resolve
+    from trsp_ray.run.workbench import prepare
+
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    bench = prepare(resolve(load_config(overrides=["tracking.enabled=false", "method=merge"])).cfg)
+    if not 0 <= args.pair < bench.num_layers - 1:
+        raise SystemExit(f"--pair {args.pair} is not valid; use 0..{bench.num_layers - 2}")
+    calib = fixed_windows(bench.batches(FIT_STREAM), args.calib)
+    held = [w.reshape(1, -1) if w.dim() == 1 else w for w in bench.heldout.windows[:args.windows]]
+    same = lambda t: t  # noqa: E731 (one process)
+    dense = mean_loss(bench.scoring_model(), held, reduce=same)
+    model = bench.fresh_model()
+    with torch.no_grad():
+        flat = flatten(model, args.pair)
+        wide_loss = mean_loss(model, held, reduce=same)
+        unit_scores, _ = merge.scores(model, flat, calib)
+        energy = merge._top(unit_scores, merge._writes(model, flat)[0], flat.attention.units)
+        attn, _ = merge.refit_sums(model, flat, calib, units=torch.arange(2 * flat.attention.units), channels=None)
+        o_proj, width = merge._outputs(model, flat)[0], flat.attention.output.sizes[0]
+        errors = {}
+
+        def refit(keep):
+            out, err = merge._solved(sub_stats(attn, merge.columns(keep, width)), o_proj, merge.columns(keep, width),
+                                     ridge=1e-2, key="attn")
+            errors[tuple(keep.tolist())] = err["attn_error_refit"]
+            return out
+
+        sets = candidates(energy, unit_scores, trials=args.trials)
+        _, losses = choose_units(model, flat, sets, refit, held, reduce=same)
+    print(f"pair {args.pair}-{args.pair + 1}: {len(sets)} unit sets of {flat.attention.units} of "
+          f"{2 * flat.attention.units}; {args.calib} calibration windows, {len(held)} held-out windows; "
+          f"dense loss {dense:.4f}, flattened {wide_loss:.4f}")
+    print("| units kept | refit error | held-out loss | |")
+    print("|---|---|---|---|")
+    for units, loss in sorted(zip(sets, losses), key=lambda t: t[1]):
+        mark = "energy choice" if units == sets[0] else ""
+        print(f"| {','.join(map(str, units))} | {errors[units]:.3f} | {loss:.4f} | {mark} |")
+    print(f"[{time.time() - t0:.0f}s, load {os.getloadavg()[0]:.2f}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Which attention units a merge keeps, by the loss the merged model is left with (merging.units=loss).
+
+The energy choice (merge._top: the units that write most into the stream) and even the refit's own
+least-squares error barely tell the kept units apart where it matters: on SmolLM2-135M, pair 8-9 alone
+(its MLP left wide), the 20 ways to keep 3 of the wide block's 6 KV groups, each cut and refitted in
+closed form on 64 calibration windows, spread the next-token loss on 16 held-out windows from 3.141 to
+3.238 nats (dense 2.887, the flattened pair 3.115), and their refit errors (0.158-0.245 of the wide
+output's energy) do not rank them: the lowest error was 4th by loss, the energy choice 17th of 20. So
+each candidate is cut, refitted from the same full-width sums, and scored by the whole model's mean
+next-token loss on a few calibration windows; the lowest is kept.
+
+Candidates: every way to keep `units` of the 2 x units when there are at most `trials` of them (3 KV
+groups a block: 20), else the energy choice and its single swaps (a kept unit out, a dropped one in),
+the weakest kept against the strongest dropped first, up to `trials` in all. Each trial is one full
+pass of the choice windows through the model merged so far (merge_costs.merge_cost counts them).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable
+
+import torch
+
+from trsp_ray.method.compensation import Stats
+from trsp_ray.method.merge_blocks import Flat, cut_part
+from trsp_ray.models import families
+
+Refit = Callable[[torch.Tensor], torch.Tensor]  # kept units (ascending) -> the o columns' new weight [d, width]
+
+
+def candidates(energy_top: torch.Tensor, energy: torch.Tensor, *, trials: int) -> list[tuple[int, ...]]:
+    """The unit sets to try (module doc), the energy choice `energy_top` (ascending) first; `energy`: every
+    wide unit's score."""
+    wide, keep = len(energy), len(energy_top)
+    top = tuple(int(u) for u in energy_top)
+    if math.comb(wide, keep) <= trials:  # as merge_costs.choice_sets counts them
+        return [top] + [s for s in itertools.combinations(range(wide), keep) if s != top]
+    kept = sorted(top, key=lambda u: float(energy[u]))  # weakest kept first
+    dropped = sorted((u for u in range(wide) if u not in top), key=lambda u: -float(energy[u]))  # strongest first
+    swaps = sorted(itertools.product(range(keep), range(wide - keep)), key=lambda ij: (ij[0] + ij[1], ij))
+    got = [top]
+    for i, j in swaps[:trials - 1]:
+        got.append(tuple(sorted(set(top) - {kept[i]} | {dropped[j]})))
+    return got
+
+
+@torch.no_grad()
+def mean_loss(model, windows, *, reduce: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """The mean next-token cross-entropy of `model` over token-id batches `windows`, summed over ranks."""
+    device = next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in windows:
+        batch = batch.to(device)
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        total[0] += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                      reduction="sum").double()
+        total[1] += batch[:, 1:].numel()
+    total = reduce(total)
+    return float(total[0] / total[1])
+
+
+def choose_units(model, flat: Flat, sets: list[tuple[int, ...]], refit: Refit, windows, *,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+    """(the unit set of `sets` whose cut, with `refit`'s weights, leaves `model` the lowest mean loss on
+    `windows`, and every set's loss). The flattened block is cut on a copy each time; `model` is left as
+    it came, still wide."""
+    layers = families.decoder_layers(model)
+    wide = layers[flat.index]
+    losses = []
+    try:
+        for units in sets:
+            keep = torch.tensor(units)
+            layers[flat.index] = copy.deepcopy(wide)
+            cut_part(model, dataclasses.replace(flat, restore=dict(flat.restore)), "attention", keep=keep,
+                     out=refit(keep))
+            losses.append(mean_loss(model, windows, reduce=reduce))
+    finally:
+        layers[flat.index] = wide
+    return torch.tensor(sets[min(range(len(sets)), key=losses.__getitem__)]), losses
+
+
+def sub_stats(stats: Stats, cols: torch.Tensor) -> Stats:
+    """The refit sums of the input columns `cols` alone, from sums over every column."""
+    cols = cols.to(stats.mtm.device)
+    return Stats(stats.block, stats.mtm[cols][:, cols], stats.mty[cols], stats.yty, stats.tokens)
+
+
+def first_rows(windows: list, rows: int) -> list:
+    """The first batches of `windows` that hold `rows` windows (the last one cut to fit)."""
+    got, left = [], rows
+    for batch in windows:
+        if left <= 0:
+            break
+        got.append(batch[:left])
+        left -= len(got[-1])
+    return got
