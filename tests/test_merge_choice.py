@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from trsp_ray.common.errors import TrspError
+from trsp_ray.config.run_config import load_config
 from trsp_ray.method import merge
 from trsp_ray.method.merge_blocks import cut_part, flatten
 from trsp_ray.method.merge_choice import candidates, choose_units, first_rows, mean_loss, sub_stats
@@ -80,3 +82,13 @@ def test_a_merge_by_loss_tries_the_counted_sets_and_counts_their_passes():
     # 6 choice windows of 40 tokens (one batch of 4, then 2); pair k runs through the 6 - k layers left
     trials = choice_sets(units, 24) * 6 * 40 * (6 + 5) / 6
     assert info["cost"] == pytest.approx(energy + trials)
+
+
+def test_bad_settings_are_refused_in_one_line_before_any_pass():
+    model = tiny_model("llama", layers=6).float().eval()
+    for bad, match in (({"units": "random"}, "units='random' is not valid; choose loss or energy"),
+                       ({"target": "teacher"}, "target='teacher' is not valid; choose one of pair, wide, dense")):
+        with pytest.raises(TrspError, match=match):
+            merge.merge_pairs(model=model, firsts=[1], windows=_windows(2), **bad)
+    with pytest.raises(TrspError, match="merging.units='random' is not valid"):
+        load_config(None, ["merging.units=random"])

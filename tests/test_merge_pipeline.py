@@ -197,10 +197,10 @@ def test_a_budget_heals_with_what_the_merge_left_not_with_its_planned_bound(work
 
 
 def test_the_dense_targets_are_the_bytes_the_plan_holds_for_them_on_the_host():
-    """Target "dense" stores every pair's dense stream before the first merge: the streams dense_streams
+    """Target "dense" stores every pair's dense stream before the first merge: the streams layer_outputs
     returns are target_bytes' count, and the single-process plan of a merge holds targets_gb of them on
     the host beside a GPU (in the one memory on CPU); another target holds none."""
-    from trsp_ray.method.merge import dense_streams
+    from trsp_ray.method.boundaries import layer_outputs
     from trsp_ray.method.merge_costs import target_bytes
     from trsp_ray.models.tiny import tiny_model
     from trsp_ray.plan.single_plan import single_plan_for_run
@@ -208,7 +208,7 @@ def test_the_dense_targets_are_the_bytes_the_plan_holds_for_them_on_the_host():
 
     model = tiny_model("llama", layers=8).float()
     windows = [torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(k)) for k in range(3)]
-    got = dense_streams(model, [1, 5], windows)
+    got = layer_outputs(model, [2, 6], windows)  # the ends of pairs (1, 2) and (5, 6)
     held = sum(t.numel() * t.element_size() for pair in got for t in pair)
     assert held == target_bytes(pairs=2, tokens=3 * 2 * 24, hidden=model.config.hidden_size, dtype_bytes=4)
 

@@ -60,6 +60,27 @@ def hooked_pass(model, batch, handles) -> None:
         for h in handles:
             h.remove()
 
+def layer_outputs(model, layers: list[int], windows) -> list[list]:
+    """Per decoder layer of `layers`, per batch of token ids of `windows`: the stream that layer leaves, [n, d] in
+    the stream's dtype on the host, from one pass a batch that stops after the deepest (a merge's dense targets)."""
+    from trsp_ray.models import families
+
+    decoder = families.decoder_layers(model)
+    got: list[list] = [[] for _ in layers]
+
+    def keeper(k):
+        return lambda _m, _i, out: got[k].append(hidden(out).reshape(-1, hidden(out).shape[-1]).cpu())
+
+    def halt(*_):
+        raise Stop
+
+    for batch in windows:
+        handles = [decoder[i].register_forward_hook(keeper(k)) for k, i in enumerate(layers)]
+        handles.append(decoder[max(layers)].register_forward_hook(halt))
+        hooked_pass(model, batch, handles)
+    return got
+
+
 def stream_blocks(model, batch, spans, *, on_block, stop: bool, mlp_output=None) -> None:
     """One pass of `batch` through `model` that hands every block (a, b) of `spans` its rows [n, d]
     as soon as layer b has run: on_block(span, out, m, target) with layer a-1's output, its MLP

@@ -1,44 +1,44 @@
-"""Merge instead of drop (FlattenGPT, ICML 2026): each chosen pair of adjacent blocks becomes one block
-of the original shape, so the export is a stock model with one layer fewer per pair. The pair is first
-flattened into one block of twice the width (trsp_ray/method/merge_blocks.py: the parallel form, the
-norms folded), then cut back to the original counts of heads and channels and repaired.
+"""Merge instead of drop (FlattenGPT, ICML 2026): each chosen pair of adjacent blocks becomes one block of the original
+shape, so the export is a stock model with one layer fewer per pair. The pair is first flattened into one block of
+twice the width (trsp_ray/method/merge_blocks.py: the parallel form, the norms folded), then cut back to the
+original counts of heads and channels and repaired.
 
-The cut. Both blocks' attention units and MLP channels are scored on calibration windows through the
-flattened model: a unit's score is the summed squared norm of what it adds to the residual stream (its
-heads' outputs through their o columns), a channel's the same through its down column. The top half
-is kept: as many KV groups (heads without grouped-query attention) and channels as one block has.
+The cut. Both blocks' attention units and MLP channels are scored on calibration windows through the flattened
+model: a unit's score is the summed squared norm of what it adds to the residual stream (its heads' outputs through
+their o columns), a channel's the same through its down column. The top half is kept: as many KV groups (heads
+without grouped-query attention) and channels as one block has. That is the channels' choice; the attention's
+(merging.units=loss, the default) tries every set of units to keep (at most merging.unit_trials), refitted, and
+keeps the one leaving the lowest next-token loss (merge_choice.py: on SmolLM2 the energy choice was 17th of 20 by
+held-out loss).
 
-The repair. What the removed units wrote is refitted into the kept units' output weights in closed
-form, for the MLP (down columns) and the attention (o columns) alike. On a second pass through the
-flattened block, still wide, Z = the kept units' inputs to the output linear [n, k] (the kept channels'
-activations; the kept heads' attention outputs) and Y = the wide block's output of that linear [n, d]
-(its bias aside):
+The repair. What the removed units wrote is refitted into the kept units' output weights in closed form, for the MLP
+(down columns) and the attention (o columns) alike. On a second pass through the flattened block, still wide, Z =
+the kept units' inputs to the output linear [n, k] (the kept channels' activations; the kept heads' attention
+outputs) and Y = the wide block's output of that linear [n, d] (its bias aside):
     W = argmin ||Z W - Y||^2 + r ||W - W0||^2 = W0 + (Z^T Z + r I)^-1 (Z^T Y - Z^T Z W0),
-W0 = the kept units' own output rows (plain dropping), r = ridge * mean(diag(Z^T Z)): the ridge shrinks
-towards plain dropping, so a cut that loses nothing keeps its weights. The sums are float64
-(compensation.Stats, as the least-squares fold's) and, under "norm" weighting, every token's rows are
-divided by the norm of the stream entering the block (compensation.py's reason: a few attention-sink
-tokens, streams ~100x the others', would otherwise hold the fit and the scores). Both refits aim at the
-flattened pair's own outputs, so one pass serves both; the MLP's inputs are then those of the wide
-attention, which the attention's refit imitates. Measured on SmolLM2-135M (3 KV groups a block, so a cut
-keeps 3 of 6), one pair at layers 8-9, validation PPL on the calibration tail (dense 28.3): flattened
-33.0; attention cut 38.9, with its refit 35.0 (its calibration error 0.42 -> 0.18 of the wide output's
+W0 = the kept units' own output rows (plain dropping), r = ridge * mean(diag(Z^T Z)): the ridge shrinks towards
+plain dropping, so a cut that loses nothing keeps its weights. The sums are float64 (compensation.Stats, as the
+least-squares fold's) and, under "norm" weighting, every token's rows are divided by the norm of the stream entering
+the block (compensation.py's reason: a few attention-sink tokens, streams ~100x the others', would otherwise hold
+the fit and the scores). Both refits aim at the flattened pair's own outputs, so one pass serves both; the MLP's
+inputs are then those of the wide attention, which the attention's refit imitates. Measured on SmolLM2-135M (3 KV
+groups a block, so a cut keeps 3 of 6), one pair at layers 8-9, validation PPL on the calibration tail (dense 28.3):
+flattened 33.0; attention cut 38.9, with its refit 35.0 (its calibration error 0.42 -> 0.18 of the wide output's
 energy); MLP cut 34.6, with its refit 34.5 (held-out per-token error 0.21 -> 0.12, median).
 
-The target (merging.target). "wide": both refits aim at the flattened block's own outputs, as above.
-"pair": the attention's refit does, then the attention is cut and one more pass refits the MLP's down
-columns towards the stream the two original blocks leave on the same input (copies of them run inside
-the pass), Y = y* - (the block's output less its MLP's) - the down bias: the last linear repairs the
-flattening's approximation and the attention's cut too, as the fold repairs a drop. On SmolLM2-135M at
-8 of 30 (docs/results.md) it raised LAMBADA from 0.032 to 0.088 and halved wiki PPL. "dense" (the
-default): the same, with y* the stream the dense model leaves after the pair on the same window, stored
-on the host by one pass before the first merge (dense_streams, target_bytes): each pair's refit also
-repairs what the earlier merges left in its input, as the sequential fold does. Same pairs: LAMBADA 0.090,
-every domain's perplexity 7-17% lower than "pair" (wiki 55.9 -> 50.3), and no original blocks to run.
+The target (merging.target). "wide": both refits aim at the flattened block's own outputs, as above. "pair": the
+attention's refit does, then the attention is cut and one more pass refits the MLP's down columns towards the stream
+the two original blocks leave on the same input (copies of them run inside the pass), Y = y* - (the block's output
+less its MLP's) - the down bias: the last linear repairs the flattening's approximation and the attention's cut too,
+as the fold repairs a drop. On SmolLM2-135M at 8 of 30 (docs/results.md) it raised LAMBADA from 0.032 to 0.088 and
+halved wiki PPL. "dense" (the default): the same, with y* the stream the dense model leaves after the pair on the
+same window, stored on the host by one pass before the first merge (boundaries.layer_outputs, target_bytes):
+each pair's refit also repairs what the earlier merges left in its input, as the sequential fold does. Same pairs:
+LAMBADA 0.090, every domain's perplexity 7-17% lower than "pair" (wiki 55.9 -> 50.3), and no original blocks to run.
 
-Order. Pairs are merged from the first, each on the stream the earlier merges left (the windows run
-through the model as merged so far), so every pair's cut and repair see what the final model feeds it.
-Each pass stops after the pair's block (merge_cost counts it).
+Order. Pairs are merged from the first, each on the stream the earlier merges left (the windows run through the
+model as merged so far), so every pair's cut and repair see what the final model feeds it. Each pass stops after the
+pair's block (merge_cost counts it).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from collections.abc import Callable
 import torch
 
 from trsp_ray.common.errors import TrspError
-from trsp_ray.method.boundaries import Stop, hidden, hooked_pass
+from trsp_ray.method.boundaries import Stop, hidden, hooked_pass, layer_outputs
 from trsp_ray.method.compensation import Stats
 from trsp_ray.method.compensation_forms import WEIGHTINGS
 from trsp_ray.method.gates import detach_gates
@@ -182,7 +182,7 @@ def pair_mlp_sums(model, flat: Flat, windows, pair: torch.nn.ModuleList | list, 
     activations [n, k], Y = y* - (the block's output less what its MLP output linear wrote, bias
     included) - that linear's bias, so Z W^T + bias completes the stream to y*, the output of `pair` (the
     two blocks as they were, run on the block's own input and arguments); or, when `pair` is a list (target
-    "dense"), y* = its i-th tensor [n, d] for the i-th window: the dense model's stream there (dense_streams)."""
+    "dense"), y* = its i-th tensor [n, d] for the i-th window: the dense model's stream there (layer_outputs)."""
     down = _outputs(model, flat)[1]
     now: dict = {"window": 0}
     got: dict = {"stats": None}
@@ -207,27 +207,6 @@ def pair_mlp_sums(model, flat: Flat, windows, pair: torch.nn.ModuleList | list, 
 
     _passes(model, flat, windows, weighting=weighting, stop=stop, mlp=mlp, block=block_out, enter=enter)
     return got["stats"].reduced(reduce)
-
-
-@torch.no_grad()
-def dense_streams(model, firsts, windows) -> list[list[torch.Tensor]]:
-    """Per pair (a, a + 1) of `firsts`, per window: the stream the dense `model` leaves after block a + 1, [n, d]
-    in the stream's dtype on the host (target "dense"), from one pass a window that stops after the deepest
-    pair (target_bytes counts them)."""
-    layers = families.decoder_layers(model)
-    got: list[list[torch.Tensor]] = [[] for _ in firsts]
-
-    def keeper(k):
-        return lambda _m, _i, out: got[k].append(hidden(out).reshape(-1, hidden(out).shape[-1]).cpu())
-
-    def halt(*_):
-        raise Stop
-
-    for batch in windows:
-        handles = [layers[a + 1].register_forward_hook(keeper(k)) for k, a in enumerate(firsts)]
-        handles.append(layers[max(firsts) + 1].register_forward_hook(halt))
-        hooked_pass(model, batch, handles)
-    return got
 
 
 def solve_refit(stats: Stats, w0: torch.Tensor, *, ridge: float) -> torch.Tensor:
@@ -263,10 +242,13 @@ def _top(score: torch.Tensor, writes: torch.Tensor, keep: int) -> torch.Tensor:
     return torch.sort(order[:keep]).values
 
 
-def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str, tokens: int, target: str) -> None:
+def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str, tokens: int, target: str,
+           units: str) -> None:
     """Refuse, in one line and before any pass, a merge that cannot run."""
     if target not in TARGETS:
         raise TrspError(f"merge target={target!r} is not valid; choose one of {', '.join(TARGETS)}")
+    if units not in ("loss", "energy"):
+        raise TrspError(f"merge units={units!r} is not valid; choose loss or energy")
     if weighting not in WEIGHTINGS:
         raise TrspError(f"merge weighting={weighting!r} is not valid; choose one of {', '.join(WEIGHTINGS)}")
     if not ridge >= 0:
@@ -294,21 +276,23 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     closed form (False: plain dropping of heads and channels); `ridge`: the refit's shrinkage towards plain
     dropping; `weighting`: "norm" (each token relative to its stream) or "none"; `target`: what the MLP's
     refit reproduces, "dense" (the dense model's stream after the pair), "pair" (the two blocks' own output)
-    or "wide" (the flattened block's); `stop=False` runs
-    every pass to the end (ZeRO-3); `reduce(t)`: the sum of float64 tensor `t` over ranks.
+    or "wide" (the flattened block's); `units`: the attention units kept, "loss" (of at most `trials` sets, the
+    one leaving the lowest loss on the first `choice_windows` windows, merge_choice.py) or "energy" (those
+    that write most); `stop=False` runs every pass to the end (ZeRO-3); `reduce(t)`: the sum over ranks.
     Returns {"pairs": [(a, a + 1)], "removed": the original indices gone (a + 1), "kept": the original
     index behind each layer of the merged model, "tokens": calibration tokens (all ranks), "cost":
     dense-forward tokens (merge_cost), "sizes": what a plan counts (hidden, intermediate, attention units
     and their q rows, the refit's sum bytes), "per_pair": per pair the units and channels kept from
     each block ("units_from", "channels_from": (from a, from b)) and, with the refit, the attention's and
     the MLP's output error relative to the wide block's on the calibration tokens, with plain dropping
-    and with the refit ("attn_error_drop", "attn_error_refit", "mlp_error_drop", "mlp_error_refit")}."""
+    and with the refit ("attn_error_drop", "attn_error_refit", "mlp_error_drop", "mlp_error_refit"); units
+    "loss": every set's loss, the energy choice's first ("unit_losses"), and its rank among them)}."""
     firsts = sorted(int(a) for a in firsts)
     windows = list(windows)
     local = float(sum(int(w.numel()) for w in windows))
     tokens = int(round(reduce(torch.tensor(local, dtype=torch.float64)).item()))
     _check(model=model, firsts=firsts, windows=windows, refit=refit, ridge=ridge, weighting=weighting, tokens=tokens,
-           target=target)
+           target=target, units=units)
     detach_gates(model)
     num = families.num_layers(model)
     removed = [a + 1 for a in firsts]
@@ -322,7 +306,7 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
                   "cost": merge_cost(firsts=firsts, num_layers=num, tokens=tokens, refit=refit, stops=stop,
                                      target=target, sets=sets, choice_tokens=int(round(seen.item()))),
                   "per_pair": []}
-    truths = dense_streams(model, firsts, windows) if refit and target == "dense" else None
+    truths = layer_outputs(model, [a + 1 for a in firsts], windows) if refit and target == "dense" else None
     for k, a in enumerate(firsts):
         layers = families.decoder_layers(model)
         pair = copy.deepcopy(layers[a - k:a - k + 2]) if refit and target == "pair" else None

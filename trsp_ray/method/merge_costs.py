@@ -16,8 +16,8 @@ def refit_bytes(*, intermediate: int, hidden: int, attention_width: int) -> int:
 
 
 def target_bytes(*, pairs: int, tokens: int, hidden: int, dtype_bytes: int) -> int:
-    """Bytes of target "dense"'s stored streams on the host (dense_streams: every pair's, held from the start;
-    each is freed once its pair is merged): SmolLM2-135M in fp32 at 8 pairs of 43,008 tokens: 793 MB."""
+    """Bytes of target "dense"'s stored streams on the host (boundaries.layer_outputs: every pair's, held from
+    the start; each is freed once its pair is merged): SmolLM2-135M in fp32 at 8 pairs of 43,008 tokens: 793 MB."""
     return pairs * tokens * hidden * dtype_bytes
 
 
