@@ -27,6 +27,7 @@ import torch
 
 from trsp_ray.method.compensation import Stats
 from trsp_ray.method.merge_blocks import Flat, cut_part
+from trsp_ray.method.training import causal_lm_loss
 from trsp_ray.models import families
 
 Refit = Callable[[torch.Tensor], torch.Tensor]  # kept units (ascending) -> the o columns' new weight [d, width]
@@ -51,14 +52,10 @@ def candidates(energy_top: torch.Tensor, energy: torch.Tensor, *, trials: int) -
 @torch.no_grad()
 def mean_loss(model, windows, *, reduce: Callable[[torch.Tensor], torch.Tensor]) -> float:
     """The mean next-token cross-entropy of `model` over token-id batches `windows`, summed over ranks."""
-    device = next(model.parameters()).device
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in windows:
-        batch = batch.to(device)
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        total[0] += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                                      reduction="sum").double()
-        total[1] += batch[:, 1:].numel()
+    total = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for batch in windows:  # training.causal_lm_loss: the mean over the batch's next tokens
+        n = batch[:, 1:].numel()
+        total += torch.stack([causal_lm_loss(model, batch).double() * n, total.new_tensor(float(n))])
     total = reduce(total)
     return float(total[0] / total[1])
 
