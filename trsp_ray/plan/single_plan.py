@@ -246,7 +246,7 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None, trials: bool =
     return tuple(out)
 
 
-def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
+def single_setup_for_run(cfg, *, device: str, memory_gb: float, shape: Shape | None = None) -> SingleSetup:
     from trsp_ray.plan.compute import heal_teacher
     from trsp_ray.run.merging import merge_memory
 
@@ -258,7 +258,7 @@ def single_setup_for_run(cfg, *, device: str, memory_gb: float) -> SingleSetup:
                        train_base=cfg.stage1.train_base, baseline_batch=d.batch_size, baseline_seqlen=d.seqlen,
                        eval_batch=4, eval_seqlen=d.eval_seqlen, kd=cfg.recovery.objective == "kd",
                        stored_teacher_k=cfg.recovery.kd_topk if heal_teacher(cfg) == "stored" else 0,
-                       merge_gb=merge_memory(cfg, dtype_bytes=e))
+                       merge_gb=merge_memory(cfg, dtype_bytes=e, shape=shape))
 
 
 def single_plan(s: Shape, st: SingleSetup, stages: tuple[str, ...], *, n_drop: int = 0, heal_trainable: str = "all",
@@ -321,7 +321,7 @@ def single_plan_for_run(cfg, *, device: str, memory_gb: float, methods: tuple[st
     from trsp_ray.method.stage1 import n_drop_for
 
     s = shape or run_shape(cfg)
-    st = single_setup_for_run(cfg, device=device, memory_gb=memory_gb)
+    st = single_setup_for_run(cfg, device=device, memory_gb=memory_gb, shape=s)
     # a heal method heals with stage 2's weights setting (methods.method_heal, the benchmark's heal rows);
     # heal.* sizes only an extra heal after another method
     heals = any(registry.recipe(m)[1] == "heal" for m in (methods or (cfg.method,)))

@@ -89,7 +89,7 @@ def cell_route(preset, spec, cfg: RunConfig, method: str, *, shape=None):
     device = _device(cfg)
     memory = preset.gpu_memory_gb if device == "gpu" else None
     if grid_method(method).method is None:
-        setup = single_setup_for_run(cfg, device=device, memory_gb=memory or _host_gb())
+        setup = single_setup_for_run(cfg, device=device, memory_gb=memory or _host_gb(), shape=shape)
         plan = single_plan(shape, setup, ("evaluation",))
         if not plan.fits:
             raise TrspError(f"scoring {spec.key}: {plan.reason()}")

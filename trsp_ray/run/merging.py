@@ -89,17 +89,17 @@ def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> tuple[
     sums = refit_bytes(intermediate=mlp, hidden=shape.hidden, attention_width=attn * (2 if loss else 1))
     logits = cfg.data.batch_size * cfg.data.seqlen * shape.vocab * (e + 8) if loss else 0
     device = (1 + copies) * shape.layer_params * e + (sums if m.refit else 0) + logits
-    return device / 1024**3, targets_gb(cfg, dtype_bytes=e)
+    return device / 1024**3, targets_gb(cfg, dtype_bytes=e, shape=shape)
 
 
-def targets_gb(cfg, *, dtype_bytes: int) -> float:
+def targets_gb(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> float:
     """Host GB of target "dense"'s stored streams (merge_costs.target_bytes) at cfg's pair count; else 0."""
     if not (cfg.merging.refit and cfg.merging.target == "dense"):
         return 0.0
     from trsp_ray.method.merge_costs import target_bytes
     from trsp_ray.method.stage1 import n_drop_for
 
-    shape = model_shape(cfg.model)
+    shape = shape or model_shape(cfg.model)
     return target_bytes(pairs=n_drop_for(cfg.ratio, shape.layers), tokens=merge_windows(cfg, shape) * cfg.data.seqlen,
                         hidden=shape.hidden, dtype_bytes=dtype_bytes) / 1024**3
 

@@ -71,7 +71,8 @@ def trial_route(cfg, *, model_path: str, cluster: dict, gpus_per_trial: float | 
     limit = workers if workers is not None else (0 if gpus_per_trial is not None else max(1, int(have)))
     spec = named(cfg).spec  # the base config's pipeline: every trial shares this route
     chosen = routing.route(cfg, spec=spec, device="gpu", memory_gb=memory, shape=shape, max_workers=limit)
-    scoring = single_plan(shape, single_setup_for_run(cfg, device="gpu", memory_gb=memory), ("evaluation",)).peak
+    scoring = single_plan(shape, single_setup_for_run(cfg, device="gpu", memory_gb=memory, shape=shape),
+                          ("evaluation",)).peak
     scoring = eval_gpus if eval_gpus is not None else (
         _fraction(scoring, memory) if scoring <= memory else float(math.ceil(scoring / memory)))
     if workers and not chosen.workers:  # asked for Ray Train though one GPU would do
