@@ -203,8 +203,8 @@ def test_the_dense_targets_are_the_bytes_the_plan_holds_for_them_on_the_host():
     from trsp_ray.method.boundaries import layer_outputs
     from trsp_ray.method.merge_costs import target_bytes
     from trsp_ray.models.tiny import tiny_model
+    from trsp_ray.plan.merge_plan import merge_windows, targets_gb
     from trsp_ray.plan.single_plan import single_plan_for_run
-    from trsp_ray.run.merging import merge_windows, targets_gb
 
     model = tiny_model("llama", layers=8).float()
     windows = [torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(k)) for k in range(3)]

@@ -298,7 +298,7 @@ class MergeConfig:
 
     # calibration windows of data.seqlen tokens; 0 (auto) = tokens_per_column x the widest refit (the MLP's
     # channels, or the attention's q rows) / data.seqlen (336 on SmolLM2: 1536 channels), resolved per
-    # model (run/merging.merge_windows); a refit from fewer tokens than its columns is refused
+    # model (plan/merge_plan.merge_windows); a refit from fewer tokens than its columns is refused
     windows: int = 0
     tokens_per_column: float = TOKENS_PER_COLUMN
     refit: bool = True  # repair each cut in closed form; false: plain dropping of the weaker heads and channels

@@ -52,7 +52,7 @@ class SingleSetup:
     eval_seqlen: int = 2048
     kd: bool = False  # recovery.objective == "kd": stage 2 and the heal read a dense teacher
     stored_teacher_k: int = 0  # > 0: the heal reads the teacher store's top-k records instead (teacher_plan)
-    merge_gb: tuple = (0.0, 0.0)  # a merge's own device and host memory (run/merging.merge_memory)
+    merge_gb: tuple = (0.0, 0.0)  # a merge's own device and host memory (plan/merge_plan.merge_memory)
 
 
 @dataclass
@@ -144,7 +144,7 @@ def single_forward(name: str, s: Shape, st: SingleSetup, *, batch: int, seqlen: 
     else:
         logits = 12 * s.vocab if evaluation else s.vocab * (e + 4 + (4 if e != 4 else 0))
         plan.parts["logits + one layer"] = tokens * (logits + forward_layer_bytes(s, e)) / GB
-    if name == registry.MERGE_SELECTOR:  # run/merging.merge_memory: on the device, and on the host
+    if name == registry.MERGE_SELECTOR:  # plan/merge_plan.merge_memory: on the device, and on the host
         device, host = st.merge_gb
         plan.parts["merge: wide pair, copies, sums, trial logits"] = device + (host if st.device == "cpu" else 0.0)
         plan.host += 0.0 if st.device == "cpu" else host
@@ -248,7 +248,7 @@ def single_stages(cfg, *, methods: tuple[str, ...] | None = None, trials: bool =
 
 def single_setup_for_run(cfg, *, device: str, memory_gb: float, shape: Shape | None = None) -> SingleSetup:
     from trsp_ray.plan.compute import heal_teacher
-    from trsp_ray.run.merging import merge_memory
+    from trsp_ray.plan.merge_plan import merge_memory
 
     e = {"bf16": 2, "fp16": 2, "fp32": 4}.get(cfg.dtype, 2 if device == "gpu" else 4)
     d = cfg.data

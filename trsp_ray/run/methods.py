@@ -40,7 +40,8 @@ from trsp_ray.method.training import (
 )
 from trsp_ray.models import families
 from trsp_ray.plan import compute
-from trsp_ray.run.merging import heal_left, merge_layers, merge_windows
+from trsp_ray.plan.merge_plan import merge_windows
+from trsp_ray.run.merging import heal_left, merge_layers
 from trsp_ray.run.teacher_store import stored_objective
 from trsp_ray.run.workbench import heal_stream
 
