@@ -11,7 +11,10 @@ is marked.
 
     python benchmarks/merge_units.py --pair 8 --calib 64 --windows 16
 
-Prints one table, sorted by loss, and the load average beside the wall time.
+Prints one table, sorted by loss, and the load average beside the wall time. With --compare-whole the trials
+run twice, side by side: from the block on, the stream entering it stored once (as the merge runs them in
+one process), and as whole passes (as on ZeRO-3 ranks); it prints both wall times, their ratio and the
+largest difference between the two runs' losses.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=16, help="held-out windows scored")
     p.add_argument("--trials", type=int, default=100, help="at most this many unit sets")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compare-whole", action="store_true", help="also run the trials as whole passes, timed")
     args = p.parse_args()
 
     import torch
@@ -67,7 +71,13 @@ def main() -> None:
             return out
 
         sets = candidates(energy, unit_scores, trials=args.trials)
+        t1 = time.time()
         _, losses = choose_units(model, flat, sets, refit, held, reduce=same)
+        tail_s = time.time() - t1
+        if args.compare_whole:
+            t1 = time.time()
+            _, whole = choose_units(model, flat, sets, refit, held, reduce=same, stop=False)
+            whole_s = time.time() - t1
     print(f"pair {args.pair}-{args.pair + 1}: {len(sets)} unit sets of {flat.attention.units} of "
           f"{2 * flat.attention.units}; {args.calib} calibration windows, {len(held)} held-out windows; "
           f"dense loss {dense:.4f}, flattened {wide_loss:.4f}")
@@ -76,6 +86,11 @@ def main() -> None:
     for units, loss in sorted(zip(sets, losses), key=lambda t: t[1]):
         mark = "energy choice" if units == sets[0] else ""
         print(f"| {','.join(map(str, units))} | {errors[units]:.3f} | {loss:.4f} | {mark} |")
+    if args.compare_whole:
+        gap = max(abs(a - b) for a, b in zip(losses, whole))
+        print(f"trials from the block on {tail_s:.1f}s, as whole passes {whole_s:.1f}s (ratio "
+              f"{tail_s / whole_s:.2f}; {bench.num_layers - args.pair} of {bench.num_layers} layers' worth a trial); "
+              f"largest loss difference {gap:.2e}; load {os.getloadavg()[0]:.2f}")
     print(f"[{time.time() - t0:.0f}s, load {os.getloadavg()[0]:.2f}]")
 
 

@@ -345,7 +345,7 @@ def _cut_pair(model, flat: Flat, windows, pair: torch.nn.ModuleList | list | Non
                            key="attn")[0]
 
         sets = candidates(units, unit_scores, trials=choice["trials"])
-        units, losses = choose_units(model, flat, sets, refit_for, choice["windows"], reduce=reduce)
+        units, losses = choose_units(model, flat, sets, refit_for, choice["windows"], reduce=reduce, stop=stop)
         attn = sub_stats(attn, columns(units, width))
         chosen = {"unit_losses": losses, "energy_rank": sorted(losses).index(losses[0])}
     got: dict = {"units_from": _split(units, flat.attention.units), "channels_from": _split(channels, flat.mlp.units),

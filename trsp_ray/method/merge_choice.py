@@ -11,12 +11,15 @@ next-token loss on a few calibration windows; the lowest is kept.
 
 Candidates: every way to keep `units` of the 2 x units when there are at most `trials` of them (3 KV
 groups a block: 20), else the energy choice and its single swaps (a kept unit out, a dropped one in),
-the weakest kept against the strongest dropped first, up to `trials` in all. Each trial is one full
-pass of the choice windows through the model merged so far (merge_costs.merge_cost counts them).
+the weakest kept against the strongest dropped first, up to `trials` in all. The layers before the
+flattened block are the same for every trial, so the stream entering it is stored once (one pass of the
+choice windows that stops there) and each trial runs the model from the block on; on ZeRO-3 ranks, where
+every pass runs whole, each trial is a whole pass (merge_costs.merge_cost counts either).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -25,8 +28,10 @@ from collections.abc import Callable
 
 import torch
 
+from trsp_ray.method.boundaries import Stop, hooked_pass
 from trsp_ray.method.compensation import Stats
 from trsp_ray.method.merge_blocks import Flat, cut_part
+from trsp_ray.method.surgery import shorten_config
 from trsp_ray.method.training import causal_lm_loss
 from trsp_ray.models import families
 
@@ -60,13 +65,59 @@ def mean_loss(model, windows, *, reduce: Callable[[torch.Tensor], torch.Tensor])
     return float(total[0] / total[1])
 
 
+def block_inputs(model, index: int, windows) -> list[torch.Tensor]:
+    """Per batch of `windows`, the stream entering decoder layer `index`, from one pass a batch that stops
+    there (held where the model runs: choice windows' worth, 2,048 x d values on SmolLM2's defaults)."""
+    layer = families.decoder_layers(model)[index]
+    got: list[torch.Tensor] = []
+
+    def keep(_module, args, kwargs):
+        got.append(args[0] if args else kwargs["hidden_states"])
+        raise Stop
+
+    for batch in windows:
+        hooked_pass(model, batch, [layer.register_forward_pre_hook(keep, with_kwargs=True)])
+    return got
+
+
+@contextlib.contextmanager
+def starting_at(model, index: int, inputs: list[torch.Tensor]):
+    """Within the block, `model`'s passes run its decoder layers from `index` on only, the k-th pass's stream
+    entering layer `index` replaced by inputs[k] (block_inputs of the same windows, in order): the layers
+    before it are skipped, and everything else a forward does (embeddings, masks, positions, the final norm
+    and head) runs as usual, whatever the family; the config's per-layer lists (sliding or full attention,
+    read by position) are cut to the same layers. Layers and config are put back however the block ends."""
+    layers = families.decoder_layers(model)
+    stream = iter(inputs)
+
+    def enter(_module, args, kwargs):
+        h = next(stream)
+        return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+
+    text, total = families.text_config(model), len(layers)
+    named = families.per_layer_lists(text, total, families.family_of(model).per_layer_config)
+    saved = {name: getattr(text, name) for name in (*named, "num_hidden_layers")}
+    handle = layers[index].register_forward_pre_hook(enter, with_kwargs=True)
+    try:
+        families.set_decoder_layers(model, torch.nn.ModuleList(list(layers)[index:]))
+        shorten_config(model.config, kept=list(range(index, total)), total=total)  # e.g. layer_types, read by position
+        yield
+    finally:
+        families.set_decoder_layers(model, layers)
+        for name, value in saved.items():
+            setattr(text, name, value)
+        handle.remove()
+
+
 def choose_units(model, flat: Flat, sets: list[tuple[int, ...]], refit: Refit, windows, *,
-                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+                 reduce: Callable[[torch.Tensor], torch.Tensor], stop: bool = True) -> tuple[torch.Tensor, list[float]]:
     """(the unit set of `sets` whose cut, with `refit`'s weights, leaves `model` the lowest mean loss on
     `windows`, and every set's loss). The flattened block is cut on a copy each time; `model` is left as
-    it came, still wide."""
+    it came, still wide. `stop`: the stream entering the block is stored once and each trial runs from the
+    block on (module doc); False: whole passes (ZeRO-3 ranks)."""
     layers = families.decoder_layers(model)
     wide = layers[flat.index]
+    inputs = block_inputs(model, flat.index, windows) if stop else None
     losses = []
     try:
         for units in sets:
@@ -74,7 +125,8 @@ def choose_units(model, flat: Flat, sets: list[tuple[int, ...]], refit: Refit, w
             layers[flat.index] = copy.deepcopy(wide)
             cut_part(model, dataclasses.replace(flat, restore=dict(flat.restore)), "attention", keep=keep,
                      out=refit(keep))
-            losses.append(mean_loss(model, windows, reduce=reduce))
+            with starting_at(model, flat.index, inputs) if stop else contextlib.nullcontext():
+                losses.append(mean_loss(model, windows, reduce=reduce))
     finally:
         layers[flat.index] = wide
     return torch.tensor(sets[min(range(len(sets)), key=losses.__getitem__)]), losses

@@ -36,8 +36,7 @@ def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stop
     also runs the pair's two original blocks), each through the model merged so far up to the pair's
     block (two layers' worth); target "dense": the same three passes, and one pass of the dense model to the
     deepest pair's end that stores the targets. `stops=False`: whole passes (ZeRO-3 ranks run every pass to
-    the end). merging.units=loss: `sets` trials a pair (choice_sets), each a whole pass of `choice_tokens`
-    through the model merged so far."""
+    the end). merging.units=loss: plus `sets` trials a pair on `choice_tokens` (trial_cost)."""
     pair = refit and target == "pair"
     dense = refit and target == "dense"
     passes = (3 if pair or dense else 2) if refit else 1
@@ -46,5 +45,19 @@ def merge_cost(*, firsts, num_layers: int, tokens: int, refit: bool = True, stop
     for k, a in enumerate(firsts):
         depth = (a - k + 2) if stops else (num_layers - k)  # k earlier pairs are one layer each by now
         cost += (passes * depth + (2 if pair else 0)) * tokens / num_layers
-        cost += sets * choice_tokens * (num_layers - k) / num_layers if refit else 0.0
+    trials = trial_cost(firsts=firsts, num_layers=num_layers, sets=sets, choice_tokens=choice_tokens, stops=stops)
+    return cost + (trials if refit else 0.0)
+
+
+def trial_cost(*, firsts, num_layers: int, sets: int, choice_tokens: int, stops: bool = True) -> float:
+    """Dense-forward tokens of merging.units=loss's trials (merge_choice.choose_units) over the pairs at
+    original indices `firsts`: per pair, one pass of `choice_tokens` up to its block (the k earlier pairs
+    are one layer each by now) that stores the block's input, then `sets` trials from the block to the end
+    (num_layers - a layers' worth, the wide block counted twice); `stops=False`: each trial a whole pass
+    through the model merged so far (num_layers - k). Unlike the other passes this shrinks with depth: the
+    shallowest pairs bound it."""
+    cost = 0.0
+    for k, a in enumerate(sorted(firsts)):
+        trial = (num_layers - a) if stops else (num_layers - k)
+        cost += ((a - k if stops else 0) + sets * trial) * choice_tokens / num_layers
     return cost

@@ -27,7 +27,8 @@ def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> tuple[
     """(device GB, host GB) a merge holds beside the model and one layer's pass (the single plan's merge stage):
     the wide pair's extra layer; two layers' copies (target "pair": the pair as it was; units=loss: the wide
     block a trial cuts); the refit's float64 sums (units=loss: the attention's over the wide block's columns);
-    units=loss: one batch's logits and their fp32 loss; target "dense"'s stored streams, on the host."""
+    units=loss: one batch's logits and their fp32 loss, and the stream entering the block on the choice
+    windows (stored once for the trials); target "dense"'s stored streams, on the host."""
     from trsp_ray.method.merge_costs import refit_bytes
 
     m, e = cfg.merging, dtype_bytes
@@ -37,7 +38,8 @@ def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> tuple[
     mlp, attn = shape_widths(shape)
     sums = refit_bytes(intermediate=mlp, hidden=shape.hidden, attention_width=attn * (2 if loss else 1))
     logits = cfg.data.batch_size * cfg.data.seqlen * shape.vocab * (e + 8) if loss else 0
-    device = (1 + copies) * shape.layer_params * e + (sums if m.refit else 0) + logits
+    inputs = m.choice_windows * cfg.data.seqlen * shape.hidden * e if loss else 0
+    device = (1 + copies) * shape.layer_params * e + (sums if m.refit else 0) + logits + inputs
     return device / 1024**3, targets_gb(cfg, dtype_bytes=e, shape=shape)
 
 

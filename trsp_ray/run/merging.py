@@ -48,14 +48,17 @@ def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
     pairs `n_pairs` non-overlapping pairs can be (the last two layers, the two before them, ...), each
     pass stopping after its pair as merge_pairs runs it (a merge runs in one process only), and the
     refits' float64 work. Any pairs cost at most this: a pair's passes grow with its depth, and the k-th
-    pair from the top is at most 2k layers from the end."""
-    from trsp_ray.method.merge_costs import merge_cost
+    pair from the top is at most 2k layers from the end; units=loss's trials shrink with depth, and are
+    bounded on the shallowest pairs (0-1, 2-3, ...)."""
+    from trsp_ray.method.merge_costs import merge_cost, trial_cost
 
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
     deepest = [shape.layers - 2 * k for k in range(1, n_pairs + 1)]
     trials = choice(cfg, shape)
     passes = merge_cost(firsts=deepest, num_layers=shape.layers, tokens=tokens, refit=cfg.merging.refit,
-                        target=cfg.merging.target, **trials)
+                        target=cfg.merging.target)
+    if trials and cfg.merging.refit:  # the trials run from each pair's block on: the shallowest pairs bound them
+        passes += trial_cost(firsts=[2 * k for k in range(n_pairs)], num_layers=shape.layers, **trials)
     sets = trials.get("sets", 0)
     return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs, sets=sets) if cfg.merging.refit else 0.0)
 
