@@ -114,8 +114,10 @@ def test_a_merge_by_loss_tries_the_counted_sets_and_counts_their_passes():
 
     model = tiny_model("llama", layers=6).float().eval()
     windows = _windows(6)
+    calls = []
     info = merge.merge_pairs(model=copy.deepcopy(model), firsts=[1, 3], windows=windows, units="loss",
-                             choice_windows=6)
+                             choice_windows=6, progress=lambda k, n, pair: calls.append((k, n, pair)))
+    assert calls == [(1, 2, info["per_pair"][0]), (2, 2, info["per_pair"][1])]
     units = families.text_config(model).num_key_value_heads
     for pair in info["per_pair"]:
         assert len(pair["unit_losses"]) == choice_sets(units, 24) == math.comb(2 * units, units)

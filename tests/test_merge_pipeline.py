@@ -89,8 +89,13 @@ def test_every_family_merges_through_prune_or_is_refused_in_one_line(family, wor
     root = workspaces(family)
     capsys.readouterr()  # the workspace's own output
     code = main(["prune", *_args(root, "--method", "merge", "--ratio", "0.25")])
-    err = capsys.readouterr().err.strip().splitlines()
-    if code == 0:
+    got = capsys.readouterr()
+    err = got.err.strip().splitlines()
+    if code == 0:  # one progress line a pair, as it is done, with what it kept
+        lines = [line.split("merge: pair ")[1] for line in got.out.splitlines() if "merge: pair " in line]
+        assert [line.split()[0] for line in lines] == ["1/2", "2/2"], got.out
+        assert all(" done in " in line and "the KV groups kept leave loss" in line and "refitted" in line
+                   for line in lines), lines
         return
     assert code == 2 and len(err) == 1, err
     why = families.merge_refusal(_config_of(root))

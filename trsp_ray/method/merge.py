@@ -268,7 +268,8 @@ def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str,
 @torch.no_grad()
 def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e-2, weighting: str = "norm",
                 target: str = "dense", units: str = "loss", trials: int = 24, choice_windows: int = 16,
-                stop: bool = True, reduce: Reduce = lambda t: t) -> dict:
+                stop: bool = True, reduce: Reduce = lambda t: t,
+                progress: Callable[[int, int, dict], None] | None = None) -> dict:
     """Merge blocks (a, a + 1) of `model` for every a of `firsts` (original indices, non-overlapping), in
     place: each pair becomes one block of the original shape at a (module doc); gates are detached.
 
@@ -278,7 +279,8 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     refit reproduces, "dense" (the dense model's stream after the pair), "pair" (the two blocks' own output)
     or "wide" (the flattened block's); `units`: the attention units kept, "loss" (of at most `trials` sets, the
     one leaving the lowest loss on the first `choice_windows` windows, merge_choice.py) or "energy" (those
-    that write most); `stop=False` runs every pass to the end (ZeRO-3); `reduce(t)`: the sum over ranks.
+    that write most); `stop=False` runs every pass to the end (ZeRO-3); `reduce(t)`: the sum over ranks;
+    `progress(k, n, pair)`: called as the k-th of the n pairs is done, with its "per_pair" entry.
     Returns {"pairs": [(a, a + 1)], "removed": the original indices gone (a + 1), "kept": the original
     index behind each layer of the merged model, "tokens": calibration tokens (all ranks), "cost":
     dense-forward tokens (merge_cost), "sizes": what a plan counts (hidden, intermediate, attention units
@@ -316,6 +318,8 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
         info.setdefault("sizes", _sizes(model, flat))
         info["per_pair"].append(_cut_pair(model, flat, windows, pair, refit=refit, ridge=ridge, weighting=weighting,
                                           stop=stop, reduce=reduce, choice=choice) | {"pair": (a, a + 1)})
+        if progress is not None:
+            progress(k + 1, len(firsts), info["per_pair"][-1])
     return info
 
 

@@ -95,6 +95,26 @@ def heal_left(cfg, *, spec, heal, drop: list[int], info: dict):
     return dataclasses.replace(heal, steps=steps)
 
 
+def pair_progress():
+    """merge_pairs' progress: one line a pair, its time and what it kept (a merge runs for minutes a pair
+    on a CPU; SmolLM2's 8 took 37 min on 2 cores)."""
+    import time
+
+    last = [time.monotonic()]
+
+    def show(k: int, n: int, pair: dict) -> None:
+        now, a = time.monotonic(), pair["pair"][0]
+        losses = pair.get("unit_losses")
+        chose = (f"; the KV groups kept leave loss {min(losses):.3f} on the choice windows (the energy choice "
+                 f"{losses[0]:.3f}, {pair['energy_rank'] + 1} of {len(losses)})") if losses else ""
+        refit = (f"; MLP error {pair['mlp_error_drop']:.3f} dropped, {pair['mlp_error_refit']:.3f} refitted"
+                 if "mlp_error_refit" in pair else "")
+        log(f"merge: pair {k}/{n} ({a}, {a + 1}) done in {now - last[0]:.0f}s{chose}{refit}")
+        last[0] = now
+
+    return show
+
+
 def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[int]:
     """Merge the pair (d - 1, d) of `model` for every d of `drop` (in place, gates detached) on the
     calibration `windows` (token ids [B, S] each) with cfg.merging's settings; returns the original index
@@ -104,7 +124,7 @@ def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[in
     m = cfg.merging
     done = merge_pairs(model=model, firsts=[d - 1 for d in drop], windows=windows, refit=m.refit, ridge=m.ridge,
                        weighting=m.weighting, target=m.target, units=m.units, trials=m.unit_trials,
-                       choice_windows=m.choice_windows)
+                       choice_windows=m.choice_windows, progress=pair_progress())
     pairs = done["per_pair"]
     shape = model_shape(cfg.model)
     sets = choice(cfg, shape).get("sets", 0)
