@@ -242,3 +242,50 @@ def test_the_dense_targets_are_the_bytes_the_plan_holds_for_them_on_the_host():
     assert next(st for st in on_cpu.stages if st.name == registry.MERGE_SELECTOR).parts[part] == pytest.approx(
         merge_stage.parts[part] + gb)
     assert targets_gb(replace(cfg, **{"merging.target": "pair"}), dtype_bytes=2) == 0.0
+
+
+def test_an_interrupted_merge_resumes_after_its_last_finished_pair(workspaces, tmp_path, monkeypatch, capsys):
+    """A merge stores each pair as it is done: interrupted in its second pair, a rerun merges only that
+    one and ends with the uninterrupted merge's model and records; a changed merging setting starts afresh;
+    a finished merge leaves nothing stored."""
+    from trsp_ray.method import merge
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    root = workspaces("llama")
+    store = tmp_path / "checkpoints"
+    cfg = replace(_config(root, "merge"), checkpoint_dir=str(store))
+    whole = apply_method(prepare(cfg), registry.method("merge"))
+    assert len(whole.info["merge_pairs"]) == 2 and not (store / "merge").exists()
+
+    cut, calls = merge._cut_pair, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[1].index)
+        if len(calls) == 2 and interrupt:
+            raise KeyboardInterrupt
+        return cut(*args, **kwargs)
+
+    monkeypatch.setattr(merge, "_cut_pair", interrupted)
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        apply_method(prepare(cfg), registry.method("merge"))
+    assert [p.name for p in (store / "merge").glob("*/pair-*.pt")] == ["pair-0.pt"]
+
+    interrupt, calls[:] = False, []
+    capsys.readouterr()
+    again = apply_method(prepare(cfg), registry.method("merge"))
+    assert len(calls) == 1  # only the second pair ran
+    assert "merge: resuming after pair 1 of 2" in capsys.readouterr().out
+    for key in ("merge_pairs", "merge_units_from", "merge_channels_from", "merge_mlp_error", "merge_cost"):
+        assert again.info[key] == whole.info[key], key
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(again.model, ids), _logits(whole.model, ids), atol=1e-6, rtol=0)
+    assert not (store / "merge").exists()
+
+    interrupt, calls[:] = True, []
+    with pytest.raises(KeyboardInterrupt):
+        apply_method(prepare(cfg), registry.method("merge"))
+    interrupt, calls[:] = False, []
+    apply_method(prepare(replace(cfg, **{"merging.ridge": 0.05})), registry.method("merge"))
+    assert len(calls) == 2  # another ridge: the stored pair is not this merge's

@@ -106,13 +106,13 @@ def test_the_search_plans_one_stage1_per_mixture(assets):
 def test_a_key_that_changes_work_but_not_its_key_is_refused(assets, monkeypatch):
     """The safety net: a searched setting read before the heal that no selection / stage-1 / fit key
     holds is refused in one line before any trial (here the key is made to forget data.batch_size)."""
-    from trsp_ray.run import stage1_store
+    from trsp_ray.run import content
     from trsp_ray.search.run import plan_trials
 
     base = _base(assets, "trsp+heal")
     space = parse_space({"params": {"data.batch_size": [2, 4]}})
     assert len(plan_trials(base, space).n_drop) == 2
-    monkeypatch.setattr(stage1_store, "STAGE1_DATA", ("calib_text", "calib_mix", "seqlen"))
+    monkeypatch.setattr(content, "CALIBRATION_DATA", ("calib_text", "calib_mix", "seqlen"))
     with pytest.raises(TrspError, match="'data.batch_size' changes .* but no selection, stage-1 or fit key") as info:
         plan_trials(base, space)
     assert "\n" not in str(info.value)

@@ -19,16 +19,14 @@ def run_stage1(cfg: RunConfig, bench, *, report):
     the reproduction use, keyed by what stage 1 depends on): a stored result covering the run's
     layers is reused; otherwise it is computed with each finished round saved, so an interrupted run
     (Ctrl-C, a lost machine) restarts after its last finished round."""
-    from pathlib import Path
-
-    from trsp_ray.run.content import data_fingerprint
+    from trsp_ray.run.content import checkpoint_root, data_fingerprint
     from trsp_ray.run.methods import run_stage1_for
     from trsp_ray.run.stage1_store import Stage1Store, stage1_content, stage1_key
 
     cfg_dict = cfg.to_dict()
     fingerprint = data_fingerprint(model=cfg.model, calib_text=cfg.data.calib_text, calib_mix=cfg.data.calib_mix)
     key = stage1_key(cfg_dict, fingerprint)
-    store = Stage1Store(cfg.checkpoint_dir or Path.cwd() / "runs" / "checkpoints")
+    store = Stage1Store(checkpoint_root(cfg.checkpoint_dir))
 
     def compute(n_drop: int):
         resume, on_round = store.checkpoints(key, n_drop)

@@ -97,9 +97,9 @@ def _directory(cfg, spec: registry.Method, sets: dict, p):
     under the checkpoint directory, kept, so that an interrupted or repeated audition reads its
     finished trials back; a temporary one where the checkpoint directory is remote."""
     from trsp_ray.common.filesystems import is_remote
-    from trsp_ray.run.content import run_inputs, store_key
+    from trsp_ray.run.content import checkpoint_root, run_inputs, store_key
 
-    base = cfg.checkpoint_dir or str(Path.cwd() / "runs" / "checkpoints")
+    base = checkpoint_root(cfg.checkpoint_dir)
     if is_remote(base):
         with tempfile.TemporaryDirectory(prefix="trsp-audition-") as tmp:
             yield Path(tmp)

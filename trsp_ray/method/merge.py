@@ -21,10 +21,8 @@ plain dropping, so a cut that loses nothing keeps its weights. The sums are floa
 least-squares fold's) and, under "norm" weighting, every token's rows are divided by the norm of the stream entering
 the block (compensation.py's reason: a few attention-sink tokens, streams ~100x the others', would otherwise hold
 the fit and the scores). Both refits aim at the flattened pair's own outputs, so one pass serves both; the MLP's
-inputs are then those of the wide attention, which the attention's refit imitates. Measured on SmolLM2-135M (3 KV
-groups a block, so a cut keeps 3 of 6), one pair at layers 8-9, validation PPL on the calibration tail (dense 28.3):
-flattened 33.0; attention cut 38.9, with its refit 35.0 (its calibration error 0.42 -> 0.18 of the wide output's
-energy); MLP cut 34.6, with its refit 34.5 (held-out per-token error 0.21 -> 0.12, median).
+inputs are then those of the wide attention, which the attention's refit imitates. On SmolLM2-135M's pair 8-9
+(validation PPL, dense 28.3, flattened 33.0) the attention's refit took its cut from 38.9 to 35.0.
 
 The target (merging.target). "wide": both refits aim at the flattened block's own outputs, as above. "pair": the
 attention's refit does, then the attention is cut and one more pass refits the MLP's down columns towards the stream
@@ -38,7 +36,7 @@ LAMBADA 0.090, every domain's perplexity 7-17% lower than "pair" (wiki 55.9 -> 5
 
 Order. Pairs are merged from the first, each on the stream the earlier merges left (the windows run through the
 model as merged so far), so every pair's cut and repair see what the final model feeds it. Each pass stops after the
-pair's block (merge_cost counts it).
+pair's block (merge_cost counts it). A pair done is final: an interrupted merge resumes after it (run/merge_store.py).
 """
 
 from __future__ import annotations
@@ -53,7 +51,16 @@ from trsp_ray.method.boundaries import Stop, hidden, hooked_pass, layer_outputs
 from trsp_ray.method.compensation import Stats
 from trsp_ray.method.compensation_forms import WEIGHTINGS
 from trsp_ray.method.gates import detach_gates
-from trsp_ray.method.merge_blocks import Flat, attention_layout, check_pairs, cut_part, flatten, mlp_layout, module_at
+from trsp_ray.method.merge_blocks import (
+    Flat,
+    attention_layout,
+    check_pairs,
+    cut_part,
+    flatten,
+    mlp_layout,
+    module_at,
+    put_merged,
+)
 from trsp_ray.method.merge_choice import candidates, choose_units, first_rows, sub_stats
 from trsp_ray.method.merge_costs import choice_sets, merge_cost, refit_bytes
 from trsp_ray.models import families
@@ -269,7 +276,8 @@ def _check(*, model, firsts, windows, refit: bool, ridge: float, weighting: str,
 def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e-2, weighting: str = "norm",
                 target: str = "dense", units: str = "loss", trials: int = 24, choice_windows: int = 16,
                 stop: bool = True, reduce: Reduce = lambda t: t,
-                progress: Callable[[int, int, dict], None] | None = None) -> dict:
+                progress: Callable[[int, int, dict], None] | None = None,
+                resume: list[tuple[dict, dict]] | None = None) -> dict:
     """Merge blocks (a, a + 1) of `model` for every a of `firsts` (original indices, non-overlapping), in
     place: each pair becomes one block of the original shape at a (module doc); gates are detached.
 
@@ -280,7 +288,8 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     or "wide" (the flattened block's); `units`: the attention units kept, "loss" (of at most `trials` sets, the
     one leaving the lowest loss on the first `choice_windows` windows, merge_choice.py) or "energy" (those
     that write most); `stop=False` runs every pass to the end (ZeRO-3); `reduce(t)`: the sum over ranks;
-    `progress(k, n, pair)`: called as the k-th of the n pairs is done, with its "per_pair" entry.
+    `progress(k, n, pair)`: called as the k-th of the n pairs is done, with its "per_pair" entry; `resume`: the
+    first pairs' ("per_pair" entry, merged block's state_dict) as an interrupted merge stored them, put back.
     Returns {"pairs": [(a, a + 1)], "removed": the original indices gone (a + 1), "kept": the original
     index behind each layer of the merged model, "tokens": calibration tokens (all ranks), "cost":
     dense-forward tokens (merge_cost), "sizes": what a plan counts (hidden, intermediate, attention units
@@ -291,8 +300,7 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     "loss": every set's loss, the energy choice's first ("unit_losses"), and its rank among them)}."""
     firsts = sorted(int(a) for a in firsts)
     windows = list(windows)
-    local = float(sum(int(w.numel()) for w in windows))
-    tokens = int(round(reduce(torch.tensor(local, dtype=torch.float64)).item()))
+    tokens = int(round(reduce(torch.tensor(float(sum(int(w.numel()) for w in windows)), dtype=torch.float64)).item()))
     _check(model=model, firsts=firsts, windows=windows, refit=refit, ridge=ridge, weighting=weighting, tokens=tokens,
            target=target, units=units)
     detach_gates(model)
@@ -307,15 +315,19 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
                   "kept": [i for i in range(num) if i not in set(removed)], "tokens": tokens,
                   "cost": merge_cost(firsts=firsts, num_layers=num, tokens=tokens, refit=refit, stops=stop,
                                      target=target, sets=sets, choice_tokens=int(round(seen.item()))),
-                  "per_pair": []}
-    truths = layer_outputs(model, [a + 1 for a in firsts], windows) if refit and target == "dense" else None
+                  "per_pair": [], "sizes": _sizes(model, first)}
+    resume, later = list(resume or []), [a + 1 for a in firsts[len(resume or []):]]
+    truths = layer_outputs(model, later, windows) if refit and target == "dense" and later else None
     for k, a in enumerate(firsts):
+        if k < len(resume):  # done before an interruption
+            put_merged(model, a - k, resume[k][1])
+            info["per_pair"].append(resume[k][0])
+            continue
         layers = families.decoder_layers(model)
         pair = copy.deepcopy(layers[a - k:a - k + 2]) if refit and target == "pair" else None
-        if truths is not None:
-            pair, truths[k] = truths[k], []  # each pair's targets are freed once its refit has read them
+        if truths is not None:  # each pair's targets are freed once its refit has read them
+            pair, truths[k - len(resume)] = truths[k - len(resume)], []
         flat = flatten(model, a - k)
-        info.setdefault("sizes", _sizes(model, flat))
         info["per_pair"].append(_cut_pair(model, flat, windows, pair, refit=refit, ridge=ridge, weighting=weighting,
                                           stop=stop, reduce=reduce, choice=choice) | {"pair": (a, a + 1)})
         if progress is not None:
@@ -379,10 +391,10 @@ def _split(kept: torch.Tensor, units: int) -> tuple[int, int]:
     return from_a, len(kept) - from_a
 
 
-def _sizes(model, flat: Flat) -> dict:
-    """The sizes a compute or memory plan of a merge reads (one pair's; every block has the same)."""
+def _sizes(model, layer) -> dict:
+    """The sizes a compute or memory plan of a merge reads, of decoder layer `layer` (every block has the same)."""
+    attn, mlp = attention_layout(model, layer), mlp_layout(model, layer)
     hidden = families.text_config(model).hidden_size
-    return {"hidden": hidden, "intermediate": flat.mlp.units, "attention_units": flat.attention.units,
-            "unit_q_rows": flat.attention.output.sizes[0],
-            "refit_bytes": refit_bytes(intermediate=flat.mlp.units, hidden=hidden,
-                                       attention_width=flat.attention.units * flat.attention.output.sizes[0])}
+    return {"hidden": hidden, "intermediate": mlp.units, "attention_units": attn.units,
+            "unit_q_rows": attn.output.sizes[0], "refit_bytes": refit_bytes(
+                intermediate=mlp.units, hidden=hidden, attention_width=attn.units * attn.output.sizes[0])}

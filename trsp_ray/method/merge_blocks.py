@@ -266,3 +266,14 @@ def cut_part(model, flat: Flat, part: str, *, keep: torch.Tensor, out: torch.Ten
     _set(output, _take(output.weight.T, layout.output, wide, keep).T if out is None else out)
     if part == "attention":
         _restore_heads(module_at(layer, _attention(flat)), flat.restore)
+
+
+@torch.no_grad()
+def put_merged(model, first: int, state: dict[str, torch.Tensor]) -> None:
+    """Blocks `first` and `first + 1` of `model` replaced by a merged block stored before (`state`: its
+    state_dict, as merge_pairs left it), in place and without a pass: the pair is flattened and cut back to
+    one block's shape (heads, channels, config, numbering as a merge leaves them), then given `state`."""
+    flat = flatten(model, first)
+    for part in ("attention", "mlp"):
+        cut_part(model, flat, part, keep=torch.arange(getattr(flat, part).units))
+    families.decoder_layers(model)[first].load_state_dict(state)

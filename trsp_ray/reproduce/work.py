@@ -150,13 +150,14 @@ def _host_gb() -> float:
 def shared_stage1(load, *, root: str, key: str, n_drop: int, content: dict) -> dict:
     """The shared stage-1 result of `key` covering `n_drop` layers, as plain data: from the store,
     else learned on the workbench `load()` returns and stored."""
-    from trsp_ray.run.stage1_store import Stage1Store, compute_stage1, result_dict
+    from trsp_ray.run.methods import run_stage1_for
+    from trsp_ray.run.stage1_store import Stage1Store, result_dict
 
     def compute(n: int):
         from trsp_ray.common.logs import log
 
         log(f"stage 1: learning {n} layers (shared by every TRSP cell of this model)")
-        return compute_stage1(load(), n)
+        return run_stage1_for(load(), n_drop=n)
 
     result, _ = Stage1Store(root).obtain(key, need=n_drop, compute=compute, content=content)
     return result_dict(result)

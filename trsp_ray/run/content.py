@@ -20,6 +20,12 @@ from trsp_ray.common.digest import content_key, file_digest
 LIBRARIES = ("torch", "transformers", "lm-eval", "deepspeed")
 
 
+def checkpoint_root(checkpoint_dir: str | None) -> str:
+    """Where a run's stores and checkpoints live (stage 1, the teacher, a merge's pairs, the audition's
+    trials): the config's `checkpoint_dir`, by default ./runs/checkpoints of the working directory."""
+    return checkpoint_dir or str(Path.cwd() / "runs" / "checkpoints")
+
+
 def model_fingerprint(model: str) -> str:
     """What identifies a model's weights beyond its name: size + mtime of config and weight files
     (cheap, and changes whenever the weights are rewritten); a hub id with its revision."""
@@ -54,6 +60,20 @@ def text_fingerprint(path: str | None, calib_mix: str | None = None) -> str:
     mix = domains.parse_mix(calib_mix or domains.DEFAULT_MIX)
     return content_key({(f"{s}:{domains.text_key(s)}" if s in domains.DOMAINS else text_fingerprint(s)): w
                         for s, w in mix.items()})
+
+
+# The data settings that make the calibration windows: what names the text and shapes its windows
+CALIBRATION_DATA = ("calib_text", "calib_mix", "seqlen", "batch_size")
+
+
+def calibration_content(data: dict) -> dict:
+    """The data settings (a RunConfig dict's "data") that make the calibration windows (CALIBRATION_DATA),
+    what a stage-1 result, a selection or a merge is keyed by beside the text's bytes: a calibration file
+    replaces the mixture, so the mixture is left out beside one."""
+    out = {k: data[k] for k in CALIBRATION_DATA}
+    if data.get("calib_text"):
+        out["calib_mix"] = None
+    return out
 
 
 def data_fingerprint(*, model: str, calib_text: str | None, calib_mix: str | None = None) -> str:

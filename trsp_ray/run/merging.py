@@ -10,9 +10,12 @@ and refit passes (merge_costs.merge_cost) and the float64 sums and solves of the
 from __future__ import annotations
 
 from trsp_ray.common.logs import log
+from trsp_ray.models import families
 from trsp_ray.plan.compute import FLOAT64_SLOWDOWN, forward_weights, model_shape
 from trsp_ray.plan.merge_plan import merge_windows, shape_widths
 from trsp_ray.plan.shape import Shape
+from trsp_ray.run.content import checkpoint_root
+from trsp_ray.run.merge_store import MergeCheckpoints, merge_key
 
 # The refits' float64 work per pair (merge.refit_sums, solve_refit) in FLOPs: per token and refit
 # 2 k (k + d) for Z^T Z and Z^T Y (k the kept inputs: the MLP's channels, the attention's q rows); per
@@ -95,15 +98,16 @@ def heal_left(cfg, *, spec, heal, drop: list[int], info: dict):
     return dataclasses.replace(heal, steps=steps)
 
 
-def pair_progress():
+def pair_progress(model, store):
     """merge_pairs' progress: one line a pair, its time and what it kept (a merge runs for minutes a pair
-    on a CPU; SmolLM2's 8 took 37 min on 2 cores)."""
+    on a CPU; SmolLM2's 8 took 37 min on 2 cores), and the pair stored in `store` (merge_store.py)."""
     import time
 
     last = [time.monotonic()]
 
     def show(k: int, n: int, pair: dict) -> None:
         now, a = time.monotonic(), pair["pair"][0]
+        store.save(k - 1, pair, families.decoder_layers(model)[a - (k - 1)])  # k - 1 earlier pairs are one layer
         losses = pair.get("unit_losses")
         chose = (f"; the KV groups kept leave loss {min(losses):.3f} on the choice windows (the energy choice "
                  f"{losses[0]:.3f}, {pair['energy_rank'] + 1} of {len(losses)})") if losses else ""
@@ -122,9 +126,15 @@ def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[in
     from trsp_ray.method.merge import merge_pairs
 
     m = cfg.merging
+    store = MergeCheckpoints(checkpoint_root(cfg.checkpoint_dir),
+                             merge_key(cfg.to_dict(), drop=drop, stage2="stage2_steps" in info))
+    resume = store.finished()
+    if resume:
+        log(f"merge: resuming after pair {len(resume)} of {len(drop)} from {store.dir}")
     done = merge_pairs(model=model, firsts=[d - 1 for d in drop], windows=windows, refit=m.refit, ridge=m.ridge,
                        weighting=m.weighting, target=m.target, units=m.units, trials=m.unit_trials,
-                       choice_windows=m.choice_windows, progress=pair_progress())
+                       choice_windows=m.choice_windows, progress=pair_progress(model, store), resume=resume)
+    store.clear()  # the whole merge is done: its pairs are in the model
     pairs = done["per_pair"]
     shape = model_shape(cfg.model)
     sets = choice(cfg, shape).get("sets", 0)

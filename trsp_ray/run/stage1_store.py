@@ -34,25 +34,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from trsp_ray.common import atomic
-from trsp_ray.run.content import store_key
+from trsp_ray.run.content import calibration_content, store_key
 
 if TYPE_CHECKING:
     from trsp_ray.method.stage1 import Stage1Result
 
-# Config fields stage 1 reads (data: what names the calibration text and shapes its windows; the
-# text's bytes enter through the fingerprint, which the caller computes from the same config).
+# Config fields stage 1 reads (data: content.calibration_content, what names the calibration text and
+# shapes its windows; the text's bytes enter through the fingerprint, which the caller computes from
+# the same config).
 STAGE1_TOP = ("model", "seed", "device", "dtype")
-STAGE1_DATA = ("calib_text", "calib_mix", "seqlen", "batch_size")
 STAGE1_SECTIONS = ("gates", "stage1")
-
-
-def calibration_content(data: dict) -> dict:
-    """The data settings that make the calibration windows (STAGE1_DATA): a calibration file
-    replaces the mixture, so the mixture is left out beside one."""
-    out = {k: data[k] for k in STAGE1_DATA}
-    if data.get("calib_text"):
-        out["calib_mix"] = None
-    return out
 
 
 def stage1_content(cfg: dict) -> dict:
@@ -170,10 +161,3 @@ class Stage1Store:
             self.put(key, result, content=content, n_drop=n_drop)
             self.rounds_path(key, n_drop).unlink(missing_ok=True)  # the finished result holds every round
             return result, True
-
-
-def compute_stage1(bench, n_drop: int) -> Stage1Result:
-    """Stage 1 on a loaded workbench (workbench.prepare) for `n_drop` layers, whatever its ratio."""
-    from trsp_ray.run.methods import run_stage1_for
-
-    return run_stage1_for(bench, n_drop=n_drop)

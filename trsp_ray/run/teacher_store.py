@@ -30,7 +30,7 @@ from trsp_ray.common import atomic
 from trsp_ray.common.filesystems import filesystem, is_remote
 from trsp_ray.common.logs import log
 from trsp_ray.plan.teacher_plan import SHARD_WINDOWS, bytes_per_token
-from trsp_ray.run.content import store_key
+from trsp_ray.run.content import checkpoint_root, store_key
 
 Records = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logp, index, tail), method/distill.py
 # compute(windows [n, L]) -> the records of those windows; run once per missing shard
@@ -40,7 +40,7 @@ Compute = Callable[[torch.Tensor], Records]
 def store_root(checkpoint_dir: str | None) -> str:
     """Where the teacher store lives: `<checkpoint_dir>/teacher` (an s3:// checkpoint_dir too), by
     default under ./runs/checkpoints beside the stage-1 store, as an absolute path a worker can use."""
-    base = checkpoint_dir or str(Path.cwd() / "runs" / "checkpoints")
+    base = checkpoint_root(checkpoint_dir)
     if not is_remote(base):
         return str(Path(base).expanduser().resolve() / "teacher")
     where, _, options = base.partition("?")  # s3://bucket/dir?endpoint_override=...: the options stay last

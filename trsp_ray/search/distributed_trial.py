@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from trsp_ray.config import registry
-from trsp_ray.run.stage1_store import compute_stage1, result_dict, result_from, stage1_content
+from trsp_ray.run.stage1_store import result_dict, result_from, stage1_content
 from trsp_ray.search.cache import stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 
@@ -33,12 +33,13 @@ def _stage1_task(run: dict, n_drop: int) -> dict:
     import ray
 
     from trsp_ray.config.run_config import from_dict, replace
+    from trsp_ray.run.methods import run_stage1_for
     from trsp_ray.run.workbench import prepare
     from trsp_ray.search.route import trial_device
 
     cfg = from_dict(run)
     device = trial_device(cfg.device, gpu_ids=[str(i) for i in ray.get_gpu_ids()])
-    return result_dict(compute_stage1(prepare(replace(cfg, device=device)), n_drop))
+    return result_dict(run_stage1_for(prepare(replace(cfg, device=device)), n_drop=n_drop))
 
 
 def _validation_task(model_dir: str, base: dict) -> dict:

@@ -69,8 +69,7 @@ def search_fingerprint(base: dict) -> str:
     """What every trial of a search started from `base` shares beyond its config: the model's files and
     the validation text (the base calibration's tail, which no trial trains on: search/objective.py)."""
     from trsp_ray.common.digest import content_key
-    from trsp_ray.run.content import data_fingerprint
-    from trsp_ray.run.stage1_store import calibration_content
+    from trsp_ray.run.content import calibration_content, data_fingerprint
 
     d = base["data"]
     return content_key({"data": data_fingerprint(model=base["model"], calib_text=d["calib_text"],
@@ -96,7 +95,7 @@ def selection_key(cfg_dict: dict, fingerprint: str, *, spec: registry.Method, nu
     from trsp_ray.common.digest import content_key
     from trsp_ray.config.run_config import from_dict
     from trsp_ray.method.stage1 import n_drop_for
-    from trsp_ray.run.stage1_store import calibration_content
+    from trsp_ray.run.content import calibration_content
 
     cfg = from_dict(cfg_dict)
     return content_key({"selection": selection_content(cfg, n_drop_for(cfg.ratio, num_layers), spec=spec),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trsp_ray.config import registry
 from trsp_ray.run.pipeline import training_steps
-from trsp_ray.run.stage1_store import compute_stage1, stage1_content
+from trsp_ray.run.stage1_store import stage1_content
 from trsp_ray.search.cache import RunLog, fit_for_trial, selection_for_trial, stage1_for_trial
 from trsp_ray.search.layout import MODELS, planned_n_drop, trial_record_path, trial_store
 from trsp_ray.search.pipeline import budgeted
@@ -118,12 +118,12 @@ def _selection(bench, cfg_dict: dict, config: dict, *, spec: registry.Method, ke
     each computed once per key (search/cache.py)."""
     from trsp_ray.method.gates import attach_gates
     from trsp_ray.method.stage1 import stage1_cost
-    from trsp_ray.run.methods import select
+    from trsp_ray.run.methods import run_stage1_for, select
     from trsp_ray.search.pipeline import selection_content
 
     cfg, n_drop = bench.cfg, bench.n_drop()
     if spec.uses_stage1:
-        stage1 = stage1_for_trial(need=n_drop, compute=lambda n: compute_stage1(bench, n),
+        stage1 = stage1_for_trial(need=n_drop, compute=lambda n: run_stage1_for(bench, n_drop=n),
                                   content=stage1_content(cfg_dict), store=trial_store(config), key=key,
                                   plan_n_drop=planned_n_drop(config, key), log=log, trial=trial)
         info = {"calib_tokens": stage1.tokens + stage1.probe_tokens, "stage1_steps": stage1.steps,
