@@ -256,7 +256,7 @@ def test_an_interrupted_merge_resumes_after_its_last_finished_pair(workspaces, t
     store = tmp_path / "checkpoints"
     cfg = replace(_config(root, "merge"), checkpoint_dir=str(store))
     whole = apply_method(prepare(cfg), registry.method("merge"))
-    assert len(whole.info["merge_pairs"]) == 2 and not (store / "merge").exists()
+    assert len(whole.info["merge_pairs"]) == 2 and not (store / "merged_pairs").exists()
 
     cut, calls = merge._cut_pair, []
 
@@ -270,7 +270,7 @@ def test_an_interrupted_merge_resumes_after_its_last_finished_pair(workspaces, t
     interrupt = True
     with pytest.raises(KeyboardInterrupt):
         apply_method(prepare(cfg), registry.method("merge"))
-    assert [p.name for p in (store / "merge").glob("*/pair-*.pt")] == ["pair-0.pt"]
+    assert [p.name for p in (store / "merged_pairs").glob("*/pair-*.pt")] == ["pair-0.pt"]
 
     interrupt, calls[:] = False, []
     capsys.readouterr()
@@ -281,7 +281,7 @@ def test_an_interrupted_merge_resumes_after_its_last_finished_pair(workspaces, t
         assert again.info[key] == whole.info[key], key
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(_logits(again.model, ids), _logits(whole.model, ids), atol=1e-6, rtol=0)
-    assert not (store / "merge").exists()
+    assert not (store / "merged_pairs").exists()
 
     interrupt, calls[:] = True, []
     with pytest.raises(KeyboardInterrupt):

@@ -3,7 +3,7 @@ restarts after its last finished pair instead of from the first (SmolLM2-135M's 
 2 CPU cores).
 
 A pair, once merged, is final: the later pairs read the model as merged so far and never change it. So
-`<checkpoint_dir>/merge/<key>/pair-<k>.pt` holds the k-th pair's merged block (its state_dict, on the
+`<checkpoint_dir>/merged_pairs/<key>/pair-<k>.pt` holds the k-th pair's merged block (its state_dict, on the
 host) and what merge_pairs recorded of it, written atomically as the pair is done; a rerun puts the
 stored pairs back (merge.merge_pairs' `resume`) and merges the rest. The key covers what a merge depends
 on: the model and calibration text (their bytes), the calibration windows' settings, the seed and
@@ -34,10 +34,10 @@ def merge_key(cfg: dict, *, drop: list[int], stage2: bool) -> str:
 
 
 class MergeCheckpoints:
-    """The finished pairs of one merge (`key`) under `<root>/merge/<key>/`."""
+    """The finished pairs of one merge (`key`) under `<root>/merged_pairs/<key>/`."""
 
     def __init__(self, root: str | Path, key: str):
-        self.dir = Path(root).expanduser() / "merge" / key
+        self.dir = Path(root).expanduser() / "merged_pairs" / key
         self.made: list[Path] = []  # the folders the first save made, deepest first: a finished merge removes them
 
     def finished(self) -> list[tuple[dict, dict]]:
