@@ -60,9 +60,10 @@ def hooked_pass(model, batch, handles) -> None:
         for h in handles:
             h.remove()
 
-def layer_outputs(model, layers: list[int], windows) -> list[list]:
+def layer_outputs(model, layers: list[int], windows, *, stop: bool = True) -> list[list]:
     """Per decoder layer of `layers`, per batch of token ids of `windows`: the stream that layer leaves, [n, d] in
-    the stream's dtype on the host, from one pass a batch that stops after the deepest (a merge's dense targets)."""
+    the stream's dtype on the host, from one pass a batch that stops after the deepest (a merge's dense targets;
+    `stop=False`: whole passes, as ZeRO-3 ranks run them)."""
     from trsp_ray.models import families
 
     decoder = families.decoder_layers(model)
@@ -76,7 +77,8 @@ def layer_outputs(model, layers: list[int], windows) -> list[list]:
 
     for batch in windows:
         handles = [decoder[i].register_forward_hook(keeper(k)) for k, i in enumerate(layers)]
-        handles.append(decoder[max(layers)].register_forward_hook(halt))
+        if stop:
+            handles.append(decoder[max(layers)].register_forward_hook(halt))
         hooked_pass(model, batch, handles)
     return got
 

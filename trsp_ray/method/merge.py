@@ -41,7 +41,6 @@ pair's block (merge_cost counts it). A pair done is final: an interrupted merge 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -50,16 +49,15 @@ from trsp_ray.common.errors import TrspError
 from trsp_ray.method.boundaries import Stop, hidden, hooked_pass, layer_outputs
 from trsp_ray.method.compensation import Stats
 from trsp_ray.method.compensation_forms import WEIGHTINGS
-from trsp_ray.method.gates import detach_gates
 from trsp_ray.method.merge_blocks import (
     Flat,
+    InPlace,
     attention_layout,
     check_pairs,
     cut_part,
-    flatten,
     mlp_layout,
     module_at,
-    put_merged,
+    wide_of,
 )
 from trsp_ray.method.merge_choice import candidates, choose_units, first_rows, sub_stats
 from trsp_ray.method.merge_costs import choice_sets, merge_cost, refit_bytes
@@ -81,7 +79,7 @@ def _passes(model, flat: Flat, windows, *, weighting: str, stop: bool, attn=None
     linear's [n, I] and [n, d], both with the token weights w [n]; block(y, w) the block's output
     [n, d], after them; enter(args, kwargs) the block's call as it begins. `stop`: each pass ends after the
     block. Returns the tokens run."""
-    layer = families.decoder_layers(model)[flat.index]
+    layer = wide_of(model, flat)
     now: dict = {}
     rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
 
@@ -112,7 +110,7 @@ def _passes(model, flat: Flat, windows, *, weighting: str, stop: bool, attn=None
 
 def _outputs(model, flat: Flat) -> tuple:
     """The flattened block's attention and MLP output linears."""
-    layer = families.decoder_layers(model)[flat.index]
+    layer = wide_of(model, flat)
     return module_at(layer, flat.attention.output.path), module_at(layer, flat.mlp.output.path)
 
 
@@ -232,7 +230,7 @@ def solve_refit(stats: Stats, w0: torch.Tensor, *, ridge: float) -> torch.Tensor
 
 def _writes(model, flat: Flat) -> tuple[torch.Tensor, torch.Tensor]:
     """(per attention unit, per channel) the squared norm of its output columns, float64, a's first."""
-    layer = families.decoder_layers(model)[flat.index]
+    layer = wide_of(model, flat)
     got = []
     for layout in (flat.attention, flat.mlp):
         columns = module_at(layer, layout.output.path).weight.double().pow(2).sum(0)
@@ -277,9 +275,9 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
                 target: str = "dense", units: str = "loss", trials: int = 24, choice_windows: int = 16,
                 stop: bool = True, reduce: Reduce = lambda t: t,
                 progress: Callable[[int, int, dict], None] | None = None,
-                resume: list[tuple[dict, dict]] | None = None) -> dict:
+                resume: list[tuple[dict, dict]] | None = None, host=None) -> dict:
     """Merge blocks (a, a + 1) of `model` for every a of `firsts` (original indices, non-overlapping), in
-    place: each pair becomes one block of the original shape at a (module doc); gates are detached.
+    place: each pair becomes one block of the original shape at a (module doc).
 
     `windows`: calibration batches of token ids [B, S] (this rank's shard); `refit`: repair the cut in
     closed form (False: plain dropping of heads and channels); `ridge`: the refit's shrinkage towards plain
@@ -289,21 +287,23 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
     one leaving the lowest loss on the first `choice_windows` windows, merge_choice.py) or "energy" (those
     that write most); `stop=False` runs every pass to the end (ZeRO-3); `reduce(t)`: the sum over ranks;
     `progress(k, n, pair)`: called as the k-th of the n pairs is done, with its "per_pair" entry; `resume`: the
-    first pairs' ("per_pair" entry, merged block's state_dict) as an interrupted merge stored them, put back.
-    Returns {"pairs": [(a, a + 1)], "removed": the original indices gone (a + 1), "kept": the original
-    index behind each layer of the merged model, "tokens": calibration tokens (all ranks), "cost":
-    dense-forward tokens (merge_cost), "sizes": what a plan counts (hidden, intermediate, attention units
-    and their q rows, the refit's sum bytes), "per_pair": per pair the units and channels kept from
-    each block ("units_from", "channels_from": (from a, from b)) and, with the refit, the attention's and
-    the MLP's output error relative to the wide block's on the calibration tokens, with plain dropping
-    and with the refit ("attn_error_drop", "attn_error_refit", "mlp_error_drop", "mlp_error_refit"); units
-    "loss": every set's loss, the energy choice's first ("unit_losses"), and its rank among them)}."""
+    first pairs' ("per_pair" entry, merged block's state_dict) as an interrupted merge stored them, put back;
+    `host`: where the pairs are flattened and put (merge_blocks.InPlace, the default; ZeRO-3 ranks:
+    distributed/merging.py, whose model keeps its layers and gates). Returns {"pairs": [(a, a + 1)],
+    "removed": the original indices gone (a + 1), "kept": the original index behind each layer of the merged
+    model, "tokens": calibration tokens (all ranks), "cost": dense-forward tokens (merge_cost), "sizes": what a
+    plan counts (hidden, intermediate, attention units and their q rows, the refit's sum bytes), "per_pair":
+    per pair the units and channels kept from each block ("units_from", "channels_from": (from a, from b))
+    and, with the refit, the attention's and the MLP's output error relative to the wide block's on the
+    calibration tokens, dropped and refitted ("attn_error_drop", "attn_error_refit", "mlp_error_drop",
+    "mlp_error_refit"); units "loss": every set's loss, the energy choice's first ("unit_losses"), and its rank)}."""
+    host = host or InPlace()
     firsts = sorted(int(a) for a in firsts)
     windows = list(windows)
     tokens = int(round(reduce(torch.tensor(float(sum(int(w.numel()) for w in windows)), dtype=torch.float64)).item()))
     _check(model=model, firsts=firsts, windows=windows, refit=refit, ridge=ridge, weighting=weighting, tokens=tokens,
            target=target, units=units)
-    detach_gates(model)
+    host.prepare(model)
     num = families.num_layers(model)
     removed = [a + 1 for a in firsts]
     choice = {"trials": trials, "windows": first_rows(windows, choice_windows)} if units == "loss" else None
@@ -317,19 +317,19 @@ def merge_pairs(*, model, firsts, windows, refit: bool = True, ridge: float = 1e
                                      target=target, sets=sets, choice_tokens=int(round(seen.item()))),
                   "per_pair": [], "sizes": _sizes(model, first)}
     resume, later = list(resume or []), [a + 1 for a in firsts[len(resume or []):]]
-    truths = layer_outputs(model, later, windows) if refit and target == "dense" and later else None
+    truths = layer_outputs(model, later, windows, stop=stop) if refit and target == "dense" and later else None
     for k, a in enumerate(firsts):
         if k < len(resume):  # done before an interruption
-            put_merged(model, a - k, resume[k][1])
+            host.put(model, a, k, resume[k][1])
             info["per_pair"].append(resume[k][0])
             continue
-        layers = families.decoder_layers(model)
-        pair = copy.deepcopy(layers[a - k:a - k + 2]) if refit and target == "pair" else None
+        pair = host.originals(model, a, k) if refit and target == "pair" else None
         if truths is not None:  # each pair's targets are freed once its refit has read them
             pair, truths[k - len(resume)] = truths[k - len(resume)], []
-        flat = flatten(model, a - k)
+        flat = host.flatten(model, a, k)
         info["per_pair"].append(_cut_pair(model, flat, windows, pair, refit=refit, ridge=ridge, weighting=weighting,
                                           stop=stop, reduce=reduce, choice=choice) | {"pair": (a, a + 1)})
+        host.finish(model, flat, a, k)
         if progress is not None:
             progress(k + 1, len(firsts), info["per_pair"][-1])
     return info

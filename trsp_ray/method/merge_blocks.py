@@ -76,12 +76,20 @@ class Layout:
 @dataclass
 class Flat:
     """A flattened pair: the wide block's index in the model now, its layouts (per original block,
-    the wide block holds 2 x units, a's first), and the attention's head counts to put back."""
+    the wide block holds 2 x units, a's first), and the attention's head counts to put back. `block`: the
+    wide block where it stands outside the model (a ZeRO-3 rank's plain copy, run in the pair's place by a
+    hook: distributed/merging.py); None: it is the model's layer at `index`."""
 
     index: int
     attention: Layout
     mlp: Layout
     restore: dict = field(default_factory=dict)
+    block: torch.nn.Module | None = None
+
+
+def wide_of(model, flat: Flat) -> torch.nn.Module:
+    """The flattened pair's wide block: its own module, or the model's layer at its index."""
+    return flat.block if flat.block is not None else families.decoder_layers(model)[flat.index]
 
 
 def attention_layout(model, layer) -> Layout:
@@ -227,14 +235,11 @@ def check_pairs(*, model, firsts) -> None:
 
 
 @torch.no_grad()
-def flatten(model, first: int) -> Flat:
-    """Blocks `first` and `first + 1` of `model` as one block of twice the width at `first`, in place (the
-    model has one layer fewer, renumbered by surgery): both blocks' attention units and MLP channels side
-    by side, their norms folded into the linears after them (module doc)."""
-    check_pairs(model=model, firsts=[first])
-    layers = families.decoder_layers(model)
-    a, b = layers[first], layers[first + 1]
-    flat = Flat(first, attention_layout(model, a), mlp_layout(model, a))
+def widen(model, a, b, *, index: int) -> Flat:
+    """Block `a` (a decoder layer of `model`'s family) made the flattened pair of `a` and `b`, in place: both
+    blocks' attention units and MLP channels side by side, their norms folded into the linears after them
+    (module doc); `index`: where the wide block stands in the model. `b` is left as it was."""
+    flat = Flat(index, attention_layout(model, a), mlp_layout(model, a))
     for layout in (flat.attention, flat.mlp):
         got_a, got_b = _folded(model, a, layout), _folded(model, b, layout)
         for part in layout.inputs:
@@ -247,6 +252,16 @@ def flatten(model, first: int) -> Flat:
              None if out_a.bias is None else out_a.bias + out_b.bias)
         _plain(module_at(a, layout.norm), families.norm_offset(model))
     _double_heads(module_at(a, _attention(flat)), flat.restore)
+    return flat
+
+
+@torch.no_grad()
+def flatten(model, first: int) -> Flat:
+    """Blocks `first` and `first + 1` of `model` as one block of twice the width at `first` (widen), in place:
+    the model has one layer fewer, renumbered by surgery."""
+    check_pairs(model=model, firsts=[first])
+    layers = families.decoder_layers(model)
+    flat = widen(model, layers[first], layers[first + 1], index=first)
     remove_layers(model, [first + 1])
     return flat
 
@@ -256,7 +271,7 @@ def cut_part(model, flat: Flat, part: str, *, keep: torch.Tensor, out: torch.Ten
     """Keep units `keep` (ascending indices into the wide block's, a's first) of the flattened pair `flat`'s
     `part` ("attention" or "mlp"): that part is back to its original width. `out` [d, width]: refitted
     output weights (None: the kept units' own columns). The attention's head counts go back with its cut."""
-    layer, layout = families.decoder_layers(model)[flat.index], getattr(flat, part)
+    layer, layout = wide_of(model, flat), getattr(flat, part)
     wide = 2 * layout.units
     for piece in layout.inputs:
         linear = module_at(layer, piece.path)
@@ -277,3 +292,26 @@ def put_merged(model, first: int, state: dict[str, torch.Tensor]) -> None:
     for part in ("attention", "mlp"):
         cut_part(model, flat, part, keep=torch.arange(getattr(flat, part).units))
     families.decoder_layers(model)[first].load_state_dict(state)
+
+
+class InPlace:
+    """Where merge.merge_pairs merges in one process: in the model itself, each pair flattened into its first
+    layer and the second removed (the k earlier pairs are one layer each by now, so pair (a, a + 1) stands at
+    a - k). distributed/merging.py's host does the same on ZeRO-3 ranks, whose model keeps every layer."""
+
+    def prepare(self, model) -> None:
+        from trsp_ray.method.gates import detach_gates
+
+        detach_gates(model)
+
+    def originals(self, model, a: int, k: int) -> torch.nn.ModuleList:
+        return copy.deepcopy(families.decoder_layers(model)[a - k:a - k + 2])
+
+    def flatten(self, model, a: int, k: int) -> Flat:
+        return flatten(model, a - k)
+
+    def finish(self, model, flat: Flat, a: int, k: int) -> None:
+        pass
+
+    def put(self, model, a: int, k: int, state: dict) -> None:
+        put_merged(model, a - k, state)

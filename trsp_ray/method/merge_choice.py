@@ -30,7 +30,7 @@ import torch
 
 from trsp_ray.method.boundaries import Stop, hooked_pass
 from trsp_ray.method.compensation import Stats
-from trsp_ray.method.merge_blocks import Flat, cut_part
+from trsp_ray.method.merge_blocks import Flat, cut_part, wide_of
 from trsp_ray.method.surgery import shorten_config
 from trsp_ray.method.training import causal_lm_loss
 from trsp_ray.models import families
@@ -115,21 +115,28 @@ def choose_units(model, flat: Flat, sets: list[tuple[int, ...]], refit: Refit, w
     `windows`, and every set's loss). The flattened block is cut on a copy each time; `model` is left as
     it came, still wide. `stop`: the stream entering the block is stored once and each trial runs from the
     block on (module doc); False: whole passes (ZeRO-3 ranks)."""
-    layers = families.decoder_layers(model)
-    wide = layers[flat.index]
+    wide = wide_of(model, flat)
     inputs = block_inputs(model, flat.index, windows) if stop else None
     losses = []
     try:
         for units in sets:
-            keep = torch.tensor(units)
-            layers[flat.index] = copy.deepcopy(wide)
+            keep, trial = torch.tensor(units), copy.deepcopy(wide)
+            _put(model, flat, trial)
             cut_part(model, dataclasses.replace(flat, restore=dict(flat.restore)), "attention", keep=keep,
                      out=refit(keep))
             with starting_at(model, flat.index, inputs) if stop else contextlib.nullcontext():
                 losses.append(mean_loss(model, windows, reduce=reduce))
     finally:
-        layers[flat.index] = wide
+        _put(model, flat, wide)
     return torch.tensor(sets[min(range(len(sets)), key=losses.__getitem__)]), losses
+
+
+def _put(model, flat: Flat, block: torch.nn.Module) -> None:
+    """`block` as the flattened pair's wide block: its own (a ZeRO-3 rank's, which a hook runs) or the model's layer."""
+    if flat.block is not None:
+        flat.block = block
+    else:
+        families.decoder_layers(model)[flat.index] = block
 
 
 def sub_stats(stats: Stats, cols: torch.Tensor) -> Stats:

@@ -30,21 +30,22 @@ def pair_starts(candidates: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def pair_distances(model, gates, batches: list[torch.Tensor], *, candidates: list[int]) -> dict[int, float]:
+def pair_distances(model, gates, batches: list[torch.Tensor], *, candidates: list[int],
+                   head: bool = False) -> dict[int, float]:
     """{a: mean over tokens of arccos(cos(x_a, x_{a+2})) / pi} for every candidate pair (a, a + 1) of the
     gated `model` (gates.attach_gates) over calibration `batches` (token ids [B, S]): one decoder pass
-    per batch, select_cost's count."""
+    per batch, select_cost's count (`head`: whole passes, as ZeRO-3 ranks run them)."""
     starts = pair_starts(candidates)
     if not starts:
         raise TrspError(f"no two adjacent candidate layers to merge (candidates {candidates}); protect fewer "
                         "head/tail layers")
-    return angular_distances(model, gates, batches, n_drop=2, starts=starts)
+    return angular_distances(model, gates, batches, n_drop=2, starts=starts, head=head)
 
 
 def choose_pairs(distances: dict[int, float], *, model, n_pairs: int) -> list[int]:
     """The first layers of `n_pairs` non-overlapping pairs of `model` that can be merged, lowest distance
     first (greedy); a one-line error where fewer exist among the scored pairs."""
-    _check(model, n_pairs)
+    check_pairs_count(model, n_pairs)
     chosen: list[int] = []
     used: set[int] = set()
     refused = ""
@@ -67,7 +68,7 @@ def choose_pairs(distances: dict[int, float], *, model, n_pairs: int) -> list[in
     return chosen
 
 
-def _check(model, n_pairs: int) -> None:
+def check_pairs_count(model, n_pairs: int) -> None:
     """Refuse a pair count below 1 or a family that merges no pair, before any pass."""
     if n_pairs < 1:
         raise TrspError(f"a merge of {n_pairs} pairs is not valid; merge at least 1 (raise the ratio)")
@@ -79,7 +80,7 @@ def _check(model, n_pairs: int) -> None:
 def merge_select(model, gates, batches: list[torch.Tensor], *, n_pairs: int, candidates: list[int]) -> list[int]:
     """The first layers of the `n_pairs` pairs to merge (choose_pairs over pair_distances), in the order
     chosen (lowest distance first)."""
-    _check(model, n_pairs)
+    check_pairs_count(model, n_pairs)
     return choose_pairs(pair_distances(model, gates, batches, candidates=candidates), model=model, n_pairs=n_pairs)
 
 

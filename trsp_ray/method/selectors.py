@@ -95,10 +95,11 @@ def contiguous_starts(*, n_drop: int, candidates: list[int]) -> list[int]:
 
 
 def angular_distances(model, gates, batches: list[torch.Tensor], *, n_drop: int,
-                      starts: list[int]) -> dict[int, float]:
+                      starts: list[int], head: bool = False) -> dict[int, float]:
     """{a: mean over tokens of arccos(cos(x_a, x_{a+n})) / pi} for every start a: the angular
     distance between the stream entering layer a and the stream leaving layer a + n - 1 (Gromov et
-    al.'s block score; we average over every token, not only the last, as a layer sees them all)."""
+    al.'s block score; we average over every token, not only the last, as a layer sees them all).
+    `head=True` runs the whole model (ZeRO-3 ranks, influence_sums' reason)."""
     sums: dict[int, torch.Tensor | float] = dict.fromkeys(starts, 0.0)
     count = 0
     states: dict[int, torch.Tensor] = {}
@@ -116,7 +117,10 @@ def angular_distances(model, gates, batches: list[torch.Tensor], *, n_drop: int,
     try:
         for batch in batches:
             states.clear()
-            decoder_forward(model, batch)
+            if head:
+                model(input_ids=batch.to(next(model.parameters()).device), use_cache=False, logits_to_keep=1)
+            else:
+                decoder_forward(model, batch)
             for a in starts:
                 cos = torch.nn.functional.cosine_similarity(states[a].float(), states[a + n_drop].float(), dim=-1)
                 sums[a] = sums[a] + (torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi).sum().double()
