@@ -26,3 +26,23 @@ def run_ranks(args: list[str], *, world: int, timeout: float = 600) -> list:
         assert proc.returncode == 0, stderr[-3000:]
         results.append(json.loads(next(line[7:] for line in stdout.splitlines() if line.startswith("RESULT "))))
     return results
+
+
+def sharded_gated(model_dir: str):
+    """In a rank process that run_ranks started: the gloo group, the model of `model_dir` partitioned under
+    ZeRO-3 (fp32), its gates attached and ready, and a stepper factory; (model, gates, factory, rank, world)."""
+    import torch
+
+    from trsp_ray.config.run_config import DistributedConfig
+    from trsp_ray.distributed import engine as eng
+    from trsp_ray.distributed.deepspeed_config import build_ds_config
+    from trsp_ray.method.gates import attach_gates
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    eng.init_deepspeed(backend="gloo")
+    ds = build_ds_config(DistributedConfig(workers=world), batch_size=2, lr=1e-3)
+    model = eng.load_sharded(model_dir, ds_config=ds, dtype=torch.float32)
+    gates = attach_gates(model)
+    eng.zero_ready_gates(gates)
+    return model, gates, eng.StepperFactory(ds_config=ds, rank=rank, world=world), rank, world

@@ -128,16 +128,35 @@ def test_merge_is_a_pipeline_everywhere_pipelines_are_listed():
         for_method(replace(load_config(None, ["method=merge"]), **{"compensation.method": "lstsq"}))
 
 
-def test_merge_is_refused_on_the_workers_in_one_line_naming_the_single_process_route():
+def test_the_workers_merge_themselves_and_plan_the_merge_beside_block_influence():
+    """merge and merge+heal run on Ray Train workers (distributed/merging.py), never as a drop set handed over
+    (the workers would drop, not merge, it); their plan has the pairs' forward and the merge per rank, which
+    holds the wide pair whole (more than one process's extra layer); a +FIT stays refused in one line."""
     from trsp_ray.distributed.train import check_worker_settings
+    from trsp_ray.plan.merge_plan import merge_memory
+    from trsp_ray.plan.shape import shape_from_config
+    from trsp_ray.plan.zero3_plan import zero3_plan
 
     for name in ("merge", "merge+heal", "merge+heal.tail"):
-        assert not registry.on_workers(name) and not registry.on_workers(name, drop_given=True)
-        assert name not in registry.HANDED_OVER_METHODS  # the workers would drop, not merge, a handed set
-        cfg = load_config(None, [f"method={name}", "distributed.workers=2"])
-        with pytest.raises(TrspError, match="distributed.workers=0") as e:
-            check_worker_settings(cfg)
-        assert "\n" not in str(e.value) and "merges pairs of blocks in one process" in str(e.value)
+        assert registry.on_workers(name) and name not in registry.HANDED_OVER_METHODS
+        check_worker_settings(load_config(None, [f"method={name}", "distributed.workers=2"]))
+    cfg = load_config(None, ["method=merge+heal", "distributed.workers=4"])
+    shape = shape_from_config({"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8})
+    plan = zero3_plan(cfg, shape, spec=registry.method("merge+heal"))
+    assert [p.name for p in plan.stages][:2] == ["shortgpt (Block Influence)", "merge (pairs gathered on every rank)"]
+    e = plan.setup.dtype_bytes
+    one, host = merge_memory(cfg, dtype_bytes=e, shape=shape)
+    ranks, host4 = merge_memory(cfg, dtype_bytes=e, shape=shape, ranks=4)
+    layer_gb = shape.layer_params * e / 1024**3
+    # two more layers on a rank (the wide pair whole), less the one process's stored block inputs
+    inputs_gb = cfg.merging.choice_windows * cfg.data.seqlen * shape.hidden * e / 1024**3
+    assert ranks == pytest.approx(one + 2 * layer_gb - inputs_gb, rel=1e-9) and host4 == pytest.approx(host / 4)
+    assert plan.stages[1].parts["the wide pair, its copies and the refit sums"] == pytest.approx(ranks)
+    with pytest.raises(TrspError, match="a merge repairs each pair itself") as e:
+        check_worker_settings(load_config(None, ["method=merge+heal", "compensation.method=lstsq",
+                                                 "distributed.workers=2"]))
+    assert "\n" not in str(e.value)
 
 
 def test_a_compute_budget_pays_the_merge_before_the_heal(workspaces):

@@ -18,26 +18,17 @@ from trsp_ray.run.teacher_store import TeacherStore, dense_compute
 TESTS = Path(__file__).resolve().parent
 
 ZERO3_WORKER = r"""
-import json, os, sys, torch
+import json, sys, torch
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[3])
+from gloo_ranks import sharded_gated
 from test_teacher_store import CFG, _stream
-from trsp_ray.config.run_config import DistributedConfig
 from trsp_ray.distributed import engine as eng
-from trsp_ray.distributed.deepspeed_config import build_ds_config
 from trsp_ray.distributed.recovery import fill_on_ranks
 from trsp_ray.method.distill import StoredDistillLoss
-from trsp_ray.method.gates import attach_gates
 from trsp_ray.run.teacher_store import TeacherStore
-torch.set_num_threads(1)
 model_dir, root = sys.argv[1], sys.argv[2]
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-eng.init_deepspeed(backend="gloo")
-ds = build_ds_config(DistributedConfig(workers=world), batch_size=2, lr=1e-3)
-model = eng.load_sharded(model_dir, ds_config=ds, dtype=torch.float32)
-gates = attach_gates(model)
-eng.zero_ready_gates(gates)
-factory = eng.StepperFactory(ds_config=ds, rank=rank, world=world)
+model, gates, factory, rank, world = sharded_gated(model_dir)
 bench = SimpleNamespace(model=model, gates=gates, factory=factory, world=world)
 store = TeacherStore(root, _stream(), k=8, temperature=2.0, cfg=CFG, model="tiny-llama", shard_windows=4)
 computed = fill_on_ranks(bench, store, windows=6, rank=rank, world=world)

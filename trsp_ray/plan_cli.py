@@ -93,7 +93,8 @@ def _shortgpt_lines(pipe, result) -> list[str]:
     windows = shortgpt_windows(replace(cfg, **{"data.seqlen": seqlen}), n_drop_for(cfg.ratio, result.shape.layers))
     per_gpu = -(-windows // result.setup.workers)
     bi = influence_stage(result.shape, result.setup)
-    return [f"  selection ({cfg.method}): Block Influence, forward-only: {bi.total:.1f} GB per worker (stage 1's "
+    what = "the adjacent pairs' angular distances" if pipe.spec.merges else "Block Influence"
+    return [f"  selection ({cfg.method}): {what}, forward-only: {bi.total:.1f} GB per worker (stage 1's "
             f"model state and one micro batch's logits), within the stage-1 figure; {windows} "
             f"windows x {seqlen} tokens = {windows * seqlen / 1e6:,.2f}M dense-forward tokens (all GPUs; "
             f"{per_gpu} windows per GPU)"]
@@ -147,6 +148,18 @@ def run_plan(args: argparse.Namespace) -> int:
                                 tokens_per_column=c.tokens_per_column, floor=c.min_tokens_per_column)
         after += format_compensation_plan(comp, result.setup, calibration=line)
         comp_fits, fit_host = comp.memory.total <= result.setup.gpu_memory_gb, comp.host_gb
+    if pipe.spec.merges:  # distributed/merging.py: each pair gathered whole on every rank
+        from trsp_ray.method.stage1 import n_drop_for
+        from trsp_ray.run.merging import planned_cost
+
+        merge = zero3_plan.merge_stage(cfg, shape, result.setup)
+        cost = planned_cost(replace(cfg, **{"distributed.workers": args.workers}), shape,
+                            n_pairs=n_drop_for(cfg.ratio, shape.layers))
+        after += [f"  merge (each pair gathered on every rank, flattened, cut and refitted from all-reduced sums): "
+                  f"{merge.total:.1f} GB per worker ({merge.parts['the wide pair, its copies and the refit sums']:.2f} "
+                  f"GB of it the merge's own), host {merge.host:.1f} GB; at most {cost / 1e6:,.2f}M dense-forward "
+                  "tokens (whole passes)"]
+        comp_fits = merge.total <= result.setup.gpu_memory_gb
     from trsp_ray.plan.teacher_plan import teacher_pass_for_run
 
     teacher = teacher_pass_for_run(cfg, shape, heal_method=pipe.spec.heal, workers=args.workers)  # before stage 1

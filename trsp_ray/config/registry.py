@@ -114,15 +114,12 @@ TRSP_METHODS = tuple(m.name for m in METHODS.values() if m.uses_stage1)  # what 
 # what Ray Train workers run: the TRSP methods, and ShortGPT + heal with or without the compensation
 # (Block Influence on the workers' shards, the workers' data-parallel fit, then the workers' heal),
 # and the tail cut (no forward pass) with or without it
-WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal", "shortgpt+comp+heal", "tail+heal", "tail+comp+heal")
+WORKER_METHODS = TRSP_METHODS + ("shortgpt+heal", "shortgpt+comp+heal", "tail+heal", "tail+comp+heal",
+                                  "merge", "merge+heal")
 # heal methods whose drop set one process chooses and hands to the workers, which heal it: SLEB's
 # layer-by-layer replay is not built on the workers; its forward-only selection fits one device
 HANDED_OVER_METHODS = tuple(m.name for m in METHODS.values()
                             if m.heal and m.name not in WORKER_METHODS and not m.merges)
-# why a merge is refused on the workers: each pair would have to be gathered whole, merged on one rank
-# and re-partitioned, which is not built
-MERGE_NOT_ON_WORKERS = ("merges pairs of blocks in one process only (gathering each pair from the ZeRO-3 shards "
-                        "is not built); run it with distributed.workers=0")
 STAGE2_METHODS = tuple(m.name for m in METHODS.values() if m.stage2)  # the methods stage2.* settings act in
 BASELINE_SELECTORS = ("shortgpt", "sleb", "random", "tail", "angular")
 # Baselines that score layers with forward passes (memory plans size them); SLEB and the angular
@@ -297,9 +294,9 @@ def on_workers(name: str, *, drop_given: bool = False) -> bool:
     if name in WORKER_METHODS or (drop_given and name in HANDED_OVER_METHODS):
         return True
     m = method(name)
-    if m.name in METHODS or not m.heal or m.merges:
+    if m.name in METHODS or not m.heal:
         return False
-    return drop_given or m.selector in (TRSP_SELECTOR, SHORTGPT_SELECTOR, TAIL_SELECTOR)
+    return drop_given or m.selector in (TRSP_SELECTOR, SHORTGPT_SELECTOR, TAIL_SELECTOR, MERGE_SELECTOR)
 
 
 def compose(selector: str, *, fit: str | None = None, heal: bool = False, recipe: str | None = None) -> str:

@@ -104,8 +104,6 @@ def check_worker_settings(cfg, *, drop_given: bool = False, pipe=None) -> None:
     from trsp_ray.plan.zero3_plan import method_on_workers
     from trsp_ray.run.pipeline import named
 
-    if (pipe or named(cfg)).spec.merges:
-        raise TrspError(f"method={cfg.method!r} {registry.MERGE_NOT_ON_WORKERS}")
     if not method_on_workers(cfg.method, drop_given=drop_given):
         handed = (f" ({', '.join(registry.HANDED_OVER_METHODS)} with a drop set chosen in one process)"
                   if registry.HANDED_OVER_METHODS else "")

@@ -88,6 +88,8 @@ def train_loop(config: dict) -> None:
                      selector=spec.selector)
     elif spec.selector == registry.SHORTGPT_SELECTOR:
         drop, s1_state = _shortgpt(cfg, bench, events=events, rank=rank), {}
+    elif spec.merges:
+        drop, s1_state = _merge_select(cfg, bench, events=events, rank=rank), {}
     elif spec.selector == registry.TAIL_SELECTOR:  # no forward: every rank alike
         from trsp_ray.method.selectors import tail_drop
         from trsp_ray.method.stage1 import candidate_layers, n_drop_for
@@ -100,6 +102,7 @@ def train_loop(config: dict) -> None:
     else:
         drop, s1_state = _stage1(config, cfg, bench, ranking=spec.ranking, events=events, meta=meta, rank=rank,
                                  fault=fault)
+    merged = _merge(cfg, bench, drop=drop, events=events, rank=rank) if spec.merges else {}
     comp = _fit_compensation(cfg, bench, drop=drop, events=events, rank=rank)
     # where one process folds (methods.apply_method): after stage 2, before a heal. A resumed heal
     # folds again and then loads its checkpoint's (folded, healed) weights over the result.
@@ -111,7 +114,7 @@ def train_loop(config: dict) -> None:
     if comp is not None and not heal:
         compensate.apply(model=model, drop=drop, info=comp)
     _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank,
-            metrics=compensate.manifest_metrics(cfg.compensation, comp))
+            metrics=compensate.manifest_metrics(cfg.compensation, comp) | merged)
     events.write("done", drop_order=drop)
     ray.train.report({"done": 1, "drop_order": json.dumps(drop)})
 
@@ -238,6 +241,42 @@ def _shortgpt(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     events.write("stage1_done", drop_order=drop, selector=registry.SHORTGPT_SELECTOR, block_influence=bi,
                  rounds_computed=0, select_cost=tokens, peak_gb=peak_memory_gb())
     return drop
+
+
+def _merge_select(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
+    """A merge's drop set (each pair's second layer) on ShortGPT's windows, the pairs' distances scored
+    data-parallel (distributed/merging.py); forward-only, recomputed by a resumed run."""
+    from trsp_ray.config import registry
+    from trsp_ray.distributed.merging import pairs_on_ranks
+    from trsp_ray.method.stage1 import candidate_layers, n_drop_for
+    from trsp_ray.run.methods import fixed_windows, shortgpt_windows
+
+    g = cfg.gates
+    candidates = candidate_layers(bench.num_layers, protect_head=g.protect_head, protect_tail=g.protect_tail)
+    n_pairs = n_drop_for(cfg.ratio, bench.num_layers)
+    windows = fixed_windows(_batches(cfg, bench, SELECTION_STREAM), shortgpt_windows(cfg, n_pairs))
+    forward_engine(bench)
+    reset_peak_memory()
+    firsts, tokens = pairs_on_ranks(bench.model, bench.gates, windows, n_pairs=n_pairs, candidates=candidates,
+                                    rank=rank, world=bench.world)
+    drop = [a + 1 for a in firsts]
+    events.write("stage1_done", drop_order=drop, selector=registry.MERGE_SELECTOR, rounds_computed=0,
+                 select_cost=tokens, peak_gb=peak_memory_gb())
+    return drop
+
+
+def _merge(cfg, bench, *, drop: list[int], events: EventLog, rank: int) -> dict:
+    """Merge each pair (d - 1, d) of `drop` on the ranks (distributed/merging.py), on the one process's merge
+    windows (FIT_STREAM); returns the manifest's merge fields."""
+    from trsp_ray.distributed.merging import merge_on_ranks
+    from trsp_ray.plan.merge_plan import merge_windows
+    from trsp_ray.run.methods import fixed_windows
+
+    windows = fixed_windows(_batches(cfg, bench, FIT_STREAM), merge_windows(cfg))
+    reset_peak_memory()
+    merged = merge_on_ranks(cfg, bench, drop=drop, windows=windows, rank=rank, world=bench.world)
+    events.write("merged", peak_gb=peak_memory_gb(), **merged)
+    return merged
 
 
 def _stage2(config: dict, pipe, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,

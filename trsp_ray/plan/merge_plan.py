@@ -23,12 +23,14 @@ def shape_widths(shape: Shape) -> tuple[int, int]:
     return shape.intermediate, shape.heads * shape.head_dim
 
 
-def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> tuple[float, float]:
+def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None, ranks: int = 0) -> tuple[float, float]:
     """(device GB, host GB) a merge holds beside the model and one layer's pass (the single plan's merge stage):
     the wide pair's extra layer; two layers' copies (target "pair": the pair as it was; units=loss: the wide
     block a trial cuts); the refit's float64 sums (units=loss: the attention's over the wide block's columns);
     units=loss: one batch's logits and their fp32 loss, and the stream entering the block on the choice
-    windows (stored once for the trials); target "dense"'s stored streams, on the host."""
+    windows (stored once for the trials); target "dense"'s stored streams, on the host. `ranks` > 0: per
+    ZeRO-3 worker (distributed/merging.py), beside its partition: the wide pair whole (two layers) and, while
+    it is built, block b's copy; no stored block inputs (whole passes); its share of the stored streams."""
     from trsp_ray.method.merge_costs import refit_bytes
 
     m, e = cfg.merging, dtype_bytes
@@ -38,9 +40,10 @@ def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> tuple[
     mlp, attn = shape_widths(shape)
     sums = refit_bytes(intermediate=mlp, hidden=shape.hidden, attention_width=attn * (2 if loss else 1))
     logits = cfg.data.batch_size * cfg.data.seqlen * shape.vocab * (e + 8) if loss else 0
-    inputs = m.choice_windows * cfg.data.seqlen * shape.hidden * e if loss else 0
-    device = (1 + copies) * shape.layer_params * e + (sums if m.refit else 0) + logits + inputs
-    return device / 1024**3, targets_gb(cfg, dtype_bytes=e, shape=shape)
+    inputs = m.choice_windows * cfg.data.seqlen * shape.hidden * e if loss and not ranks else 0
+    layers = 1 + copies + (2 if ranks else 0)
+    device = layers * shape.layer_params * e + (sums if m.refit else 0) + logits + inputs
+    return device / 1024**3, targets_gb(cfg, dtype_bytes=e, shape=shape) / max(ranks, 1)
 
 
 def targets_gb(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> float:

@@ -89,6 +89,18 @@ def influence_stage(s: Shape, st: Setup) -> StagePlan:
     return plan
 
 
+def merge_stage(cfg, s: Shape, st: Setup) -> StagePlan:
+    """A merge on ZeRO-3 workers (distributed/merging.py): Block Influence's model state and whole forward,
+    and beside them what each rank holds of the merge (merge_plan.merge_memory per rank)."""
+    from trsp_ray.plan.merge_plan import merge_memory
+
+    base = influence_stage(s, st)
+    device, host = merge_memory(cfg, dtype_bytes=st.dtype_bytes, shape=s, ranks=st.workers)
+    plan = StagePlan("merge (pairs gathered on every rank)", dict(base.parts), base.host + host)
+    plan.parts["the wide pair, its copies and the refit sums"] = device
+    return plan
+
+
 @dataclass
 class Plan(Peaks):
     shape: Shape
@@ -212,6 +224,8 @@ def zero3_plan(cfg, s: Shape, ds_config: dict | None = None, *, spec) -> Plan:
     p = plan(s, st)
     if spec.selector == registry.SHORTGPT_SELECTOR:  # worker._shortgpt: no stage 1
         p.stages = (influence_stage(s, st),) + p.stages[1:]
+    if spec.merges:  # the pairs' distances (one forward, as Block Influence), then the merge on the ranks
+        p.stages = (influence_stage(s, st), merge_stage(cfg, s, st)) + p.stages[1:]
     if not recovers_on_workers(cfg, spec=spec):
         p.stages = p.stages[:1]
     return p

@@ -49,19 +49,19 @@ def choice(cfg, shape: Shape) -> dict:
 def planned_cost(cfg, shape: Shape, *, n_pairs: int) -> float:
     """An upper bound of a merge's compute before its pairs are known: merge_costs.merge_cost on the deepest
     pairs `n_pairs` non-overlapping pairs can be (the last two layers, the two before them, ...), each
-    pass stopping after its pair as merge_pairs runs it (a merge runs in one process only), and the
-    refits' float64 work. Any pairs cost at most this: a pair's passes grow with its depth, and the k-th
-    pair from the top is at most 2k layers from the end; units=loss's trials shrink with depth, and are
-    bounded on the shallowest pairs (0-1, 2-3, ...)."""
+    pass stopping after its pair as merge_pairs runs it in one process (whole passes on ZeRO-3 workers,
+    distributed/merging.py), and the refits' float64 work. Any pairs cost at most this: a pair's passes grow
+    with its depth, and the k-th pair from the top is at most 2k layers from the end; units=loss's trials
+    shrink with depth, and are bounded on the shallowest pairs (0-1, 2-3, ...)."""
     from trsp_ray.method.merge_costs import merge_cost, trial_cost
 
-    tokens = merge_windows(cfg, shape) * cfg.data.seqlen
+    tokens, stops = merge_windows(cfg, shape) * cfg.data.seqlen, not cfg.distributed.workers
     deepest = [shape.layers - 2 * k for k in range(1, n_pairs + 1)]
     trials = choice(cfg, shape)
     passes = merge_cost(firsts=deepest, num_layers=shape.layers, tokens=tokens, refit=cfg.merging.refit,
-                        target=cfg.merging.target)
+                        target=cfg.merging.target, stops=stops)
     if trials and cfg.merging.refit:  # the trials run from each pair's block on: the shallowest pairs bound them
-        passes += trial_cost(firsts=[2 * k for k in range(n_pairs)], num_layers=shape.layers, **trials)
+        passes += trial_cost(firsts=[2 * k for k in range(n_pairs)], num_layers=shape.layers, stops=stops, **trials)
     sets = trials.get("sets", 0)
     return passes + (solve_cost(shape, tokens=tokens, pairs=n_pairs, sets=sets) if cfg.merging.refit else 0.0)
 
@@ -75,7 +75,7 @@ def drop_cost(cfg, *, drop: list[int], num_layers: int) -> float:
     tokens = merge_windows(cfg, shape) * cfg.data.seqlen
     trials = choice(cfg, shape)
     passes = merge_cost(firsts=[d - 1 for d in drop], num_layers=num_layers, tokens=tokens, refit=cfg.merging.refit,
-                        target=cfg.merging.target, **trials)
+                        target=cfg.merging.target, stops=not cfg.distributed.workers, **trials)
     sets = trials.get("sets", 0)
     return passes + (solve_cost(shape, tokens=tokens, pairs=len(drop), sets=sets) if cfg.merging.refit else 0.0)
 
@@ -100,14 +100,16 @@ def heal_left(cfg, *, spec, heal, drop: list[int], info: dict):
 
 def pair_progress(model, store):
     """merge_pairs' progress: one line a pair, its time and what it kept (a merge runs for minutes a pair
-    on a CPU; SmolLM2's 8 took 37 min on 2 cores), and the pair stored in `store` (merge_store.py)."""
+    on a CPU; SmolLM2's 8 took 37 min on 2 cores), and the pair stored in `store` (merge_store.py; None:
+    not stored, as on ZeRO-3 ranks)."""
     import time
 
     last = [time.monotonic()]
 
     def show(k: int, n: int, pair: dict) -> None:
         now, a = time.monotonic(), pair["pair"][0]
-        store.save(k - 1, pair, families.decoder_layers(model)[a - (k - 1)])  # k - 1 earlier pairs are one layer
+        if store is not None:
+            store.save(k - 1, pair, families.decoder_layers(model)[a - (k - 1)])  # k - 1 earlier pairs are one layer
         losses = pair.get("unit_losses")
         chose = (f"; the KV groups kept leave loss {min(losses):.3f} on the choice windows (the energy choice "
                  f"{losses[0]:.3f}, {pair['energy_rank'] + 1} of {len(losses)})") if losses else ""
@@ -135,17 +137,24 @@ def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[in
                        weighting=m.weighting, target=m.target, units=m.units, trials=m.unit_trials,
                        choice_windows=m.choice_windows, progress=pair_progress(model, store), resume=resume)
     store.clear()  # the whole merge is done: its pairs are in the model
-    pairs = done["per_pair"]
-    shape = model_shape(cfg.model)
-    sets = choice(cfg, shape).get("sets", 0)
-    solve = solve_cost(shape, tokens=done["tokens"], pairs=len(pairs), sets=sets) if m.refit else 0.0
-    info.update(merge_pairs=[list(p["pair"]) for p in pairs], merge_tokens=done["tokens"],
-                merge_cost=done["cost"], merge_solve_cost=solve, merge_refit=m.refit,
-                merge_units_from=[list(p["units_from"]) for p in pairs],
-                merge_channels_from=[list(p["channels_from"]) for p in pairs])
-    if m.refit:
-        info["merge_mlp_error"] = [[p["mlp_error_drop"], p["mlp_error_refit"]] for p in pairs]
-        info["merge_attn_error"] = [[p["attn_error_drop"], p["attn_error_refit"]] for p in pairs]
+    info.update(merge_record(cfg, done))
     log(f"merged pairs {info['merge_pairs']} on {done['tokens']} calibration tokens"
         + (" with refits" if m.refit else " without refits"))
     return done["kept"]
+
+
+def merge_record(cfg, done: dict) -> dict:
+    """What the manifest and the tables record of a merge, from merge_pairs' result `done`: the pairs, tokens,
+    passes' and solves' compute, what each pair kept from each block, and the refits' errors."""
+    m, pairs = cfg.merging, done["per_pair"]
+    shape = model_shape(cfg.model)
+    sets = choice(cfg, shape).get("sets", 0)
+    solve = solve_cost(shape, tokens=done["tokens"], pairs=len(pairs), sets=sets) if m.refit else 0.0
+    got = {"merge_pairs": [list(p["pair"]) for p in pairs], "merge_tokens": done["tokens"],
+           "merge_cost": done["cost"], "merge_solve_cost": solve, "merge_refit": m.refit,
+           "merge_units_from": [list(p["units_from"]) for p in pairs],
+           "merge_channels_from": [list(p["channels_from"]) for p in pairs]}
+    if m.refit:
+        got["merge_mlp_error"] = [[p["mlp_error_drop"], p["mlp_error_refit"]] for p in pairs]
+        got["merge_attn_error"] = [[p["attn_error_drop"], p["attn_error_refit"]] for p in pairs]
+    return got

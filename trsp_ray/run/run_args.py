@@ -21,11 +21,9 @@ def method_type(*, workers: bool = False):
                 from trsp_ray.run.pipeline import read_yaml
 
                 text = read_yaml(text)
-            spec = registry.method(text)
+            registry.method(text)
         except TrspError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-        if workers and spec.merges:
-            raise argparse.ArgumentTypeError(f"method={text!r} {registry.MERGE_NOT_ON_WORKERS}")
         if workers and not registry.on_workers(text, drop_given=True):
             raise argparse.ArgumentTypeError(
                 f"method={text!r} is not run on Ray Train workers; use one of {', '.join(registry.WORKER_METHODS)} "
