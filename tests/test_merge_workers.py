@@ -49,6 +49,51 @@ print("RESULT " + json.dumps({"firsts": firsts, "tokens": tokens, "bypassed": ga
 
 SETTINGS = {"units": "loss", "trials": 3, "choice_windows": 4}
 
+RESUMING = r"""
+import json, os, sys, torch
+from pathlib import Path
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[3])
+from gloo_ranks import sharded_gated
+from test_merge_workers import probe_batch, windows
+from trsp_ray.config.run_config import load_config
+from trsp_ray.distributed.merging import OnRanks, merge_on_ranks
+from trsp_ray.run.merge_store import MergeCheckpoints
+model_dir, root, phase = sys.argv[1], sys.argv[2], sys.argv[4]
+flattened, flatten = [], OnRanks.flatten
+OnRanks.flatten = lambda self, model, a, k: flattened.append(a) or flatten(self, model, a, k)
+model, gates, factory, rank, world = sharded_gated(model_dir)
+factory(model, [{"params": gates.gate_params(), "lr": 0.0}])
+cfg = load_config(None, [f"model={model_dir}", f"checkpoint_dir={root}", "method=merge", "merging.unit_trials=3",
+                         "merging.choice_windows=4", f"distributed.workers={world}"])
+if phase == "first":  # the run a failure ends after its first pair: both stored, the second then lost
+    MergeCheckpoints.clear = lambda self: [p.unlink() for p in Path(self.dir).glob("pair-1.pt")]
+record = merge_on_ranks(cfg, SimpleNamespace(model=model, gates=gates), drop=[2, 4], windows=windows(), rank=rank,
+                        world=world)
+with torch.no_grad():
+    logits = model(input_ids=probe_batch(), use_cache=False).logits
+print("RESULT " + json.dumps({"record": record, "logits": logits.tolist(), "flattened": flattened}), flush=True)
+"""
+
+
+@pytest.mark.slow  # two 2-rank runs: ~80 s
+def test_two_zero3_ranks_resume_a_merge_from_rank_0s_stored_pairs(tmp_path):
+    """Two ZeRO-3 ranks: a merge whose second stored pair was lost resumes from rank 0's first (the other rank
+    told how many, rank 0's weights written into the partitions) and ends with the uninterrupted model."""
+    from gloo_ranks import run_ranks
+
+    tiny_model("llama", layers=6).save_pretrained(tmp_path / "model")
+    args = [sys.executable, "-c", RESUMING, str(tmp_path / "model"), str(tmp_path / "ck"), str(TESTS)]
+    first = run_ranks(args + ["first"], world=2)
+    stored = list((tmp_path / "ck" / "merged_pairs").glob("*/pair-*.pt"))
+    assert [p.name for p in stored] == ["pair-0.pt"]
+    again = run_ranks(args + ["again"], world=2)
+    assert [r["flattened"] for r in first + again] == [[1, 3], [1, 3], [3], [3]]
+    for r in again:
+        assert r["record"] == first[0]["record"]
+        assert torch.allclose(torch.tensor(r["logits"]), torch.tensor(first[0]["logits"]), atol=1e-6)
+    assert not (tmp_path / "ck" / "merged_pairs").exists()
+
 
 def windows_() -> list[torch.Tensor]:
     """Eight calibration windows of 16 tokens, in batches of two."""
@@ -91,6 +136,53 @@ def test_the_ranks_host_merges_every_family_into_the_in_place_merge_without_remo
         got = model(input_ids=probe, use_cache=False).logits
         want = expected_model(input_ids=probe, use_cache=False).logits
     assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+
+
+def test_an_interrupted_merge_on_the_ranks_resumes_after_its_last_stored_pair(tmp_path, monkeypatch, capsys):
+    """merge_on_ranks (one rank, nothing partitioned) stopped after its first pair: a rerun puts the stored pair
+    back without flattening it again, merges the second, and ends with the uninterrupted merge's model and
+    record; the store is gone once the merge is done."""
+    from types import SimpleNamespace
+
+    from trsp_ray.config.run_config import load_config
+    from trsp_ray.distributed import merging as ranks_merging
+    from trsp_ray.run import merging
+
+    tiny_model("llama", layers=6).save_pretrained(tmp_path / "model")
+    cfg = load_config(None, [f"model={tmp_path / 'model'}", f"checkpoint_dir={tmp_path / 'ck'}", "method=merge",
+                             "merging.unit_trials=3", "merging.choice_windows=4"])
+
+    def merged(progress=None):
+        model = tiny_model("llama", layers=6)
+        bench = SimpleNamespace(model=model, gates=attach_gates(model))
+        record = ranks_merging.merge_on_ranks(cfg, bench, drop=[2, 4], windows=windows_(), rank=0, world=1)
+        with torch.no_grad():
+            return record, model(input_ids=probe_batch(), use_cache=False).logits
+
+    whole, logits = merged()
+    real = merging.pair_progress
+
+    def stopping(*args, **kwargs):
+        show = real(*args, **kwargs)
+
+        def once(k, n, pair):
+            show(k, n, pair)
+            raise KeyboardInterrupt  # after the first pair is stored
+        return once
+
+    monkeypatch.setattr(merging, "pair_progress", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        merged()
+    monkeypatch.setattr(merging, "pair_progress", real)
+    flattened = []
+    flatten = ranks_merging.OnRanks.flatten
+    monkeypatch.setattr(ranks_merging.OnRanks, "flatten",
+                        lambda self, model, a, k: flattened.append(a) or flatten(self, model, a, k))
+    capsys.readouterr()
+    record, resumed = merged()
+    assert flattened == [3] and "merge: resuming after pair 1 of 2" in capsys.readouterr().out
+    assert record == whole and torch.equal(resumed, logits)
+    assert not (tmp_path / "ck" / "merged_pairs").exists()
 
 
 @pytest.mark.parametrize("world,target", [pytest.param(1, "dense", marks=pytest.mark.slow), (2, "dense"),

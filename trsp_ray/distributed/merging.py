@@ -19,8 +19,10 @@ every rank runs as many passes and the loss choice's first windows are the one p
 multiple of the world size are left out (their count is logged). Each pass runs the whole model (no early
 stop on ZeRO-3), which merge_cost counts.
 
-Not built: resuming an interrupted merge on the workers (run/merge_store.py is one process's); a
-restarted run merges again.
+Resume. Rank 0 stores each pair as it is done (run/merge_store.py, keyed by the world size and precision
+too); a restarted run reads them on rank 0, every rank learns how many, and rank 0's stored blocks are
+written into the partitions as merge_pairs puts them back. The store is a folder of rank 0's
+checkpoint_dir: a restart resumes where that folder is the same (a shared file system, the same node).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class OnRanks:
         self.gates, self.rank = gates, rank
         self.bypassed: list[int] = []  # the second layers of the pairs merged so far
         self.handle = None
+        self.last: torch.nn.Module | None = None
 
     def prepare(self, model) -> None:
         self.gates.set_gated(False)
@@ -113,16 +116,19 @@ class OnRanks:
         self.handle.remove()
         self.handle = None
         self._write(a, flat.block.state_dict())
+        self.last = flat.block  # what the progress stores (rank 0)
 
-    def put(self, model, a: int, k: int, state: dict) -> None:
+    def put(self, model, a: int, k: int, state: dict | None) -> None:
         self._write(a, state)
 
-    def _write(self, a: int, state: dict) -> None:
-        """The merged block's `state` into layer a's partitions (rank 0's values kept); a + 1 bypassed from now on."""
+    def _write(self, a: int, state: dict | None) -> None:
+        """The merged block's `state` into layer a's partitions: rank 0's values are kept (the other ranks hold
+        the same, or None where a stored pair was read on rank 0 alone); a + 1 bypassed from now on."""
         inner = self.gates.wrappers[a].layer
         with gather_context(list(inner.parameters())):
-            for name, p in inner.named_parameters():
-                p.data.copy_(state[name].to(device=p.device, dtype=p.dtype))
+            if self.rank == 0:
+                for name, p in inner.named_parameters():
+                    p.data.copy_(state[name].to(device=p.device, dtype=p.dtype))
         self.bypassed.append(a + 1)
         self.gates.set_bypass(self.bypassed)
 
@@ -133,7 +139,11 @@ def merge_on_ranks(cfg, bench, *, drop: list[int], windows: list[torch.Tensor], 
     settings; returns what the manifest records of the merge (run/merging.merge_record)."""
     import math
 
+    from trsp_ray.distributed.collectives import broadcast_object
+    from trsp_ray.distributed.deepspeed_config import worker_dtype
     from trsp_ray.method.merge import merge_pairs
+    from trsp_ray.run.content import checkpoint_root
+    from trsp_ray.run.merge_store import MergeCheckpoints, merge_key
     from trsp_ray.run.merging import merge_record, pair_progress
 
     m = cfg.merging
@@ -141,9 +151,18 @@ def merge_on_ranks(cfg, bench, *, drop: list[int], windows: list[torch.Tensor], 
     left = sum(len(w) for w in windows) % world
     if left and rank == 0:
         log(f"merge: {left} calibration windows beyond a multiple of the {world} workers are left out")
+    store = MergeCheckpoints(checkpoint_root(cfg.checkpoint_dir), merge_key(
+        cfg.to_dict(), drop=drop, stage2=False, ranks={"world": world, "dtype": worker_dtype(cfg)}))
+    stored = store.finished() if rank == 0 else []
+    entries = broadcast_object([entry for entry, _ in stored])  # every rank: how many, and their records
+    if entries and rank == 0:
+        log(f"merge: resuming after pair {len(entries)} of {len(drop)} from {store.dir}")
+    host = OnRanks(bench.gates, rank=rank)
     done = merge_pairs(model=bench.model, firsts=[d - 1 for d in drop], windows=mine, refit=m.refit, ridge=m.ridge,
                        weighting=m.weighting, target=m.target, units=m.units, trials=m.unit_trials,
                        choice_windows=math.ceil(m.choice_windows / world), stop=False, reduce=all_reduce_sum,
-                       progress=pair_progress(bench.model, None) if rank == 0 else None,
-                       host=OnRanks(bench.gates, rank=rank))
+                       progress=pair_progress(bench.model, store, lambda a, k: host.last) if rank == 0 else None,
+                       resume=[(e, stored[k][1] if rank == 0 else None) for k, e in enumerate(entries)], host=host)
+    if rank == 0:
+        store.clear()
     return merge_record(cfg, done)

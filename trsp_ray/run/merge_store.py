@@ -9,7 +9,8 @@ stored pairs back (merge.merge_pairs' `resume`) and merges the rest. The key cov
 on: the model and calibration text (their bytes), the calibration windows' settings, the seed and
 precision, the merging settings, the pairs, and stage 2's settings when stage 2 changed the weights
 before it; a change to any of them starts afresh. The directory is removed once the whole merge is done.
-Local storage only, as the stage-1 store's round checkpoints.
+Local storage only, as the stage-1 store's round checkpoints; on Ray Train workers rank 0 stores and reads
+the pairs (distributed/merging.py), so a restart resumes where rank 0's checkpoint_dir is the same folder.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from trsp_ray.common import atomic
 from trsp_ray.run.content import calibration_content, data_fingerprint, store_key
 
 
-def merge_key(cfg: dict, *, drop: list[int], stage2: bool) -> str:
+def merge_key(cfg: dict, *, drop: list[int], stage2: bool, ranks: dict | None = None) -> str:
     """The content key of a merge of the pairs (d - 1, d), d in `drop`, by the run `cfg` (a RunConfig dict);
-    `stage2`: stage 2 trained the weights the merge starts from."""
+    `stage2`: stage 2 trained the weights the merge starts from; `ranks`: where ZeRO-3 workers merge, their
+    count and precision (the rows each rank reads depend on the count)."""
     what = {**{k: cfg.get(k) for k in ("model", "seed", "device", "dtype")},
             "data": calibration_content(cfg["data"]), "merging": cfg["merging"], "drop": sorted(drop),
-            "stage2": cfg["stage2"] if stage2 else None}
+            "stage2": cfg["stage2"] if stage2 else None, **({"ranks": ranks} if ranks else {})}
     data = cfg["data"]
     return store_key(what, cfg=cfg, data=data_fingerprint(model=cfg["model"], calib_text=data.get("calib_text"),
                                                           calib_mix=data.get("calib_mix")))

@@ -98,18 +98,20 @@ def heal_left(cfg, *, spec, heal, drop: list[int], info: dict):
     return dataclasses.replace(heal, steps=steps)
 
 
-def pair_progress(model, store):
+def pair_progress(model, store, merged=None):
     """merge_pairs' progress: one line a pair, its time and what it kept (a merge runs for minutes a pair
-    on a CPU; SmolLM2's 8 took 37 min on 2 cores), and the pair stored in `store` (merge_store.py; None:
-    not stored, as on ZeRO-3 ranks)."""
+    on a CPU; SmolLM2's 8 took 37 min on 2 cores), and the pair stored in `store` (merge_store.py; None: not
+    stored). `merged(a, k)`: the merged block of the k-th pair (0-based) starting at a (default: the model's
+    layer a - k, where one process merges: the k earlier pairs are one layer each by now)."""
     import time
 
     last = [time.monotonic()]
+    merged = merged or (lambda a, k: families.decoder_layers(model)[a - k])
 
     def show(k: int, n: int, pair: dict) -> None:
         now, a = time.monotonic(), pair["pair"][0]
         if store is not None:
-            store.save(k - 1, pair, families.decoder_layers(model)[a - (k - 1)])  # k - 1 earlier pairs are one layer
+            store.save(k - 1, pair, merged(a, k - 1))
         losses = pair.get("unit_losses")
         chose = (f"; the KV groups kept leave loss {min(losses):.3f} on the choice windows (the energy choice "
                  f"{losses[0]:.3f}, {pair['energy_rank'] + 1} of {len(losses)})") if losses else ""
