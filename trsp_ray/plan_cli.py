@@ -159,7 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   f"{merge.total:.1f} GB per worker ({merge.parts['the wide pair, its copies and the refit sums']:.2f} "
                   f"GB of it the merge's own), host {merge.host:.1f} GB; at most {cost / 1e6:,.2f}M dense-forward "
                   "tokens (whole passes)"]
-        comp_fits = merge.total <= result.setup.gpu_memory_gb
+        comp_fits, fit_host = merge.total <= result.setup.gpu_memory_gb, merge.host  # its share of the targets
     from trsp_ray.plan.teacher_plan import teacher_pass_for_run
 
     teacher = teacher_pass_for_run(cfg, shape, heal_method=pipe.spec.heal, workers=args.workers)  # before stage 1
