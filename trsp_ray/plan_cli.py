@@ -165,7 +165,8 @@ def run_plan(args: argparse.Namespace) -> int:
     teacher = teacher_pass_for_run(cfg, shape, heal_method=pipe.spec.heal, workers=args.workers)  # before stage 1
     after += [f"  {teacher.describe()}"] if teacher is not None else []
     print(pipe.describe())
-    print(plan_format.format_plan(result, after_stages=tuple(after), fit_host_gb=fit_host))
+    holds = "the merge holds its dense targets" if pipe.spec.merges else "the fit holds its maps"
+    print(plan_format.format_plan(result, after_stages=tuple(after), fit_host_gb=fit_host, fit_holds=holds))
     return 0 if result.fits and probes.memory.total <= result.setup.gpu_memory_gb and comp_fits else 1
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from trsp_ray.plan.zero3_plan import Plan
 
 
-def format_plan(p: Plan, *, after_stages: tuple[str, ...] = (), fit_host_gb: float = 0.0) -> str:
+def format_plan(p: Plan, *, after_stages: tuple[str, ...] = (), fit_host_gb: float = 0.0,
+                fit_holds: str = "the fit holds its maps") -> str:
     """The plan as text; `after_stages`: lines printed after the stages (stage 1's probes);
-    `fit_host_gb`: a worker's host memory while the pipeline's fit holds its maps (0: no fit)."""
+    `fit_host_gb`: a worker's host memory while the pipeline's fit holds its maps (0: no fit), `fit_holds`
+    saying what it holds."""
     st = p.setup
     lines = [f"model: {p.shape.params / 1e9:.2f}B parameters, {p.shape.layers} layers; {st.workers} workers x "
              f"{st.gpu_memory_gb:g} GB, {'bf16' if st.dtype_bytes == 2 else 'fp32'}, micro batch {st.micro_batch} x "
@@ -24,7 +26,7 @@ def format_plan(p: Plan, *, after_stages: tuple[str, ...] = (), fit_host_gb: flo
     node = after
     if h.fit_host_per_worker_gb:  # the larger phase first: the fit holding its maps, or the heal and export
         fit, rest = h.fit_host_per_worker_gb * workers, h.host_per_worker_gb * workers + h.export_host_gb
-        fit_text = f"{workers} workers x {h.fit_host_per_worker_gb:.1f} GB while the fit holds its maps"
+        fit_text = f"{workers} workers x {h.fit_host_per_worker_gb:.1f} GB while {fit_holds}"
         node = f"{fit_text}; after it, {after}: {rest:.1f} GB" if fit >= rest else \
             f"{after}; {fit_text}: {fit:.1f} GB"
     budget = f" (budget {st.disk_budget_gb:g} GB)" if st.disk_budget_gb is not None else ""
