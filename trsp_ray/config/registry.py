@@ -76,7 +76,7 @@ class Method:
 
     @property
     def merges(self) -> bool:
-        """Its pairs are merged (method/merge.py), not removed: no fit, and one process only."""
+        """Its pairs are merged (method/merge.py), not removed: no fit (on workers: distributed/merging.py)."""
         return self.selector == MERGE_SELECTOR
 
 
