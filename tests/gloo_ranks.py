@@ -33,7 +33,7 @@ def sharded_gated(model_dir: str):
     ZeRO-3 (fp32), its gates attached and ready, and a stepper factory; (model, gates, factory, rank, world)."""
     import torch
 
-    from trsp_ray.config.run_config import DistributedConfig
+    from trsp_ray.config.sections import DistributedConfig
     from trsp_ray.distributed import engine as eng
     from trsp_ray.distributed.deepspeed_config import build_ds_config
     from trsp_ray.method.gates import attach_gates

@@ -42,13 +42,16 @@ from trsp_ray.models import families
 
 def dealt_rows(windows: list[torch.Tensor], *, rank: int, world: int) -> list[torch.Tensor]:
     """This rank's rows r, r + world, ... of the concatenated `windows` (batches of token ids [B, S]), cut to a
-    multiple of `world` rows so that every rank runs as many passes, in batches of the first window's size."""
+    multiple of `world` rows so that every rank runs as many passes and none pads (training.split_over_ranks,
+    in batches of the first window's size)."""
     rows = torch.cat(list(windows))
     usable = rows.shape[0] // world * world
     if usable == 0:
         raise TrspError(f"a merge on {world} workers needs at least {world} calibration windows, got {rows.shape[0]}; "
                         f"raise merging.windows or use fewer workers")
-    return list(rows[:usable][rank::world].split(windows[0].shape[0]))
+    mine, padding = split_over_ranks(list(rows[:usable].split(windows[0].shape[0])), rank=rank, world=world)
+    assert padding == 0, "equal shares need no padding pass"
+    return mine
 
 
 @torch.no_grad()
