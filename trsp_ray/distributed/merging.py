@@ -35,7 +35,7 @@ from trsp_ray.distributed.collectives import all_reduce_sum, sum_over_ranks
 from trsp_ray.distributed.engine import gather_context
 from trsp_ray.method.boundaries import forward_pass
 from trsp_ray.method.merge_blocks import Flat, check_pairs, widen
-from trsp_ray.method.merge_select import check_pairs_count, choose_pairs, pair_distances, pair_starts
+from trsp_ray.method.merge_select import candidate_starts, check_pairs_count, choose_pairs, pair_distances
 from trsp_ray.method.training import split_over_ranks
 from trsp_ray.models import families
 
@@ -60,14 +60,14 @@ def pairs_on_ranks(model, gates, windows: list[torch.Tensor], *, n_pairs: int, c
     """(the first layers of the `n_pairs` pairs to merge, in the order chosen; tokens scored): merge_select's
     choice with each rank scoring its share of `windows` and the distances' sums added over the ranks."""
     check_pairs_count(model, n_pairs)
-    pair_starts_ = pair_starts(candidates)
+    starts = candidate_starts(candidates)  # every rank refuses alike, before any pass
     mine, padding = split_over_ranks(windows, rank=rank, world=world)
     means = pair_distances(model, gates, mine, candidates=candidates, head=True) if mine else {}
     for _ in range(padding):  # the collective passes of the other ranks' extra windows
         forward_pass(model, windows[0][:1])
     tokens = float(sum(int(b.numel()) for b in mine))
-    total = sum_over_ranks([means.get(a, 0.0) * tokens for a in pair_starts_] + [tokens])
-    distances = {a: total[k] / total[-1] for k, a in enumerate(pair_starts_)}
+    total = sum_over_ranks([means.get(a, 0.0) * tokens for a in starts] + [tokens])
+    distances = {a: total[k] / total[-1] for k, a in enumerate(starts)}
     return choose_pairs(distances, model=model, n_pairs=n_pairs), float(total[-1])
 
 

@@ -29,17 +29,22 @@ def pair_starts(candidates: list[int]) -> list[int]:
     return [a for a in sorted(allowed) if a + 1 in allowed]
 
 
+def candidate_starts(candidates: list[int]) -> list[int]:
+    """pair_starts, refused in one line where there is none (before any pass)."""
+    starts = pair_starts(candidates)
+    if not starts:
+        raise TrspError(f"no two adjacent candidate layers to merge (candidates {candidates}); protect fewer "
+                        "head/tail layers")
+    return starts
+
+
 @torch.no_grad()
 def pair_distances(model, gates, batches: list[torch.Tensor], *, candidates: list[int],
                    head: bool = False) -> dict[int, float]:
     """{a: mean over tokens of arccos(cos(x_a, x_{a+2})) / pi} for every candidate pair (a, a + 1) of the
     gated `model` (gates.attach_gates) over calibration `batches` (token ids [B, S]): one decoder pass
     per batch, select_cost's count (`head`: whole passes, as ZeRO-3 ranks run them)."""
-    starts = pair_starts(candidates)
-    if not starts:
-        raise TrspError(f"no two adjacent candidate layers to merge (candidates {candidates}); protect fewer "
-                        "head/tail layers")
-    return angular_distances(model, gates, batches, n_drop=2, starts=starts, head=head)
+    return angular_distances(model, gates, batches, n_drop=2, starts=candidate_starts(candidates), head=head)
 
 
 def choose_pairs(distances: dict[int, float], *, model, n_pairs: int) -> list[int]:
