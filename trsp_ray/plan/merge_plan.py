@@ -28,7 +28,9 @@ def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None, ranks: in
     the wide pair's extra layer; two layers' copies (target "pair": the pair as it was; units=loss: the wide
     block a trial cuts); the refit's float64 sums (units=loss: the attention's over the wide block's columns);
     units=loss: one batch's logits and their fp32 loss, and the stream entering the block on the choice
-    windows (stored once for the trials); target "dense"'s stored streams, on the host. `ranks` > 0: per
+    windows (stored once for the trials); the larger float64 working set of the fold (one input linear at a
+    time, a fused [gate; up] the largest) and of a refit's solve (merge.solve_refit: the shifted Z^T Z and
+    its LU factor beside the sums, W0 and the solution); target "dense"'s stored streams, on the host. `ranks` > 0: per
     ZeRO-3 worker (distributed/merging.py), beside its partition: the wide pair whole (two layers) and, while
     it is built, block b's copy; no stored block inputs (whole passes); its share of the stored streams."""
     from trsp_ray.method.merge_costs import refit_bytes
@@ -42,7 +44,9 @@ def merge_memory(cfg, *, dtype_bytes: int, shape: Shape | None = None, ranks: in
     logits = cfg.data.batch_size * cfg.data.seqlen * shape.vocab * (e + 8) if loss else 0
     inputs = m.choice_windows * cfg.data.seqlen * shape.hidden * e if loss and not ranks else 0
     layers = 1 + copies + (2 if ranks else 0)
-    device = layers * shape.layer_params * e + (sums if m.refit else 0) + logits + inputs
+    k = max(mlp, attn)  # the widest refit
+    work = max(8 * 2 * mlp * shape.hidden, 8 * 2 * (k * k + k * shape.hidden) if m.refit else 0)
+    device = layers * shape.layer_params * e + (sums if m.refit else 0) + logits + inputs + work
     return device / 1024**3, targets_gb(cfg, dtype_bytes=e, shape=shape) / max(ranks, 1)
 
 
