@@ -310,6 +310,13 @@ def test_prune_dry_run_prints_route_and_plan(capsys, monkeypatch):
     first, second = out.splitlines()[:2]
     assert first == "pipeline sleb: selector sleb, no fit, no training"  # the resolved pipeline, then its route
     assert second.startswith("route: single process on one CPU") and "  sleb: " in out and "  evaluation: " in out
+    assert "distributed.workers" not in second  # no workers allowed, none to mention
+
+    # workers allowed but one process fits: the route says why the workers are not started
+    assert main(["prune", "--method", "sleb", "--dry-run", "--set", "distributed.workers=2"]) == 0
+    second = capsys.readouterr().out.splitlines()[1]
+    assert second.startswith("route: single process on one CPU")
+    assert second.endswith("one process fits, so the 2 Ray Train worker(s) distributed.workers allows are not started")
 
 
 def test_benchmark_checks_every_row_plan_before_any_work(monkeypatch, capsys):

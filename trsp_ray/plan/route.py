@@ -19,12 +19,15 @@ class Route:
     workers: int
     device: str  # gpu | cpu
     plan: SinglePlan | Plan  # the plan the route was chosen by (per worker when workers >= 1)
+    allowed: int = 0  # distributed.workers: the most workers the run allows, used only when one process does not fit
 
     def describe(self) -> str:
         where = "GPU" if self.device == "gpu" else "CPU"
         if self.workers == 0:
+            unused = (f"; one process fits, so the {self.allowed} Ray Train worker(s) distributed.workers allows "
+                      "are not started" if self.allowed else "")
             return (f"single process on one {where}: peak {self.plan.peak:.1f} of "
-                    f"{self.plan.setup.memory_gb:.1f} GB ({self.plan.worst().name})")
+                    f"{self.plan.setup.memory_gb:.1f} GB ({self.plan.worst().name}){unused}")
         return (f"{self.workers} Ray Train worker(s), ZeRO-3 on {where}: peak {self.plan.peak:.1f} of "
                 f"{self.plan.setup.gpu_memory_gb:g} GB per worker")
 
@@ -52,9 +55,9 @@ def route(cfg, *, spec, device: str | None = None, memory_gb: float | None = Non
                      else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB)
     s = shape or run_shape(cfg)
     single = single_plan_for_run(cfg, device=device, memory_gb=memory_gb, shape=s)
-    if single.fits:
-        return Route(0, device, single)
     limit = cfg.distributed.workers if max_workers is None else max_workers
+    if single.fits:
+        return Route(0, device, single, allowed=limit)
     if limit >= 1 and method_on_workers(cfg.method, drop_given=drop_given) and cfg.heal.steps == 0:
         extra = None
         for w in range(1, limit + 1):
