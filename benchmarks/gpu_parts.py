@@ -172,17 +172,24 @@ def part_kd(ctx: dict) -> dict:
     bench = prepare(cfg)
     spec, n = named(cfg).spec, bench.num_layers
     drop = list(range(n // 2 - n // 8, n // 2 - n // 8 + bench.n_drop()))  # a fixed middle block: no selection
-    per_step = {}
+    per_step, first_loss = {}, {}
     for objective in ("ce", "kd", "ce"):  # ce twice: the first one also warms the kernels up
         run = replace(bench, cfg=with_settings(cfg, **{"recovery.objective": objective}))
-        info = apply_method(run, spec, drop=drop, heal_cfg=replace(cfg.heal, steps=steps)).info
+        losses = []  # each heal step's loss of its objective (heal/ce carries the objective's value)
+        info = apply_method(run, spec, drop=drop, heal_cfg=replace(cfg.heal, steps=steps),
+                            report=lambda metrics, step, seen=losses: seen.append(metrics["heal/ce"])
+                            if "heal/ce" in metrics else None).info
         per_step[objective] = info["heal_seconds"] / info["heal_steps"]
+        first_loss.setdefault(objective, []).append(losses[0])
     ratio = per_step["kd"] / per_step["ce"]
     figure = (f"heal step ce {per_step['ce']:.3f} s, kd {per_step['kd']:.3f} s: x{ratio:.2f} "
-              f"(limit x{KD_LIMIT} on a GPU), {steps} steps of 4 x {seq} tokens")
+              f"(limit x{KD_LIMIT} on a GPU), {steps} steps of 4 x {seq} tokens; first step's loss "
+              f"ce {first_loss['ce'][0]:.4f}, kd {first_loss['kd'][0]:.4f}")
     if ctx["device"] == "cuda" and ratio > KD_LIMIT:
         raise RuntimeError(figure)
-    return {"figure": figure, "ce_step_s": per_step["ce"], "kd_step_s": per_step["kd"], "ratio": ratio}
+    # the two ce heals start from the same pruned model on the same batches, the kd heal on its teacher's loss
+    return {"figure": figure, "ce_step_s": per_step["ce"], "kd_step_s": per_step["kd"], "ratio": ratio,
+            "ce_first_loss": first_loss["ce"], "kd_first_loss": first_loss["kd"][0]}
 
 
 def part_memory(ctx: dict) -> dict:

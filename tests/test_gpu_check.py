@@ -33,9 +33,12 @@ def test_smoke_mode_runs_a_prune_skips_the_cuda_parts_and_times_out_a_part(tmp_p
     statuses = {name: r["status"] for name, r in parts.items()}
     assert statuses == {"model": "ok", "prune-default": "ok", "memory": "SKIP", "speed": "TIMEOUT", "kd": "ok",
                         "zero3-2w": "SKIP"}, out[-4000:]
-    # the KD part timed both heals on the same pruned model: the teacher's forward is real work
+    # the KD part timed both heals on the same pruned model (a ratio, not asserted: timings on a loaded CPU
+    # flake), and the kd heal trained on its teacher's loss: both ce heals start at one loss, the kd heal elsewhere
     kd = parts["kd"]["record"]
-    assert kd["kd_step_s"] > 1.05 * kd["ce_step_s"] and kd["ratio"] == kd["kd_step_s"] / kd["ce_step_s"]
+    assert kd["kd_step_s"] > 0 and kd["ce_step_s"] > 0 and kd["ratio"] == kd["kd_step_s"] / kd["ce_step_s"]
+    first_ce, again_ce = kd["ce_first_loss"]
+    assert first_ce == pytest.approx(again_ce, rel=1e-5) and abs(kd["kd_first_loss"] - first_ce) > 0.05 * first_ce
     assert "CUDA" in parts["memory"]["figure"] and "two GPUs" in parts["zero3-2w"]["figure"]
     # the one-process prune really ran: a 6-of-8-layer export whose reload check passed on the CPU
     assert "kept 6/8" in parts["prune-default"]["figure"]
