@@ -289,7 +289,13 @@ def test_an_interrupted_merge_resumes_after_its_last_finished_pair(workspaces, t
     interrupt = True
     with pytest.raises(KeyboardInterrupt):
         apply_method(prepare(cfg), registry.method("merge"))
-    assert [p.name for p in (store / "merged_pairs").glob("*/pair-*.pt")] == ["pair-0.pt"]
+    stored = list((store / "merged_pairs").glob("*/pair-*.pt"))
+    assert [p.name for p in stored] == ["pair-0.pt"]
+    # the plan's disk figure for the store (`prune --dry-run`, `trsp-ray plan`): one block of the run's precision a pair
+    from trsp_ray.plan.merge_plan import store_gb
+
+    per_pair = store_gb(cfg, dtype_bytes=4, shape=None) * 1024**3 / len(whole.info["merge_pairs"])
+    assert per_pair <= stored[0].stat().st_size <= 1.1 * per_pair, (stored[0].stat().st_size, per_pair)
 
     interrupt, calls[:] = False, []
     capsys.readouterr()

@@ -69,6 +69,8 @@ def _prune(args) -> int:
         print(pipe.describe())
         print(_describe(chosen))
         print(_fit_line(cfg))
+        if pipe.spec.merges:
+            print(_merge_store_line(cfg, chosen.plan))
         return 0
     run(cfg, overwrite=args.overwrite)
     return 0
@@ -111,6 +113,19 @@ def _fit_line(cfg) -> str:
     return (f"compensation: {c.method}" + (f" ({how})" if how else "") + f", fitted after the selection on "
             f"{c.windows} windows x {cfg.data.seqlen} tokens ({tokens:,}; compensation.windows 0 sizes it to "
             f"{c.tokens_per_column:g} tokens per column of the model's hidden size)")
+
+
+def _merge_store_line(cfg, plan) -> str:
+    """The disk a merge's resume store takes (plan/merge_plan.store_gb) and where."""
+    from trsp_ray.method.stage1 import n_drop_for
+    from trsp_ray.plan.merge_plan import store_gb
+    from trsp_ray.run.content import checkpoint_root
+
+    pairs = n_drop_for(cfg.ratio, plan.shape.layers)
+    gb = store_gb(cfg, dtype_bytes=plan.setup.dtype_bytes, shape=plan.shape)
+    return (f"merge store: at most {gb:.2f} GB of disk under {checkpoint_root(cfg.checkpoint_dir)}/merged_pairs "
+            f"({pairs} merged blocks, one stored as each pair is done so an interrupted merge resumes; removed "
+            "when the merge is done)")
 
 
 # What the README's quick `trsp-ray benchmark` runs and what `--full` adds (the quick run fits 15

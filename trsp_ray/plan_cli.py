@@ -150,6 +150,7 @@ def run_plan(args: argparse.Namespace) -> int:
         comp_fits, fit_host = comp.memory.total <= result.setup.gpu_memory_gb, comp.host_gb
     if pipe.spec.merges:  # distributed/merging.py: each pair gathered whole on every rank
         from trsp_ray.method.stage1 import n_drop_for
+        from trsp_ray.plan.merge_plan import store_gb
         from trsp_ray.run.merging import planned_cost
 
         merge = zero3_plan.merge_stage(cfg, shape, result.setup)
@@ -158,7 +159,10 @@ def run_plan(args: argparse.Namespace) -> int:
         after += [f"  merge (each pair gathered on every rank, flattened, cut and refitted from all-reduced sums): "
                   f"{merge.total:.1f} GB per worker ({merge.parts['the wide pair, its copies and the refit sums']:.2f} "
                   f"GB of it the merge's own), host {merge.host:.1f} GB; at most {cost / 1e6:,.2f}M dense-forward "
-                  "tokens (whole passes)"]
+                  "tokens (whole passes)",
+                  f"  merge store: at most {store_gb(cfg, dtype_bytes=result.setup.dtype_bytes, shape=shape):.1f} GB "
+                  "of disk under rank 0's checkpoint_dir (one merged block per pair, stored as it is done so an "
+                  "interrupted merge resumes; removed when the merge is done, before the heal's checkpoints)"]
         comp_fits, fit_host = merge.total <= result.setup.gpu_memory_gb, merge.host  # its share of the targets
     from trsp_ray.plan.teacher_plan import teacher_pass_for_run
 

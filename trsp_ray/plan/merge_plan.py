@@ -60,3 +60,13 @@ def targets_gb(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> float:
     shape = shape or model_shape(cfg.model)
     return target_bytes(pairs=n_drop_for(cfg.ratio, shape.layers), tokens=merge_windows(cfg, shape) * cfg.data.seqlen,
                         hidden=shape.hidden, dtype_bytes=dtype_bytes) / 1024**3
+
+
+def store_gb(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> float:
+    """Disk GB the merge's resume store (run/merge_store.py) reaches under checkpoint_dir on the process that
+    stores (rank 0 on workers): one merged block per pair, in the run's precision, the last pair's written
+    beside the others; removed once the merge is done, before the heal writes its checkpoints."""
+    from trsp_ray.method.stage1 import n_drop_for
+
+    shape = shape or model_shape(cfg.model)
+    return n_drop_for(cfg.ratio, shape.layers) * shape.counts.layer * dtype_bytes / 1024**3
