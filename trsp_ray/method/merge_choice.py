@@ -110,11 +110,13 @@ def starting_at(model, index: int, inputs: list[torch.Tensor]):
 
 
 def choose_units(model, flat: Flat, sets: list[tuple[int, ...]], refit: Refit, windows, *,
-                 reduce: Callable[[torch.Tensor], torch.Tensor], stop: bool = True) -> tuple[torch.Tensor, list[float]]:
+                 reduce: Callable[[torch.Tensor], torch.Tensor], stop: bool = True,
+                 score: Callable[..., float] = mean_loss) -> tuple[torch.Tensor, list[float]]:
     """(the unit set of `sets` whose cut, with `refit`'s weights, leaves `model` the lowest mean loss on
     `windows`, and every set's loss). The flattened block is cut on a copy each time; `model` is left as
     it came, still wide. `stop`: the stream entering the block is stored once and each trial runs from the
-    block on (module doc); False: whole passes (ZeRO-3 ranks)."""
+    block on (module doc); False: whole passes (ZeRO-3 ranks). `score(model, windows, reduce=)`: what a
+    trial is ranked by, lower better (mean_loss; benchmarks/merge_units.py also ranks by the KL to dense)."""
     wide = wide_of(model, flat)
     inputs = block_inputs(model, flat.index, windows) if stop else None
     losses = []
@@ -125,7 +127,7 @@ def choose_units(model, flat: Flat, sets: list[tuple[int, ...]], refit: Refit, w
             cut_part(model, dataclasses.replace(flat, restore=dict(flat.restore)), "attention", keep=keep,
                      out=refit(keep))
             with starting_at(model, flat.index, inputs) if stop else contextlib.nullcontext():
-                losses.append(mean_loss(model, windows, reduce=reduce))
+                losses.append(score(model, windows, reduce=reduce))
     finally:
         _put(model, flat, wide)
     return torch.tensor(sets[min(range(len(sets)), key=losses.__getitem__)]), losses
