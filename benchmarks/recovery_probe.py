@@ -21,8 +21,12 @@ row (its per-passage LAMBADA results too) is appended to FILE and a rerun reads 
 healing again, so a long probe can run in parts and later rows pair with earlier ones. A row's key
 covers its resolved configuration, its heal's settings and the bytes and libraries it read
 (run/content.store_key): after a change to any of them the row is healed again, never read stale.
-Prints one line per row and every row's paired LAMBADA difference against the first healed row;
-the load average is printed beside the wall time of each row.
+`--fresh` runs every row again even where FILE holds it (the new row is appended and read back after),
+e.g. to store what an older row lacks. Prints one line per row and, for every two rows after the dense
+one, the paired LAMBADA difference and, where both rows stored their per-window held-out NLLs, each
+domain's paired difference of the mean window NLL (the log of the PPL ratio, nats; windows of one
+document one cluster, trsp_ray/common/paired.py); the load average is printed beside the wall time of
+each row.
 """
 
 from __future__ import annotations
@@ -71,12 +75,13 @@ def main() -> None:
     p.add_argument("--zeroshot", type=int, default=0, help="items per zero-shot task (0: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--fresh", action="store_true", help="run every row again, even one the rows file holds")
     args = p.parse_args()
 
     import torch
     from capability import lambada_items, lambada_passages
 
-    from trsp_ray.benchmark.jobs import domain_nlls
+    from trsp_ray.benchmark.jobs import domain_coverage, domain_nlls
     from trsp_ray.config import registry
     from trsp_ray.config.run_config import load_config
     from trsp_ray.data.perplexity import ppl_of
@@ -111,7 +116,7 @@ def main() -> None:
         pipe = resolve(cfg)
         key = json.dumps([spec_text, budget, objective, method, args.recipe, args.overrides, args.lambada,
                           _resolved_key(pipe, dense=spec_text == "dense")] + ([args.zeroshot] if args.zeroshot else []))
-        if key in done:
+        if key in done and not args.fresh:
             row = done[key]
             dense = dense or row
             rows.append(row)
@@ -129,7 +134,8 @@ def main() -> None:
         zeroshot = _zeroshot(model, bench.tokenizer, args.zeroshot) if args.zeroshot else None
         row = {"key": key, "set": spec_text, "budget": budget, "objective": objective if drop else "-",
                "drop": sorted(drop), "acc": sum(items) / len(items), "items": items,
-               "ppl": {k: ppl_of(v) for k, v in nlls.items()}, "steps": info.get("heal_steps", 0),
+               "ppl": {k: ppl_of(v) for k, v in nlls.items()}, "nlls": nlls,
+               "docs": {k: v["docs"] for k, v in domain_coverage(bench).items()}, "steps": info.get("heal_steps", 0),
                "cost": sum(info.get(k, 0) for k in ("select_cost", "compensation_cost", "merge_cost",
                                                         "merge_solve_cost", "heal_cost")),
                "seconds": time.time() - t0, "load": os.getloadavg()[0], **({"zeroshot": zeroshot} if zeroshot else {})}
@@ -147,6 +153,10 @@ def main() -> None:
                 print(f"  {_name(row)} - {_name(first)}: {diff:+.3f} ± {se:.3f} (z {diff / se if se else 0:+.1f})"
                       + ("" if zeroshot_paired(row, first) is None else
                          " LAMBADA; zero-shot {:+.3f} ± {:.3f}".format(*zeroshot_paired(row, first))))
+                domains = domains_paired(row, first)
+                if domains:
+                    print("    log PPL ratio per domain (nats, paired by window, clustered by document): "
+                          + ", ".join(f"{k} {d:+.3f} ± {e:.3f}" for k, (d, e) in domains.items()))
 
 
 def _zeroshot(model, tokenizer, limit: int) -> dict:
@@ -175,6 +185,20 @@ def zeroshot_paired(a: dict, b: dict) -> tuple[float, float] | None:
         return None
     p = paired_runs({0: zeroshot_items(a["zeroshot"])}, {0: zeroshot_items(b["zeroshot"])})
     return p["diff"], p["se"]
+
+
+def domains_paired(a: dict, b: dict) -> dict[str, tuple[float, float]]:
+    """{domain: (mean window NLL of a - b, its document-clustered paired SE)} over the held-out windows both
+    rows scored (the same windows: the same documents in the same order), {} where either row lacks them."""
+    from trsp_ray.common.paired import paired_se
+
+    if not (a.get("nlls") and b.get("nlls")):
+        return {}
+    got = {}
+    for name, nlls in a["nlls"].items():
+        if name in b["nlls"] and a["docs"][name] == b["docs"][name]:
+            got[name] = paired_se(nlls, b["nlls"][name], clusters=a["docs"][name])
+    return got
 
 
 def _resolved_key(pipe, *, dense: bool) -> str:
