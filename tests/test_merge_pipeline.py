@@ -314,3 +314,42 @@ def test_an_interrupted_merge_resumes_after_its_last_finished_pair(workspaces, t
     interrupt, calls[:] = False, []
     apply_method(prepare(replace(cfg, **{"merging.ridge": 0.05})), registry.method("merge"))
     assert len(calls) == 2  # another ridge: the stored pair is not this merge's
+
+
+def test_a_budget_too_small_for_the_trials_names_the_energy_choice_and_a_budget_that_buys_it(workspaces):
+    """merge+heal's attention units chosen by trial (units=loss) cost more than the energy choice: a budget
+    between the two is refused in one line that names --set merging.units=energy and its least budget,
+    and that budget, passed back with the setting, heals at least one step."""
+    import re
+
+    from trsp_ray.plan import compute
+    from trsp_ray.run import budget
+
+    spec = registry.method("merge+heal")
+    cfg = _config(workspaces("llama"), "merge+heal")
+    assert cfg.merging.units == "loss"
+    energy = replace(cfg, **{"merging.units": "energy"})
+    select = budget.planned_select_cost(cfg, spec=spec, num_layers=8)
+    loss_fit, energy_fit = (budget.planned_compensation_cost(c, spec=spec, num_layers=8) for c in (cfg, energy))
+    assert loss_fit > 1.2 * energy_fit  # the trials' passes
+    step = compute.step_cost(energy, spec=spec)
+    between = select + energy_fit + 3 * step
+    assert between < select + loss_fit
+    with pytest.raises(TrspError, match=r"raise it to at least .*--set merging\.units=energy") as refused:
+        budget.resolve(replace(cfg, **{"heal.compute_budget": between}), spec=spec, num_layers=8)
+    message = str(refused.value)
+    assert "\n" not in message and "the merge " in message and "compensation" not in message
+    least = re.search(r"give it at least ([0-9.]+)(k|M)?$", message)
+    value = float(least.group(1)) * {"k": 1e3, "M": 1e6, None: 1.0}[least.group(2)]
+    assert select + energy_fit + step <= value <= (select + energy_fit + step) * 1.01
+    healed = budget.resolve(replace(energy, **{"heal.compute_budget": value}), spec=spec, num_layers=8)
+    assert healed.stage2.steps == 1
+
+
+@pytest.mark.parametrize("tokens, up, text", [(192, False, "192"), (12288, False, "12.3k"), (902345, False, "902k"),
+                                              (902345, True, "903k"), (1219660, True, "1.22M"),
+                                              (999600, False, "1M"), (3e9, False, "3B")])
+def test_token_counts_read_as_people_write_them_and_a_least_budget_rounds_up(tokens, up, text):
+    from trsp_ray.plan.compute import tokens_text
+
+    assert tokens_text(tokens, up=up) == text

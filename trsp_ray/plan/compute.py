@@ -17,6 +17,7 @@ equal-compute row uses one rule.
 from __future__ import annotations
 
 import functools
+import math
 
 from trsp_ray.config import registry
 from trsp_ray.method.recipes import MAP_RECIPE, TAIL_RECIPE
@@ -268,16 +269,35 @@ def extra_heal_steps(extra_cost: float, *, step_cost: float) -> int:
     return max(0, round(extra_cost / step_cost))
 
 
-def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None) -> int:
-    """Heal steps heal.compute_budget leaves after a selection and a compensation costing `select` and
-    `comp` dense-forward tokens (the search calls it with a selection's measured cost and its `drop`),
-    each step at its recipe's cost (compute.step_cost); a one-line TrspError when not even one step is left."""
+_UNITS = ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1.0, ""))
+
+
+def tokens_text(tokens: float, *, up: bool = False) -> str:
+    """A dense-forward token count as people read it, to three figures: 192, 12.3k, 1.22M, 3B; `up` rounds
+    up (a least budget that, passed back, is enough)."""
+    i = next((i for i, (scale, _) in enumerate(_UNITS) if tokens >= scale), len(_UNITS) - 1)
+    value = tokens / _UNITS[i][0]
+    if value > 0:
+        digits = 10.0 ** (2 - math.floor(math.log10(value)))
+        value = (math.ceil if up else round)(value * digits) / digits
+    if value >= 1000 and i > 0:  # 999.6k rounds to 1M
+        value, i = value / 1000, i - 1
+    return f"{value:g}{_UNITS[i][1]}"
+
+
+def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None,
+               hint: str = "") -> int:
+    """Heal steps heal.compute_budget leaves after a selection and a fit (a compensation or a merge) costing
+    `select` and `comp` dense-forward tokens (the search calls it with a selection's measured cost and its
+    `drop`), each step at its recipe's cost (compute.step_cost); a one-line TrspError when not even one step
+    is left, naming the least budget that buys one, and `hint` (a cheaper setting) after it."""
     from trsp_ray.common.errors import TrspError
 
     budget, step = cfg.heal.compute_budget, step_cost(cfg, spec=spec, drop=drop)
     steps = int((budget - select - comp) // step)
     if steps < 1:
-        raise TrspError(f"heal.compute_budget={budget:g} dense-forward tokens cannot meet {cfg.method}: its selection "
-                        f"costs {select:g}, compensation {comp:g} and one heal step {step:g}; raise it to at least "
-                        f"{select + comp + step:g}")
+        fit = "the merge" if spec.merges else "compensation"
+        raise TrspError(f"heal.compute_budget={tokens_text(budget)} dense-forward tokens cannot meet {cfg.method}: its "
+                        f"selection costs {tokens_text(select)}, {fit} {tokens_text(comp)} and one heal step "
+                        f"{tokens_text(step)}; raise it to at least {tokens_text(select + comp + step, up=True)}{hint}")
     return steps

@@ -105,7 +105,23 @@ def resolve(cfg, *, spec: registry.Method, num_layers: int):
                         "selection's cost is known only after it runs; set stage2.steps instead, or use "
                         f"{registry.DEFAULT_METHOD}")
     comp = planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
-    return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp))
+    return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp,
+                                           hint=_cheaper_merge(cfg, spec=spec, select=select, num_layers=num_layers)))
+
+
+def _cheaper_merge(cfg, *, spec: registry.Method, select: float, num_layers: int) -> str:
+    """For a merge whose attention units are chosen by trial (merging.units=loss), the setting that skips
+    the trials and the least budget it needs, as a refusal's tail; "" otherwise."""
+    from trsp_ray.config.run_config import replace
+
+    if not spec.merges or cfg.merging.units == "energy":
+        return ""
+    energy = replace(cfg, **{"merging.units": "energy"})
+    fit = planned_compensation_cost(energy, spec=spec, num_layers=num_layers)
+    # a heal step's cost grows with the budget (compute.HEAL_SHAPES): priced at the least budget itself
+    least = select + fit + compute.step_cost(replace(energy, **{"heal.compute_budget": select + fit}), spec=spec)
+    return (f", or choose the attention units by energy (--set merging.units=energy, no trials) and give it at "
+            f"least {compute.tokens_text(least, up=True)}")
 
 
 def with_heal_steps(cfg, steps: int):
