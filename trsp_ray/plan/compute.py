@@ -285,12 +285,11 @@ def tokens_text(tokens: float, *, up: bool = False) -> str:
     return f"{value:g}{_UNITS[i][1]}"
 
 
-def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None,
-               hint: str = "") -> int:
+def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None) -> int:
     """Heal steps heal.compute_budget leaves after a selection and a fit (a compensation or a merge) costing
     `select` and `comp` dense-forward tokens (the search calls it with a selection's measured cost and its
     `drop`), each step at its recipe's cost (compute.step_cost); a one-line TrspError when not even one step
-    is left, naming the least budget that buys one, and `hint` (a cheaper setting) after it."""
+    is left, naming the least budget that buys one."""
     from trsp_ray.common.errors import TrspError
 
     budget, step = cfg.heal.compute_budget, step_cost(cfg, spec=spec, drop=drop)
@@ -299,5 +298,5 @@ def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: 
         fit = "the merge" if spec.merges else "compensation"
         raise TrspError(f"heal.compute_budget={tokens_text(budget)} dense-forward tokens cannot meet {cfg.method}: its "
                         f"selection costs {tokens_text(select)}, {fit} {tokens_text(comp)} and one heal step "
-                        f"{tokens_text(step)}; raise it to at least {tokens_text(select + comp + step, up=True)}{hint}")
+                        f"{tokens_text(step)}; raise it to at least {tokens_text(select + comp + step, up=True)}")
     return steps

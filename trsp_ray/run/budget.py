@@ -105,8 +105,13 @@ def resolve(cfg, *, spec: registry.Method, num_layers: int):
                         "selection's cost is known only after it runs; set stage2.steps instead, or use "
                         f"{registry.DEFAULT_METHOD}")
     comp = planned_compensation_cost(cfg, spec=spec, num_layers=num_layers)
-    return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp,
-                                           hint=_cheaper_merge(cfg, spec=spec, select=select, num_layers=num_layers)))
+    try:
+        return with_heal_steps(cfg, heal_steps(cfg, spec=spec, select=select, comp=comp))
+    except TrspError as refused:
+        cheaper = _cheaper_merge(cfg, spec=spec, select=select, num_layers=num_layers)
+        if not cheaper:
+            raise
+        raise TrspError(f"{refused}{cheaper}") from None
 
 
 def _cheaper_merge(cfg, *, spec: registry.Method, select: float, num_layers: int) -> str:
