@@ -195,3 +195,19 @@ def test_a_budget_sized_heal_scales_its_learning_rate_with_its_batch_up_to_twice
     assert lr("heal.compute_budget=1000000") == pytest.approx(2e-4)
     assert lr("heal.compute_budget=100000000") == pytest.approx(2e-4)  # batch 8x, rate capped at 2x
     assert lr("heal.compute_budget=1000000", "heal.batch_size=8") == pytest.approx(1e-4)
+
+
+def test_the_least_budget_prices_its_step_at_itself_across_a_heal_shape():
+    """A heal step costs more from 1M on (HEAL_SHAPES doubles the batch): a fit ending just below 1M needs the
+    1M step, and the named least budget is enough when passed back."""
+    from trsp_ray.config.run_config import load_config, replace
+    from trsp_ray.plan import compute
+
+    cfg = load_config(None, [])
+    spec = registry.method(cfg.method)
+    below, above = (compute.step_cost(replace(cfg, **{"heal.compute_budget": b}), spec=spec) for b in (999_000, 1e6))
+    assert above > 1.5 * below
+    least = compute.least_budget(cfg, spec=spec, select=0.0, comp=999_000 - below / 2)
+    assert least == pytest.approx(999_000 - below / 2 + above)
+    assert compute.heal_steps(replace(cfg, **{"heal.compute_budget": least}), spec=spec, select=0.0,
+                              comp=999_000 - below / 2) == 1

@@ -285,6 +285,20 @@ def tokens_text(tokens: float, *, up: bool = False) -> str:
     return f"{value:g}{_UNITS[i][1]}"
 
 
+def least_budget(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None) -> float:
+    """The least heal.compute_budget that buys one heal step after `select` and `comp`: a step is priced at that
+    budget, not at cfg's, since its cost grows with the budget (HEAL_SHAPES)."""
+    from trsp_ray.config.run_config import replace
+
+    least = select + comp
+    for _ in range(len(HEAL_SHAPES) + 1):  # a step that crosses a shape's threshold is priced at the next shape
+        step = step_cost(replace(cfg, **{"heal.compute_budget": least}), spec=spec, drop=drop)
+        if least >= select + comp + step:
+            return least
+        least = select + comp + step
+    return least
+
+
 def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: list[int] | None = None) -> int:
     """Heal steps heal.compute_budget leaves after a selection and a fit (a compensation or a merge) costing
     `select` and `comp` dense-forward tokens (the search calls it with a selection's measured cost and its
@@ -298,5 +312,6 @@ def heal_steps(cfg, *, spec: registry.Method, select: float, comp: float, drop: 
         fit = "the merge" if spec.merges else "compensation"
         raise TrspError(f"heal.compute_budget={tokens_text(budget)} dense-forward tokens cannot meet {cfg.method}: its "
                         f"selection costs {tokens_text(select)}, {fit} {tokens_text(comp)} and one heal step "
-                        f"{tokens_text(step)}; raise it to at least {tokens_text(select + comp + step, up=True)}")
+                        f"{tokens_text(step)}; raise it to at least "
+                        f"{tokens_text(least_budget(cfg, spec=spec, select=select, comp=comp, drop=drop), up=True)}")
     return steps

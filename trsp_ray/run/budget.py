@@ -122,9 +122,8 @@ def _cheaper_merge(cfg, *, spec: registry.Method, select: float, num_layers: int
     if not spec.merges or cfg.merging.units == "energy":
         return ""
     energy = replace(cfg, **{"merging.units": "energy"})
-    fit = planned_compensation_cost(energy, spec=spec, num_layers=num_layers)
-    # a heal step's cost grows with the budget (compute.HEAL_SHAPES): priced at the least budget itself
-    least = select + fit + compute.step_cost(replace(energy, **{"heal.compute_budget": select + fit}), spec=spec)
+    least = compute.least_budget(energy, spec=spec, select=select,
+                                 comp=planned_compensation_cost(energy, spec=spec, num_layers=num_layers))
     return (f", or choose the attention units by energy (--set merging.units=energy, no trials) and give it at "
             f"least {compute.tokens_text(least, up=True)}")
 
