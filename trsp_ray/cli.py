@@ -58,7 +58,8 @@ def _prune(args) -> int:
 
         check_output_dir(cfg.output, overwrite=args.overwrite)
     if args.dry_run:
-        from trsp_ray.run.pipeline import resolve
+        from trsp_ray.run import heal_store
+        from trsp_ray.run.pipeline import resolve, training_steps
         from trsp_ray.run.workbench import resolve_device
 
         pipe = resolve(cfg)  # as driver.run resolves it: the fit that runs, then the heal
@@ -71,6 +72,9 @@ def _prune(args) -> int:
         print(_fit_line(cfg))
         if pipe.spec.merges:
             print(_merge_store_line(cfg, chosen.plan))
+        if not chosen.workers and (line := heal_store.planned_line(
+                cfg, pipe.spec, chosen.plan.shape, steps=training_steps(cfg, spec=pipe.spec))):
+            print(line)
         return 0
     run(cfg, overwrite=args.overwrite)
     return 0

@@ -187,9 +187,14 @@ class HealConfig:
     # the learning rate over the heal: constant, or cosine (5% linear warmup, then cosine to 10%);
     # auto: cosine for a budget's grown heal (run/budget.heal_shape), else constant
     schedule: str = "auto"
+    # minutes of a heal in one process between its checkpoints (run/heal_store.py: an interrupted heal
+    # resumes from the last one); 0: after every step; null: none
+    checkpoint_minutes: float | None = 10.0
 
     def __post_init__(self):
         _positive("heal.steps", self.steps, allow_zero=True)
+        if self.checkpoint_minutes is not None:
+            _positive("heal.checkpoint_minutes", self.checkpoint_minutes, allow_zero=True)
         _positive("heal.seqlen", self.seqlen, allow_zero=True)
         _positive("heal.batch_size", self.batch_size, allow_zero=True)
         _positive("heal.max_passes", self.max_passes)

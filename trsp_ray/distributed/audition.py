@@ -272,7 +272,7 @@ def execute(config: dict, *, report) -> dict:
         atomic.write_json(path, record)
         report({"val_loss": loss, "heal_step": step})
 
-    heal = dataclasses.replace(method_heal(cfg), steps=steps)
+    heal = dataclasses.replace(method_heal(cfg), steps=steps, checkpoint_minutes=None)  # a stopped trial: not resumed
     os.makedirs(config["out"], exist_ok=True)
     atomic.write_json(path, record)  # a trial failing in its fit still counts what the fit spent
     apply_method(bench, spec, drop=drop, heal_cfg=heal, report=on_metrics, on_model=made.append)

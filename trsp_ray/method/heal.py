@@ -40,6 +40,7 @@ class HealResult:
     tokens: int
     first_ce: float | None
     last_ce: float | None
+    resumed: int = 0  # steps read back from a checkpoint, not computed in this call
 
 
 def recipe_params(model, *, trainable: str, layers, tail_layers: int = 3, map_layers=(),
@@ -84,7 +85,7 @@ def output_side_only(model):
 def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str = "all", lora_rank: int = 8,
              tail_layers: int = 3, map_layers=(), layers=None, mlp_output=families.map_module,
              make_stepper: MakeStepper = TorchStepper, report: Report = null_report,
-             schedule: str = "constant") -> HealResult:
+             schedule: str = "constant", checkpoints=None) -> HealResult:
     """Fine-tune the pruned `model` for `steps` batches with the stepper's objective (next-token CE by
     default). `tail_layers`: the tail recipe's k; `map_layers`: the map recipe's layers (indices into
     the kept layers of those whose down_proj took a map).
@@ -96,7 +97,9 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
     layers, the gates) stay frozen, out of the optimizer and without LoRA adapters. `mlp_output`:
     recipe_params'. A resuming stepper (the workers' `skip`) replays the first steps without compute
     (their "heal/ce" is then a placeholder); `report` sees every step. `schedule`: the learning rate
-    over the steps (lr_factor)."""
+    over the steps (lr_factor). `checkpoints` (one process: run/heal_store.HealCheckpoints): `restore(stepper)`
+    puts a stored heal back and gives (steps done, first loss), whose batches are then replayed without
+    compute; `after(step, steps, stepper, first=)` may store the heal after each step; `clear()` at the end."""
     kept = families.decoder_layers(model) if layers is None else list(layers)
     hook = None
     if trainable == "lora":
@@ -115,8 +118,11 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
     params = [p for p in params if id(p) not in outside]
     freeze(model, except_params=params)
     stepper = make_stepper(train_model, [{"params": params, "lr": lr}])
-    first = last = None
-    for step in range(1, steps + 1):
+    done, first = checkpoints.restore(stepper) if checkpoints is not None else (0, None)
+    for _ in range(done):  # the stream's batches the stored steps read
+        batches.next()
+    last = None
+    for step in range(done + 1, steps + 1):
         set_lr(stepper, lr * lr_factor(schedule, step, steps))
         ce = stepper.forward(batches.next())
         stepper.backward(ce)
@@ -124,11 +130,16 @@ def run_heal(*, model, batches: Batches, steps: int, lr: float, trainable: str =
         last = ce.item()
         first = last if first is None else first
         report({"heal/ce": last}, step)
+        if checkpoints is not None:
+            checkpoints.after(step, steps, stepper, first=first)
     if hook is not None:
         hook.remove()
     final = merge_lora(train_model) if trainable == "lora" else model
     freeze(final)
-    return HealResult(model=final, steps=steps, tokens=steps * batches.tokens_per_batch, first_ce=first, last_ce=last)
+    if checkpoints is not None:
+        checkpoints.clear()
+    return HealResult(model=final, steps=steps, tokens=steps * batches.tokens_per_batch, first_ce=first, last_ce=last,
+                      resumed=done)
 
 
 WARMUP = 0.05  # of a cosine schedule's steps

@@ -26,6 +26,24 @@ def checkpoint_root(checkpoint_dir: str | None) -> str:
     return checkpoint_dir or str(Path.cwd() / "runs" / "checkpoints")
 
 
+def new_folders(path: Path) -> list[Path]:
+    """The folders of `path` and above it that do not exist yet, deepest first: what a store's first write
+    makes, and `remove_store` removes again."""
+    return [p for p in (path, *path.parents) if not p.exists()]
+
+
+def remove_store(path: Path, made: list[Path]) -> None:
+    """Remove a finished store's folder `path`, the folder holding it where no other store is in it, and
+    the folders above that its first write made (`made`: new_folders before that write), where empty."""
+    import contextlib
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+    for folder in dict.fromkeys([path.parent, *made[2:]]):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def model_fingerprint(model: str) -> str:
     """What identifies a model's weights beyond its name: size + mtime of config and weight files
     (cheap, and changes whenever the weights are rewritten); a hub id with its revision."""

@@ -15,12 +15,10 @@ the pairs (distributed/merging.py), so a restart resumes where rank 0's checkpoi
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 from pathlib import Path
 
 from trsp_ray.common import atomic
-from trsp_ray.run.content import calibration_content, data_fingerprint, store_key
+from trsp_ray.run.content import calibration_content, data_fingerprint, new_folders, remove_store, store_key
 
 
 def merge_key(cfg: dict, *, drop: list[int], stage2: bool, ranks: dict | None = None) -> str:
@@ -57,13 +55,10 @@ class MergeCheckpoints:
         """Store the k-th pair (0-based) as it is done: its entry and `block`'s weights, copied to the host."""
         state = {name: t.detach().to("cpu", copy=True) for name, t in block.state_dict().items()}
         if not self.made:
-            self.made = [p for p in (self.dir, *self.dir.parents) if not p.exists()]
+            self.made = new_folders(self.dir)
         atomic.save_torch(self.dir / f"pair-{k}.pt", {"pair": pair, "block": state})
 
     def clear(self) -> None:
         """Remove the stored pairs, the store's folder where no other merge's pairs are in it, and the
         folders above it that this merge's first save made, where empty."""
-        shutil.rmtree(self.dir, ignore_errors=True)
-        for folder in dict.fromkeys([self.dir.parent, *self.made[2:]]):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        remove_store(self.dir, self.made)

@@ -41,6 +41,7 @@ from trsp_ray.method.training import (
 from trsp_ray.models import families
 from trsp_ray.plan import compute
 from trsp_ray.plan.merge_plan import merge_windows
+from trsp_ray.run.heal_store import heal_checkpoints
 from trsp_ray.run.merging import heal_left, merge_layers
 from trsp_ray.run.teacher_store import stored_objective
 from trsp_ray.run.workbench import heal_stream
@@ -257,7 +258,7 @@ def _heal(bench, *, model, heal, report: Report, map_layers=()):
     stream = heal_stream(bench.cfg, bench.calibration, bos=bench.bos, seed_offset=HEAL_STREAM, steps=heal.steps)
     make = recovery_stepper(bench, stream=stream, windows=heal.steps * stream.batch_size, model=model)
     return run_heal(model=model, batches=stream, map_layers=map_layers, make_stepper=make, report=progress,
-                    **heal_settings(heal))
+                    checkpoints=heal_checkpoints(bench.cfg, model, heal, map_layers, stream), **heal_settings(heal))
 
 
 def method_heal(cfg):
@@ -390,10 +391,10 @@ def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None,
         maps = [kept.index(i) for i in fold_layers(done["blocks"])] if comp.method == "lstsq" else []
         healed = _heal(bench, model=model, heal=heal, report=report, map_layers=maps)
         model = healed.model
-        info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_seconds=time.time() - t2,
-                    heal_cost=healed.tokens * compute.token_cost(cfg, spec=spec, drop=drop, stage2=False,
-                                                                 trainable=heal.trainable, lora_rank=heal.lora_rank,
-                                                                 map_layers=maps))
+        info.update(heal_tokens=healed.tokens, heal_steps=healed.steps, heal_resumed_after=healed.resumed,
+                    heal_seconds=time.time() - t2, heal_cost=healed.tokens * compute.token_cost(
+                        cfg, spec=spec, drop=drop, stage2=False, trainable=heal.trainable, lora_rank=heal.lora_rank,
+                        map_layers=maps))
     info["weight_tokens"] = info.get("stage2_tokens", 0) + info.get("heal_tokens", 0)
     info["seconds"] = time.time() - t0
     return Outcome(method=method, model=model.eval(), drop=drop, kept=kept, info=info)

@@ -189,6 +189,8 @@ def _execute(config: dict, *, report, gpu_ids: list | tuple = ()) -> dict:
     drop, select_info, stage1 = _selection(bench, cfg_dict, config, spec=spec, key=skey, log=log, trial=tkey)
     bench.cfg, _ = budgeted(bench.cfg, spec=spec, drop=drop, select_cost=select_info["select_cost"],
                             num_layers=bench.num_layers, hidden=families.text_config(bench.model).hidden_size)
+    # a trial Tune stops is never resumed (a rerun of the search starts it again): no heal checkpoints
+    bench.cfg = replace(bench.cfg, **{"heal.checkpoint_minutes": None})
     steps = training_steps(bench.cfg, spec=spec)
     every = int(config.get("val_every") or max(1, -(-steps // REPORTS)))
     made: list = []  # the working copy apply_method trains (on_model): validation loss is measured on it

@@ -1,0 +1,136 @@
+"""A heal in one process resumes from its last checkpoint (run/heal_store.py): interrupted, a rerun computes
+only the steps after the checkpoint and ends with the uninterrupted heal's weights; another model before
+the heal or other heal settings start afresh; a finished heal leaves nothing stored; the checkpoint's size
+is the plan's figure."""
+
+import pytest
+import torch
+
+from trsp_ray.config import registry
+from trsp_ray.config.run_config import load_config, replace
+
+SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eval_max_windows=4",
+         "baselines.calib_windows=2", "stage2.steps=6", "threads=1", "tracking.enabled=false",
+         "heal.checkpoint_minutes=0"]
+METHOD = "shortgpt+comp+heal"
+
+
+@pytest.fixture(scope="module")
+def workspaces(tmp_path_factory):
+    from trsp_ray.models.tiny import tiny_workspace
+
+    made: dict = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = tiny_workspace(tmp_path_factory.mktemp(family), layers=6, calib_chars=30000,
+                                          eval_chars=8000, family=family)
+        return made[family]
+
+    return get
+
+
+def _config(root, store, *extra):
+    data = {"calib_text": str(root / "calib.txt"), "eval_text": str(root / "eval.txt")}
+    return load_config(None, [f"model={root / 'model'}", f"method={METHOD}", "ratio=0.34",
+                              f"checkpoint_dir={store}", *SMALL, *extra], base={"data": data})
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "fp32"), ("gpt_neox", "bf16")])
+def test_an_interrupted_heal_resumes_from_its_last_checkpoint(family, dtype, workspaces, tmp_path, monkeypatch,
+                                                              capsys):
+    from trsp_ray.method import training
+    from trsp_ray.plan.shape import read_shape
+    from trsp_ray.run.heal_store import planned_gb
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    root, store = workspaces(family), tmp_path / "checkpoints"
+    cfg = _config(root, store, f"dtype={dtype}")
+    spec = registry.method(METHOD)
+    whole = apply_method(prepare(cfg), spec)
+    assert whole.info["heal_steps"] == 6 and whole.info["heal_resumed_after"] == 0
+    assert not (store / "heal").exists()  # a finished heal leaves nothing
+
+    step, calls = training.TorchStepper.step, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 4 and interrupt:
+            raise KeyboardInterrupt
+        step(self)
+
+    monkeypatch.setattr(training.TorchStepper, "step", interrupted)
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        apply_method(prepare(cfg), spec)
+    stored = list((store / "heal").glob("*/heal.pt"))
+    assert len(stored) == 1
+    assert torch.load(stored[0], weights_only=True)["step"] == 3
+    # the plan's figure (`prune --dry-run`): 12 bytes a trained parameter
+    shape = read_shape(cfg.model)
+    planned = planned_gb(shape.recipe_params("all", kept_layers=shape.layers - len(whole.drop))) * 1024**3
+    assert planned <= stored[0].stat().st_size <= 1.1 * planned, (stored[0].stat().st_size, planned)
+
+    interrupt, calls[:] = False, []
+    capsys.readouterr()
+    again = apply_method(prepare(cfg), spec)
+    assert len(calls) == 3  # steps 4-6; 1-3 came from the checkpoint
+    assert "heal: resuming after step 3" in capsys.readouterr().out
+    assert again.info["heal_resumed_after"] == 3 and again.drop == whole.drop
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(again.model, ids), _logits(whole.model, ids), atol=1e-6, rtol=0)
+    assert not (store / "heal").exists()
+
+
+def test_another_model_or_other_heal_settings_start_the_heal_afresh(workspaces, tmp_path, monkeypatch):
+    from trsp_ray.method import training
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    root, store = workspaces("llama"), tmp_path / "checkpoints"
+    cfg = _config(root, store)
+    spec = registry.method(METHOD)
+    step, calls = training.TorchStepper.step, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 4 and interrupt:
+            raise KeyboardInterrupt
+        step(self)
+
+    monkeypatch.setattr(training.TorchStepper, "step", interrupted)
+    for changed in ({"compensation.ridge": 0.05}, {"stage2.lr": 2e-4}):  # the fit's output; the heal's rate
+        interrupt, calls[:] = True, []
+        with pytest.raises(KeyboardInterrupt):
+            apply_method(prepare(cfg), spec)
+        interrupt, calls[:] = False, []
+        out = apply_method(prepare(replace(cfg, **changed)), spec)
+        assert len(calls) == 6 and out.info["heal_resumed_after"] == 0, changed
+        # the interrupted heal's checkpoint is still there for its own rerun, which resumes
+        calls[:] = []
+        assert apply_method(prepare(cfg), spec).info["heal_resumed_after"] == 3 and len(calls) == 3
+
+
+def test_the_weights_digest_sees_one_value_changed():
+    """heal_store.weights_digest reads every value's sum beside a sample: a model with one weight changed
+    outside the sample gives another digest, an equal copy the same one."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trsp_ray.run.heal_store import weights_digest
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    same, other = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.view(-1)[1] += 1e-3  # index 1: between the strided samples
+    assert weights_digest(same) == weights_digest(model)
+    assert weights_digest(other) != weights_digest(model)

@@ -1,0 +1,158 @@
+"""A heal's checkpoints in one process, so an interrupted heal (Ctrl-C, a lost machine) restarts from its
+last checkpoint instead of its first step (SmolLM2-135M healed at a 3M budget: 240 steps, 100 minutes on
+2 CPU cores). The Ray Train workers checkpoint their heal their own way (distributed/worker.py).
+
+`<checkpoint_dir>/heal/<key>/heal.pt` holds what the heal changed and what its next step reads: the
+trained parameters (the optimizer's: an fp32 master where the weight is bf16/fp16), the optimizer's state,
+the fp16 loss scale, the random state and the step. It is written atomically every `heal.checkpoint_minutes`
+of the heal's wall time (a write costs about what a few steps do: 12 bytes a trained parameter), each
+replacing the last, and removed once the heal is done. A rerun reads it back and replays the batch stream
+up to the stored step without compute (as the workers' resumed heal does), so the resumed heal ends with
+the uninterrupted heal's weights.
+
+The key covers the model the heal starts from (a digest of its weights: whatever selection, stage 2, fit
+or merge made it), the heal's settings and recipe, the recovery objective, the seed, the calibration text
+and windows, the library versions and the precision; a change of any starts afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+from trsp_ray.common import atomic
+from trsp_ray.common.logs import log
+from trsp_ray.run.content import (
+    calibration_content,
+    checkpoint_root,
+    data_fingerprint,
+    new_folders,
+    remove_store,
+    store_key,
+)
+
+STATE_BYTES = 12  # per trained parameter: its fp32 value (or master) and Adam's two fp32 moments
+SAMPLE = 256  # values of each parameter the weights digest reads beside its sum
+
+
+def weights_digest(model) -> str:
+    """A digest of `model`'s parameters: each one's name, shape, dtype, float64 sum and an evenly strided
+    sample of its values (read on their device, one transfer), so any other model it would start from
+    (another drop set, fit or merge; a stage changed by new code) gives another digest."""
+    import torch
+
+    h = hashlib.sha256()
+    sums, samples = [], []
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        sums.append(flat.sum(dtype=torch.float64))
+        samples.append(flat[:: max(1, flat.numel() // SAMPLE)].to(torch.float64))
+    h.update(torch.stack(sums).cpu().numpy().tobytes())
+    h.update(torch.cat(samples).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def heal_key(cfg: dict, *, model, heal: dict, map_layers, shape: tuple[int, int]) -> str:
+    """The key of a heal by the run `cfg` (a RunConfig dict) of `model` with the settings `heal` (a HealConfig
+    as a dict), the map recipe's `map_layers` and its windows' `shape` (seqlen, batch)."""
+    data = cfg["data"]
+    what = {"weights": weights_digest(model), "heal": heal, "map_layers": list(map_layers), "shape": list(shape),
+            "recovery": cfg["recovery"], "seed": cfg["seed"], "data": calibration_content(data)}
+    return store_key(what, cfg=cfg, data=data_fingerprint(model=cfg["model"], calib_text=data.get("calib_text"),
+                                                          calib_mix=data.get("calib_mix")))
+
+
+def planned_gb(trained_params: int) -> float:
+    """GB of disk one heal checkpoint takes for `trained_params` trained parameters (STATE_BYTES each)."""
+    return STATE_BYTES * trained_params / 1024**3
+
+
+class HealCheckpoints:
+    """The checkpoint of one heal (`key`) under `<root>/heal/<key>/`: `restore` before its first step,
+    `after` every step (it writes when `minutes` have passed since the last write), `clear` once done.
+    run_heal (method/heal.py) calls the three."""
+
+    def __init__(self, root: str | Path, key: str, *, minutes: float):
+        self.dir = Path(root).expanduser() / "heal" / key
+        self.path = self.dir / "heal.pt"
+        self.minutes = minutes
+        self.last = time.monotonic()
+        self.made: list[Path] = []  # the folders the first save made, deepest first: clear removes them
+
+    def restore(self, stepper) -> tuple[int, float | None]:
+        """(steps done, the heal's first loss) of the stored checkpoint, put back into `stepper`'s parameters,
+        optimizer and random state; (0, None) where none is stored."""
+        import torch
+
+        if not self.path.is_file():
+            return 0, None
+        stored = torch.load(self.path, weights_only=True)  # tensors, numbers, lists and dicts: no pickle
+        with torch.no_grad():
+            for p, value in zip(stepper.params, stored["params"], strict=True):
+                p.copy_(value)
+            for p, master in stepper.masters:
+                p.copy_(master)
+        stepper.optimizer.load_state_dict(stored["optimizer"])
+        stepper.loss_scale, stepper.skipped_steps = stored["loss_scale"], stored["skipped_steps"]
+        torch.set_rng_state(stored["rng"])
+        if stored.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(stored["cuda_rng"])
+        log(f"  heal: resuming after step {stored['step']} from {self.path}")
+        self.last = time.monotonic()
+        return stored["step"], stored["first"]
+
+    def after(self, step: int, steps: int, stepper, *, first: float | None) -> None:
+        """Store the heal after `step` of `steps` where `minutes` have passed since the last write (never after
+        the last step: the heal's result follows at once)."""
+        import torch
+
+        if step >= steps or time.monotonic() - self.last < 60.0 * self.minutes:
+            return
+        if not self.made:
+            self.made = new_folders(self.dir)
+        state = {"step": step, "first": first, "params": [p.detach().to("cpu", copy=True) for p in stepper.params],
+                 "optimizer": stepper.optimizer.state_dict(), "loss_scale": stepper.loss_scale,
+                 "skipped_steps": stepper.skipped_steps, "rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+        atomic.save_torch(self.path, state)
+        log(f"  heal: checkpoint after step {step}/{steps} ({self.path.stat().st_size / 1024**3:.2f} GB)")
+        self.last = time.monotonic()
+
+    def clear(self) -> None:
+        """Remove the checkpoint, its folder and the folders above it that this heal's first save made, where
+        empty."""
+        remove_store(self.dir, self.made)
+
+
+def heal_checkpoints(cfg, model, heal, map_layers, stream) -> HealCheckpoints | None:
+    """The checkpoints of the heal `heal` (a HealConfig) of `model` on the batch `stream` by the run `cfg`; None
+    where heal.checkpoint_minutes is off."""
+    import dataclasses
+
+    if heal.checkpoint_minutes is None:
+        return None
+    settings = {k: v for k, v in dataclasses.asdict(heal).items() if k != "checkpoint_minutes"}
+    key = heal_key(cfg.to_dict(), model=model, heal=settings, map_layers=map_layers,
+                   shape=(stream.seqlen, stream.batch_size))
+    return HealCheckpoints(checkpoint_root(cfg.checkpoint_dir), key, minutes=heal.checkpoint_minutes)
+
+
+def planned_line(cfg, spec, shape, *, steps: int) -> str | None:
+    """`prune --dry-run`'s line of the disk a heal's checkpoint takes in one process (planned_gb), where and how
+    often; None where nothing heals or heal.checkpoint_minutes is off. `spec`: the run's registry.Method;
+    `shape`: its model's plan.shape.Shape; `steps`: the steps it trains (pipeline.training_steps)."""
+    from trsp_ray.config.run_config import heal_recipe
+    from trsp_ray.method.stage1 import n_drop_for
+
+    minutes = cfg.heal.checkpoint_minutes
+    if minutes is None or (spec.stage2 and cfg.stage2.enabled) or not steps:
+        return None
+    trainable, rank = heal_recipe(cfg, heal_method=spec.heal)
+    n_drop = n_drop_for(cfg.ratio, shape.layers)
+    trained = shape.recipe_params(trainable, kept_layers=shape.layers - n_drop, lora_rank=rank,
+                                  tail_layers=cfg.heal.tail_layers, maps=n_drop)
+    every = "after every step" if minutes == 0 else f"every {minutes:g} min of the heal"
+    return (f"heal checkpoint: {planned_gb(trained):.2f} GB of disk under {checkpoint_root(cfg.checkpoint_dir)}/heal, "
+            f"written {every} (heal.checkpoint_minutes) so an interrupted heal resumes; removed when the heal is done")
