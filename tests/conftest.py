@@ -11,6 +11,22 @@ import pytest  # noqa: E402
 REPO_RUNS = Path(__file__).resolve().parents[1] / "runs"
 
 
+@pytest.fixture(scope="module")
+def workspaces(tmp_path_factory):
+    """family -> a tiny model of it (8 layers) with SmolLM2's tokenizer and short texts, made on demand."""
+    from trsp_ray.models.tiny import tiny_workspace
+
+    made: dict = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = tiny_workspace(tmp_path_factory.mktemp(family), layers=8, calib_chars=30000,
+                                          eval_chars=8000, family=family)
+        return made[family]
+
+    return get
+
+
 def _repo_runs() -> set[Path]:
     return set(REPO_RUNS.rglob("*")) if REPO_RUNS.is_dir() else set()
 

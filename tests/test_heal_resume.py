@@ -15,24 +15,29 @@ SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eva
 METHOD = "shortgpt+comp+heal"
 
 
-@pytest.fixture(scope="module")
-def workspaces(tmp_path_factory):
-    from trsp_ray.models.tiny import tiny_workspace
+@pytest.fixture
+def steps(monkeypatch):
+    """Counts TorchStepper.step calls in `steps.calls`; while `steps.interrupt`, the 4th raises KeyboardInterrupt
+    (in heal step 4: the checkpoint after step 3 is stored)."""
+    from types import SimpleNamespace
 
-    made: dict = {}
+    from trsp_ray.method import training
 
-    def get(family):
-        if family not in made:
-            made[family] = tiny_workspace(tmp_path_factory.mktemp(family), layers=6, calib_chars=30000,
-                                          eval_chars=8000, family=family)
-        return made[family]
+    state, step = SimpleNamespace(calls=0, interrupt=False), training.TorchStepper.step
 
-    return get
+    def counted(self):
+        state.calls += 1
+        if state.calls == 4 and state.interrupt:
+            raise KeyboardInterrupt
+        step(self)
+
+    monkeypatch.setattr(training.TorchStepper, "step", counted)
+    return state
 
 
 def _config(root, store, *extra):
     data = {"calib_text": str(root / "calib.txt"), "eval_text": str(root / "eval.txt")}
-    return load_config(None, [f"model={root / 'model'}", f"method={METHOD}", "ratio=0.34",
+    return load_config(None, [f"model={root / 'model'}", f"method={METHOD}", "ratio=0.25",
                               f"checkpoint_dir={store}", *SMALL, *extra], base={"data": data})
 
 
@@ -42,9 +47,7 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("family,dtype", [("llama", "fp32"), ("gpt_neox", "bf16")])
-def test_an_interrupted_heal_resumes_from_its_last_checkpoint(family, dtype, workspaces, tmp_path, monkeypatch,
-                                                              capsys):
-    from trsp_ray.method import training
+def test_an_interrupted_heal_resumes_from_its_last_checkpoint(family, dtype, workspaces, tmp_path, steps, capsys):
     from trsp_ray.plan.shape import read_shape
     from trsp_ray.run.heal_store import planned_gb
     from trsp_ray.run.methods import apply_method
@@ -57,16 +60,7 @@ def test_an_interrupted_heal_resumes_from_its_last_checkpoint(family, dtype, wor
     assert whole.info["heal_steps"] == 6 and whole.info["heal_resumed_after"] == 0
     assert not (store / "heal").exists()  # a finished heal leaves nothing
 
-    step, calls = training.TorchStepper.step, []
-
-    def interrupted(self):
-        calls.append(1)
-        if len(calls) == 4 and interrupt:
-            raise KeyboardInterrupt
-        step(self)
-
-    monkeypatch.setattr(training.TorchStepper, "step", interrupted)
-    interrupt = True
+    steps.interrupt, steps.calls = True, 0
     with pytest.raises(KeyboardInterrupt):
         apply_method(prepare(cfg), spec)
     stored = list((store / "heal").glob("*/heal.pt"))
@@ -77,10 +71,10 @@ def test_an_interrupted_heal_resumes_from_its_last_checkpoint(family, dtype, wor
     planned = planned_gb(shape.recipe_params("all", kept_layers=shape.layers - len(whole.drop))) * 1024**3
     assert planned <= stored[0].stat().st_size <= 1.1 * planned, (stored[0].stat().st_size, planned)
 
-    interrupt, calls[:] = False, []
+    steps.interrupt, steps.calls = False, 0
     capsys.readouterr()
     again = apply_method(prepare(cfg), spec)
-    assert len(calls) == 3  # steps 4-6; 1-3 came from the checkpoint
+    assert steps.calls == 3  # steps 4-6; 1-3 came from the checkpoint
     assert "heal: resuming after step 3" in capsys.readouterr().out
     assert again.info["heal_resumed_after"] == 3 and again.drop == whole.drop
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
@@ -88,33 +82,22 @@ def test_an_interrupted_heal_resumes_from_its_last_checkpoint(family, dtype, wor
     assert not (store / "heal").exists()
 
 
-def test_another_model_or_other_heal_settings_start_the_heal_afresh(workspaces, tmp_path, monkeypatch):
-    from trsp_ray.method import training
+def test_another_model_or_other_heal_settings_start_the_heal_afresh(workspaces, tmp_path, steps):
     from trsp_ray.run.methods import apply_method
     from trsp_ray.run.workbench import prepare
 
-    root, store = workspaces("llama"), tmp_path / "checkpoints"
-    cfg = _config(root, store)
+    cfg = _config(workspaces("llama"), tmp_path / "checkpoints")
     spec = registry.method(METHOD)
-    step, calls = training.TorchStepper.step, []
-
-    def interrupted(self):
-        calls.append(1)
-        if len(calls) == 4 and interrupt:
-            raise KeyboardInterrupt
-        step(self)
-
-    monkeypatch.setattr(training.TorchStepper, "step", interrupted)
     for changed in ({"compensation.ridge": 0.05}, {"stage2.lr": 2e-4}):  # the fit's output; the heal's rate
-        interrupt, calls[:] = True, []
+        steps.interrupt, steps.calls = True, 0
         with pytest.raises(KeyboardInterrupt):
             apply_method(prepare(cfg), spec)
-        interrupt, calls[:] = False, []
+        steps.interrupt, steps.calls = False, 0
         out = apply_method(prepare(replace(cfg, **changed)), spec)
-        assert len(calls) == 6 and out.info["heal_resumed_after"] == 0, changed
+        assert steps.calls == 6 and out.info["heal_resumed_after"] == 0, changed
         # the interrupted heal's checkpoint is still there for its own rerun, which resumes
-        calls[:] = []
-        assert apply_method(prepare(cfg), spec).info["heal_resumed_after"] == 3 and len(calls) == 3
+        steps.calls = 0
+        assert apply_method(prepare(cfg), spec).info["heal_resumed_after"] == 3 and steps.calls == 3
 
 
 def test_the_weights_digest_sees_one_value_changed():

@@ -19,22 +19,6 @@ SMALL = ["data.seqlen=32", "data.batch_size=2", "data.eval_seqlen=64", "data.eva
          "stage2.steps=2", "baselines.calib_windows=2", "merging.windows=64", "threads=1", "tracking.enabled=false"]
 
 
-@pytest.fixture(scope="module")
-def workspaces(tmp_path_factory):
-    """family -> a tiny model of it (8 layers) with SmolLM2's tokenizer and short texts, made on demand."""
-    from trsp_ray.models.tiny import tiny_workspace
-
-    made: dict = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = tiny_workspace(tmp_path_factory.mktemp(family), layers=8, calib_chars=30000,
-                                          eval_chars=8000, family=family)
-        return made[family]
-
-    return get
-
-
 def _args(root: Path, *extra):
     out = ["--model", str(root / "model"), "--calib-text", str(root / "calib.txt"), "--eval-text",
            str(root / "eval.txt")]
