@@ -21,12 +21,14 @@ row (its per-passage LAMBADA results too) is appended to FILE and a rerun reads 
 healing again, so a long probe can run in parts and later rows pair with earlier ones. A row's key
 covers its resolved configuration, its heal's settings and the bytes and libraries it read
 (run/content.store_key): after a change to any of them the row is healed again, never read stale.
-`--fresh` runs every row again even where FILE holds it (the new row is appended and read back after),
-e.g. to store what an older row lacks. Prints one line per row and, for every two rows after the dense
-one, the paired LAMBADA difference and, where both rows stored their per-window held-out NLLs, each
-domain's paired difference of the mean window NLL (the log of the PPL ratio, nats; windows of one
-document one cluster, trsp_ray/common/paired.py); the load average is printed beside the wall time of
-each row.
+`--fresh` runs every row again even where FILE holds it (the new row is appended and read back after), e.g. to
+store what an older row lacks; `--fresh SET ...` only those sets' rows (the others are read back). Prints one
+line per row and, for every two rows after the dense one, the paired LAMBADA difference and, where both rows
+stored their per-window held-out NLLs, each domain's paired difference of the mean window NLL (the log of the
+PPL ratio, nats; windows of one document one cluster, trsp_ray/common/paired.py); the load average is printed
+beside the wall time of each row. An interrupted row's heal resumes from its last checkpoint when the same command
+runs again from the same directory (run/heal_store.py, under ./runs/checkpoints), so a 3M row of 100 minutes can
+run in parts too.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def main() -> None:
     p.add_argument("--zeroshot", type=int, default=0, help="items per zero-shot task (0: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--fresh", action="store_true", help="run every row again, even one the rows file holds")
+    p.add_argument("--fresh", nargs="*", default=None, metavar="SET",
+                   help="run every row again (or only these sets' rows), even one the rows file holds")
     args = p.parse_args()
 
     import torch
@@ -116,7 +119,8 @@ def main() -> None:
         pipe = resolve(cfg)
         key = json.dumps([spec_text, budget, objective, method, args.recipe, args.overrides, args.lambada,
                           _resolved_key(pipe, dense=spec_text == "dense")] + ([args.zeroshot] if args.zeroshot else []))
-        if key in done and not args.fresh:
+        fresh = args.fresh is not None and (not args.fresh or spec_text in args.fresh)
+        if key in done and not fresh:
             row = done[key]
             dense = dense or row
             rows.append(row)
