@@ -88,7 +88,9 @@ class HealCheckpoints:
 
         if not self.path.is_file():
             return 0, None
-        stored = torch.load(self.path, weights_only=True)  # tensors, numbers, lists and dicts: no pickle
+        # tensors, numbers, lists and dicts (no pickle), mapped from the file, not read whole: on a GPU run
+        # the state reaches the device a tensor at a time, never all of it in host memory or beside the live state
+        stored = torch.load(self.path, weights_only=True, map_location="cpu", mmap=True)
         with torch.no_grad():
             for p, value in zip(stepper.params, stored["params"], strict=True):
                 p.copy_(value)
@@ -105,14 +107,15 @@ class HealCheckpoints:
 
     def after(self, step: int, steps: int, stepper, *, first: float | None) -> None:
         """Store the heal after `step` of `steps` where `minutes` have passed since the last write (never after
-        the last step: the heal's result follows at once)."""
+        the last step: the heal's result follows at once). torch.save copies a device tensor to the host as it
+        writes it, one at a time."""
         import torch
 
         if step >= steps or time.monotonic() - self.last < 60.0 * self.minutes:
             return
         if not self.made:
             self.made = new_folders(self.dir)
-        state = {"step": step, "first": first, "params": [p.detach().to("cpu", copy=True) for p in stepper.params],
+        state = {"step": step, "first": first, "params": [p.detach() for p in stepper.params],
                  "optimizer": stepper.optimizer.state_dict(), "loss_scale": stepper.loss_scale,
                  "skipped_steps": stepper.skipped_steps, "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
