@@ -117,3 +117,37 @@ def test_the_weights_digest_sees_one_value_changed():
         other.model.layers[1].mlp.down_proj.weight.view(-1)[1] += 1e-3  # index 1: between the strided samples
     assert weights_digest(same) == weights_digest(model)
     assert weights_digest(other) != weights_digest(model)
+
+
+def test_slow_checkpoint_writes_are_spaced_to_a_twentieth_of_the_heal(tmp_path, monkeypatch):
+    """A write that takes longer than MAX_SHARE of heal.checkpoint_minutes pushes the next one out, so the
+    writes never take more than that share of the heal (a large model on a slow disk); 0 minutes writes
+    after every step whatever it costs."""
+    import time
+    from types import SimpleNamespace
+
+    from trsp_ray.common import atomic
+    from trsp_ray.run import heal_store
+
+    save = atomic.save_torch
+
+    def slow(path, obj):  # a disk that takes 0.2 s a checkpoint
+        time.sleep(0.2)
+        save(path, obj)
+
+    monkeypatch.setattr(atomic, "save_torch", slow)
+    weight = torch.nn.Parameter(torch.ones(4))
+    stepper = SimpleNamespace(params=[weight], masters=[], optimizer=torch.optim.AdamW([weight]), loss_scale=1.0,
+                              skipped_steps=0)
+    for minutes, writes in ((0.001, 1), (0, 3)):  # 0.06 s between writes asked for; every step
+        store = heal_store.HealCheckpoints(tmp_path / str(minutes), "k", minutes=minutes)
+        store.last -= 1.0  # the first write is due
+        written = []
+        for step in range(1, 4):
+            time.sleep(0.1)  # each step outlasts the 0.06 s asked for, not the 3.8 s the slow write calls for
+            before = store.path.stat().st_mtime_ns if store.path.exists() else None
+            store.after(step, 10, stepper, first=1.0)
+            written += [step] if store.path.exists() and store.path.stat().st_mtime_ns != before else []
+        assert len(written) == writes, (minutes, written)
+        if minutes:
+            assert store.wait >= 0.2 * (1 - heal_store.MAX_SHARE) / heal_store.MAX_SHARE, store.wait

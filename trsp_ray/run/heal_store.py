@@ -2,13 +2,14 @@
 last checkpoint instead of its first step (SmolLM2-135M healed at a 3M budget: 240 steps, 100 minutes on
 2 CPU cores). The Ray Train workers checkpoint their heal their own way (distributed/worker.py).
 
-`<checkpoint_dir>/heal/<key>/heal.pt` holds what the heal changed and what its next step reads: the
-trained parameters (the optimizer's: an fp32 master where the weight is bf16/fp16), the optimizer's state,
-the fp16 loss scale, the random state and the step. It is written atomically every `heal.checkpoint_minutes`
-of the heal's wall time (a write costs about what a few steps do: 12 bytes a trained parameter), each
-replacing the last, and removed once the heal is done. A rerun reads it back and replays the batch stream
-up to the stored step without compute (as the workers' resumed heal does), so the resumed heal ends with
-the uninterrupted heal's weights.
+`<checkpoint_dir>/heal/<key>/heal.pt` holds what the heal changed and what its next step reads: the trained
+parameters (the optimizer's: an fp32 master where the weight is bf16/fp16), the optimizer's state, the fp16
+loss scale, the random state and the step: 12 bytes a trained parameter. It is written atomically every
+`heal.checkpoint_minutes` of the heal's wall time, or less often where writes are slow: never more than
+MAX_SHARE of the heal's time goes to them (a 3B model's all-weight heal on one GPU writes 36 GB a checkpoint).
+Each replaces the last; the checkpoint is removed once the heal is done. A rerun reads it back and replays the
+batch stream up to the stored step without compute (as the workers' resumed heal does), so the resumed heal
+ends with the uninterrupted heal's weights.
 
 The key covers the model the heal starts from (a digest of its weights: whatever selection, stage 2, fit
 or merge made it), the heal's settings and recipe, the recovery objective, the seed, the calibration text
@@ -34,6 +35,7 @@ from trsp_ray.run.content import (
 
 STATE_BYTES = 12  # per trained parameter: its fp32 value (or master) and Adam's two fp32 moments
 SAMPLE = 256  # values of each parameter the weights digest reads beside its sum
+MAX_SHARE = 0.05  # of a heal's wall time its checkpoint writes may take (heal.checkpoint_minutes > 0)
 
 
 def weights_digest(model) -> str:
@@ -71,13 +73,15 @@ def planned_gb(trained_params: int) -> float:
 
 class HealCheckpoints:
     """The checkpoint of one heal (`key`) under `<root>/heal/<key>/`: `restore` before its first step,
-    `after` every step (it writes when `minutes` have passed since the last write), `clear` once done.
-    run_heal (method/heal.py) calls the three."""
+    `after` every step (it writes once `wait` seconds have passed since the last write: `minutes`, or where
+    the last write took longer than MAX_SHARE of that, the wait that keeps it to that share; 0: every step),
+    `clear` once done. run_heal (method/heal.py) calls the three."""
 
     def __init__(self, root: str | Path, key: str, *, minutes: float):
         self.dir = Path(root).expanduser() / "heal" / key
         self.path = self.dir / "heal.pt"
         self.minutes = minutes
+        self.wait = 60.0 * minutes
         self.last = time.monotonic()
         self.made: list[Path] = []  # the folders the first save made, deepest first: clear removes them
 
@@ -111,8 +115,9 @@ class HealCheckpoints:
         writes it, one at a time."""
         import torch
 
-        if step >= steps or time.monotonic() - self.last < 60.0 * self.minutes:
+        if step >= steps or time.monotonic() - self.last < self.wait:
             return
+        start = time.monotonic()
         if not self.made:
             self.made = new_folders(self.dir)
         state = {"step": step, "first": first, "params": [p.detach() for p in stepper.params],
@@ -120,8 +125,12 @@ class HealCheckpoints:
                  "skipped_steps": stepper.skipped_steps, "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
         atomic.save_torch(self.path, state)
-        log(f"  heal: checkpoint after step {step}/{steps} ({self.path.stat().st_size / 1024**3:.2f} GB)")
         self.last = time.monotonic()
+        took = self.last - start
+        if self.minutes > 0:
+            self.wait = max(60.0 * self.minutes, took * (1.0 - MAX_SHARE) / MAX_SHARE)
+        log(f"  heal: checkpoint after step {step}/{steps} ({self.path.stat().st_size / 1024**3:.2f} GB in {took:.0f} s"
+            + (f"; the next in {self.wait / 60:.0f} min or more)" if self.minutes > 0 else ")"))
 
     def clear(self) -> None:
         """Remove the checkpoint, its folder and the folders above it that this heal's first save made, where
