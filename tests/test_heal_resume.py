@@ -151,3 +151,35 @@ def test_slow_checkpoint_writes_are_spaced_to_a_twentieth_of_the_heal(tmp_path, 
         assert len(written) == writes, (minutes, written)
         if minutes:
             assert store.wait >= 0.2 * (1 - heal_store.MAX_SHARE) / heal_store.MAX_SHARE, store.wait
+
+
+def test_a_merge_heal_interrupted_in_its_heal_resumes_without_merging_again(workspaces, tmp_path, steps,
+                                                                            monkeypatch):
+    """merge+heal keeps its merged pairs stored until the heal is done: interrupted in the heal, a rerun puts
+    the pairs back (no pair cut again), resumes the heal from its checkpoint, and ends with the uninterrupted
+    run's model; a finished run leaves neither store."""
+    from trsp_ray.method import merge
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    store = tmp_path / "checkpoints"
+    cfg = replace(_config(workspaces("llama"), store), method="merge+heal")
+    spec = registry.method("merge+heal")
+    whole = apply_method(prepare(cfg), spec)
+    assert len(whole.info["merge_pairs"]) == 2 and whole.info["heal_steps"] == 6
+    assert not (store / "merged_pairs").exists() and not (store / "heal").exists()
+
+    steps.interrupt, steps.calls = True, 0
+    with pytest.raises(KeyboardInterrupt):
+        apply_method(prepare(cfg), spec)
+    assert len(list((store / "merged_pairs").glob("*/pair-*.pt"))) == 2
+    cut, cuts = merge._cut_pair, []
+    monkeypatch.setattr(merge, "_cut_pair", lambda *a, **k: cuts.append(a[1].index) or cut(*a, **k))
+    steps.interrupt, steps.calls = False, 0
+    again = apply_method(prepare(cfg), spec)
+    assert cuts == [] and steps.calls == 3 and again.info["heal_resumed_after"] == 3
+    for key in ("merge_pairs", "merge_cost", "merge_mlp_error"):
+        assert again.info[key] == whole.info[key], key
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(again.model, ids), _logits(whole.model, ids), atol=1e-6, rtol=0)
+    assert not (store / "merged_pairs").exists() and not (store / "heal").exists()

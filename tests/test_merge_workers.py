@@ -68,8 +68,10 @@ cfg = load_config(None, [f"model={model_dir}", f"checkpoint_dir={root}", "method
                          "merging.choice_windows=4", f"distributed.workers={world}"])
 if phase == "first":  # the run a failure ends after its first pair: both stored, the second then lost
     MergeCheckpoints.clear = lambda self: [p.unlink() for p in Path(self.dir).glob("pair-1.pt")]
-record = merge_on_ranks(cfg, SimpleNamespace(model=model, gates=gates), drop=[2, 4], windows=windows(), rank=rank,
-                        world=world)
+record, store = merge_on_ranks(cfg, SimpleNamespace(model=model, gates=gates), drop=[2, 4], windows=windows(),
+                               rank=rank, world=world)
+if store is not None:  # rank 0's, cleared by the caller once nothing after the merge can be interrupted
+    store.clear()
 with torch.no_grad():
     logits = model(input_ids=probe_batch(), use_cache=False).logits
 print("RESULT " + json.dumps({"record": record, "logits": logits.tolist(), "flattened": flattened}), flush=True)
@@ -141,7 +143,7 @@ def test_the_ranks_host_merges_every_family_into_the_in_place_merge_without_remo
 def test_an_interrupted_merge_on_the_ranks_resumes_after_its_last_stored_pair(tmp_path, monkeypatch, capsys):
     """merge_on_ranks (one rank, nothing partitioned) stopped after its first pair: a rerun puts the stored pair
     back without flattening it again, merges the second, and ends with the uninterrupted merge's model and
-    record; the store is gone once the merge is done."""
+    record; the store is gone once the caller clears it."""
     from types import SimpleNamespace
 
     from trsp_ray.config.run_config import load_config
@@ -155,7 +157,8 @@ def test_an_interrupted_merge_on_the_ranks_resumes_after_its_last_stored_pair(tm
     def merged(progress=None):
         model = tiny_model("llama", layers=6)
         bench = SimpleNamespace(model=model, gates=attach_gates(model))
-        record = ranks_merging.merge_on_ranks(cfg, bench, drop=[2, 4], windows=windows_(), rank=0, world=1)
+        record, store = ranks_merging.merge_on_ranks(cfg, bench, drop=[2, 4], windows=windows_(), rank=0, world=1)
+        store.clear()
         with torch.no_grad():
             return record, model(input_ids=probe_batch(), use_cache=False).logits
 

@@ -128,8 +128,8 @@ def _merge_store_line(cfg, plan) -> str:
     pairs = n_drop_for(cfg.ratio, plan.shape.layers)
     gb = store_gb(cfg, dtype_bytes=plan.setup.dtype_bytes, shape=plan.shape)
     return (f"merge store: at most {gb:.2f} GB of disk under {checkpoint_root(cfg.checkpoint_dir)}/merged_pairs "
-            f"({pairs} merged blocks, one stored as each pair is done so an interrupted merge resumes; removed "
-            "when the merge is done)")
+            f"({pairs} merged blocks, one stored as each pair is done so an interrupted merge resumes; kept "
+            "beside the heal's checkpoint until the heal is done)")
 
 
 # What the README's quick `trsp-ray benchmark` runs and what `--full` adds (the quick run fits 15

@@ -162,7 +162,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   "tokens (whole passes)",
                   f"  merge store: at most {store_gb(cfg, dtype_bytes=result.setup.dtype_bytes, shape=shape):.1f} GB "
                   "of disk under rank 0's checkpoint_dir (one merged block per pair, stored as it is done so an "
-                  "interrupted merge resumes; removed when the merge is done, before the heal's checkpoints)"]
+                  "interrupted merge resumes; kept beside the heal's checkpoints until the heal is done)"]
         comp_fits, fit_host = merge.total <= result.setup.gpu_memory_gb, merge.host  # its share of the targets
     from trsp_ray.plan.teacher_plan import teacher_pass_for_run
 

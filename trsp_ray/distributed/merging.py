@@ -136,10 +136,12 @@ class OnRanks:
         self.gates.set_bypass(self.bypassed)
 
 
-def merge_on_ranks(cfg, bench, *, drop: list[int], windows: list[torch.Tensor], rank: int, world: int) -> dict:
+def merge_on_ranks(cfg, bench, *, drop: list[int], windows: list[torch.Tensor], rank: int, world: int):
     """Merge the pair (d - 1, d) of the gated ZeRO-3 `bench.model` for every d of `drop` on the merge's
     calibration `windows` (every rank passes the same list; each runs its rows, dealt_rows) with cfg.merging's
-    settings; returns what the manifest records of the merge (run/merging.merge_record)."""
+    settings; returns what the manifest records of the merge (run/merging.merge_record) and, on rank 0, the
+    store of the merged pairs (None elsewhere), which the caller clears after the heal (a heal resumed from
+    its checkpoint puts the stored pairs back instead of merging again)."""
     import math
 
     from trsp_ray.distributed.collectives import broadcast_object
@@ -166,6 +168,4 @@ def merge_on_ranks(cfg, bench, *, drop: list[int], windows: list[torch.Tensor], 
                        choice_windows=math.ceil(m.choice_windows / world), stop=False, reduce=all_reduce_sum,
                        progress=pair_progress(bench.model, store, lambda a, k: host.last) if rank == 0 else None,
                        resume=[(e, stored[k][1] if rank == 0 else None) for k, e in enumerate(entries)], host=host)
-    if rank == 0:
-        store.clear()
-    return merge_record(cfg, done)
+    return merge_record(cfg, done), store if rank == 0 else None

@@ -102,7 +102,7 @@ def train_loop(config: dict) -> None:
     else:
         drop, s1_state = _stage1(config, cfg, bench, ranking=spec.ranking, events=events, meta=meta, rank=rank,
                                  fault=fault)
-    merged = _merge(cfg, bench, drop=drop, events=events, rank=rank) if spec.merges else {}
+    merged, pairs = _merge(cfg, bench, drop=drop, events=events, rank=rank) if spec.merges else ({}, None)
     comp = _fit_compensation(cfg, bench, drop=drop, events=events, rank=rank)
     # where one process folds (methods.apply_method): after stage 2, before a heal. A resumed heal
     # folds again and then loads its checkpoint's (folded, healed) weights over the result.
@@ -111,6 +111,8 @@ def train_loop(config: dict) -> None:
         compensate.apply(model=bench.model, drop=drop, info=comp)
     model = _stage2(config, pipe, bench, drop=drop, s1_state=s1_state, events=events, meta=meta,
                     engine_dir=engine_dir, rank=rank, fault=fault, comp=comp)
+    if pairs is not None:  # kept through the heal: a heal resumed from its checkpoint reads them back
+        pairs.clear()
     if comp is not None and not heal:
         compensate.apply(model=model, drop=drop, info=comp)
     _export(config, cfg, bench, model=model, drop=drop, events=events, rank=rank,
@@ -265,18 +267,18 @@ def _merge_select(cfg, bench, *, events: EventLog, rank: int) -> list[int]:
     return drop
 
 
-def _merge(cfg, bench, *, drop: list[int], events: EventLog, rank: int) -> dict:
+def _merge(cfg, bench, *, drop: list[int], events: EventLog, rank: int):
     """Merge each pair (d - 1, d) of `drop` on the ranks (distributed/merging.py), on the one process's merge
-    windows (FIT_STREAM); returns the manifest's merge fields."""
+    windows (FIT_STREAM); returns the manifest's merge fields and rank 0's store of the pairs (merge_on_ranks)."""
     from trsp_ray.distributed.merging import merge_on_ranks
     from trsp_ray.plan.merge_plan import merge_windows
     from trsp_ray.run.methods import fixed_windows
 
     windows = fixed_windows(_batches(cfg, bench, FIT_STREAM), merge_windows(cfg))
     reset_peak_memory()
-    merged = merge_on_ranks(cfg, bench, drop=drop, windows=windows, rank=rank, world=bench.world)
+    merged, store = merge_on_ranks(cfg, bench, drop=drop, windows=windows, rank=rank, world=bench.world)
     events.write("merged", peak_gb=peak_memory_gb(), **merged)
-    return merged
+    return merged, store
 
 
 def _stage2(config: dict, pipe, bench, *, drop: list[int], s1_state: dict, events: EventLog, meta: dict | None,

@@ -65,7 +65,7 @@ def targets_gb(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> float:
 def store_gb(cfg, *, dtype_bytes: int, shape: Shape | None = None) -> float:
     """Disk GB the merge's resume store (run/merge_store.py) reaches under checkpoint_dir on the process that
     stores (rank 0 on workers): one merged block per pair, in the run's precision, the last pair's written
-    beside the others; removed once the merge is done, before the heal writes its checkpoints."""
+    beside the others; kept beside the heal's checkpoints until the heal is done (a resumed heal reads them)."""
     from trsp_ray.method.stage1 import n_drop_for
 
     shape = shape or model_shape(cfg.model)

@@ -8,7 +8,9 @@ host) and what merge_pairs recorded of it, written atomically as the pair is don
 stored pairs back (merge.merge_pairs' `resume`) and merges the rest. The key covers what a merge depends
 on: the model and calibration text (their bytes), the calibration windows' settings, the seed and
 precision, the merging settings, the pairs, and stage 2's settings when stage 2 changed the weights
-before it; a change to any of them starts afresh. The directory is removed once the whole merge is done.
+before it; a change to any of them starts afresh. The directory is removed once nothing after the merge
+can be interrupted: after the heal of merge+heal (a heal resumed from its checkpoint, run/heal_store.py,
+needs the merged model back, which the stored pairs give in seconds instead of a merge redone).
 Local storage only, as the stage-1 store's round checkpoints; on Ray Train workers rank 0 stores and reads
 the pairs (distributed/merging.py), so a restart resumes where rank 0's checkpoint_dir is the same folder.
 """

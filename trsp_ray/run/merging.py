@@ -123,10 +123,12 @@ def pair_progress(model, store, merged=None):
     return show
 
 
-def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[int]:
+def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> tuple[list[int], MergeCheckpoints]:
     """Merge the pair (d - 1, d) of `model` for every d of `drop` (in place, gates detached) on the
     calibration `windows` (token ids [B, S] each) with cfg.merging's settings; returns the original index
-    behind each layer left, and adds to `info` what the manifest and the tables record of the merge."""
+    behind each layer left and the store of the merged pairs, and adds to `info` what the manifest and the
+    tables record of the merge. The caller clears the store once nothing after the merge can be interrupted
+    (after the heal: a heal resumed from its checkpoint needs the merged model back, not a merge redone)."""
     from trsp_ray.method.merge import merge_pairs
 
     m = cfg.merging
@@ -138,11 +140,10 @@ def merge_layers(model, *, drop: list[int], windows, cfg, info: dict) -> list[in
     done = merge_pairs(model=model, firsts=[d - 1 for d in drop], windows=windows, refit=m.refit, ridge=m.ridge,
                        weighting=m.weighting, target=m.target, units=m.units, trials=m.unit_trials,
                        choice_windows=m.choice_windows, progress=pair_progress(model, store), resume=resume)
-    store.clear()  # the whole merge is done: its pairs are in the model
     info.update(merge_record(cfg, done))
     log(f"merged pairs {info['merge_pairs']} on {done['tokens']} calibration tokens"
         + (" with refits" if m.refit else " without refits"))
-    return done["kept"]
+    return done["kept"], store
 
 
 def merge_record(cfg, done: dict) -> dict:

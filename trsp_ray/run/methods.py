@@ -57,8 +57,7 @@ class Outcome:
 
 
 def stage1_settings(s1) -> dict:
-    """`run_stage1`'s keyword arguments from the `stage1` config section: one unpacking for the
-    single process and the Ray Train workers, so the two cannot drift apart."""
+    """`run_stage1`'s keyword arguments from the `stage1` section: one unpacking for both paths, so they agree."""
     return {"lambda1": s1.lambda1, "lr": s1.lr, "first_round_steps": s1.first_round_steps,
             "steps_per_round": s1.steps_per_round, "selection": s1.selection, "train_base": s1.train_base,
             "base_lr": s1.base_lr, "probe": s1.probe, "refine": s1.refine, "refine_budget": s1.refine_budget,
@@ -78,8 +77,7 @@ def stage2_settings(s2) -> dict:
 
 
 def heal_settings(heal) -> dict:
-    """`run_heal`'s budget and recipe from a `heal` config section (cfg.heal, or method_heal's for a
-    heal method): one process and the Ray Train workers heal with these."""
+    """`run_heal`'s budget and recipe from a `heal` section (cfg.heal, or method_heal's): both paths heal so."""
     return {"steps": heal.steps, "lr": heal.lr, "trainable": heal.trainable, "lora_rank": heal.lora_rank,
             "tail_layers": heal.tail_layers, "schedule": compute.heal_schedule(heal)}
 
@@ -356,7 +354,7 @@ def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None,
                     relative_update={i: (v[0], v[-1]) for i, v in result.relative_update.items() if v})
     if spec.merges:  # each pair (d - 1, d) becomes one block (run/merging.py) where a drop removes d
         windows = fixed_windows(bench.batches(FIT_STREAM), merge_windows(cfg))
-        kept = merge_layers(model, drop=drop, windows=windows, cfg=cfg, info=info)
+        kept, merged = merge_layers(model, drop=drop, windows=windows, cfg=cfg, info=info)
         heal = heal if heal_cfg is not None else heal_left(cfg, spec=spec, heal=heal, drop=drop, info=info)
     else:
         kept = remove_layers(model, drop)
@@ -395,6 +393,8 @@ def apply_method(bench, spec: registry.Method, *, drop: list[int] | None = None,
                     heal_seconds=time.time() - t2, heal_cost=healed.tokens * compute.token_cost(
                         cfg, spec=spec, drop=drop, stage2=False, trainable=heal.trainable, lora_rank=heal.lora_rank,
                         map_layers=maps))
+    if spec.merges:  # kept through the heal: an interrupted heal resumes on the stored pairs, not a new merge
+        merged.clear()
     info["weight_tokens"] = info.get("stage2_tokens", 0) + info.get("heal_tokens", 0)
     info["seconds"] = time.time() - t0
     return Outcome(method=method, model=model.eval(), drop=drop, kept=kept, info=info)
