@@ -183,3 +183,39 @@ def test_a_merge_heal_interrupted_in_its_heal_resumes_without_merging_again(work
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(_logits(again.model, ids), _logits(whole.model, ids), atol=1e-6, rtol=0)
     assert not (store / "merged_pairs").exists() and not (store / "heal").exists()
+
+
+@pytest.mark.parametrize("mode", ["joint", "sequential"])
+def test_an_interrupted_stage_2_resumes_from_its_last_checkpoint(mode, workspaces, tmp_path, steps, capsys):
+    """TRSP's stage 2 in one process checkpoints as a heal does: interrupted in step 4 of 6, a rerun computes steps
+    4-6 only and ends with the uninterrupted stage 2's weights and relative updates (sequential: the second
+    layer's segment starts in the resumed part); the dry run's disk figure is the checkpoint's size; a finished
+    stage 2 leaves nothing stored."""
+    from trsp_ray.plan.shape import read_shape
+    from trsp_ray.run.heal_store import planned_line
+    from trsp_ray.run.methods import apply_method
+    from trsp_ray.run.workbench import prepare
+
+    store = tmp_path / "checkpoints"
+    cfg = replace(_config(workspaces("llama"), store), method="trsp", **{"stage2.mode": mode})
+    spec, drop = registry.method("trsp"), [2, 5]
+    whole = apply_method(prepare(cfg), spec, drop=drop)
+    assert whole.info["stage2_steps"] == 6 and not (store / "stage2").exists()
+
+    steps.interrupt, steps.calls = True, 0
+    with pytest.raises(KeyboardInterrupt):
+        apply_method(prepare(cfg), spec, drop=drop)
+    stored = list((store / "stage2").glob("*/stage2.pt"))
+    assert len(stored) == 1 and torch.load(stored[0], weights_only=True)["step"] == 3
+    line = planned_line(cfg, spec, read_shape(cfg.model), steps=6)
+    planned = float(line.split("stage2 checkpoint: ")[1].split(" GB")[0]) * 1024**3
+    assert 0.99 * planned <= stored[0].stat().st_size <= 1.1 * planned, (stored[0].stat().st_size, planned)
+
+    steps.interrupt, steps.calls = False, 0
+    capsys.readouterr()
+    again = apply_method(prepare(cfg), spec, drop=drop)
+    assert steps.calls == 3 and "stage 2: resuming after step 3" in capsys.readouterr().out
+    assert again.info["stage2_steps"] == 6 and again.info["relative_update"] == whole.info["relative_update"]
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(again.model, ids), _logits(whole.model, ids), atol=1e-6, rtol=0)
+    assert not (store / "stage2").exists()

@@ -187,8 +187,8 @@ class HealConfig:
     # the learning rate over the heal: constant, or cosine (5% linear warmup, then cosine to 10%);
     # auto: cosine for a budget's grown heal (run/budget.heal_shape), else constant
     schedule: str = "auto"
-    # minutes of a heal in one process between its checkpoints (run/heal_store.py: an interrupted heal
-    # resumes from the last one); 0: after every step; null: none
+    # minutes of a heal, or of TRSP's stage 2, in one process between its checkpoints (run/heal_store.py: an
+    # interrupted heal or stage 2 resumes from the last one); 0: after every step; null: none
     checkpoint_minutes: float | None = 10.0
 
     def __post_init__(self):

@@ -68,10 +68,13 @@ def _schedule(t: int, start: int, end: int, *, schedule: str, lambda2: float, an
 def run_stage2(*, model, gates, batches: Batches, drop: list[int], lambda2: float, steps: int, lr: float,
                p_lr_scale: float = 1.0, mode: str = "joint", norm: str = "l2", trainable: str = "all",
                lora_rank: int = 8, schedule: str = "constant", anneal_fraction: float = 0.5,
-               make_stepper: MakeStepper = TorchStepper, report: Report = null_report) -> Stage2Result:
+               make_stepper: MakeStepper = TorchStepper, report: Report = null_report,
+               checkpoints=None) -> Stage2Result:
     """Train `model` (gated, see `attach_gates`) with the stage-2 loss; the layers in `drop` stay in
     the model (removal is a separate step). Returns the trained model and per-layer relative updates
-    ||x_{i+1} - x_i|| / ||x_i||, which must fall."""
+    ||x_{i+1} - x_i|| / ||x_i||, which must fall. `checkpoints` (one process: run/heal_store.HealCheckpoints,
+    as run_heal's): a stored stage 2 is put back, its batches replayed without compute, and the relative
+    updates so far read back from its record; stored after each step as it chooses; cleared at the end."""
     gates.set_gated(False)
     gates.reset_gates()
     gates.set_bypass([])
@@ -89,9 +92,16 @@ def run_stage2(*, model, gates, batches: Batches, drop: list[int], lambda2: floa
     groups = layer_param_groups(train_model, gates, lr=lr, special=set(drop), special_lr=lr * p_lr_scale)
     stepper = make_stepper(train_model, groups)
     result = Stage2Result(model=model, relative_update={i: [] for i in drop})
+    done = checkpoints.restore(stepper)[0] if checkpoints is not None else 0
+    if done:
+        result.relative_update.update({int(i): list(v) for i, v in checkpoints.record["relative_update"].items()})
+        result.steps, result.tokens = done, done * batches.tokens_per_batch
     finished: list[int] = []
     for start, end, active in _segments(drop, steps, mode):
         for t in range(start, end):
+            if t < done:  # a stored step: its batch is read, nothing computed
+                batches.next()
+                continue
             lam, scale = _schedule(t, start, end, schedule=schedule, lambda2=lambda2, anneal_fraction=anneal_fraction)
             for w in gates.wrappers:
                 if w.index in active:
@@ -114,6 +124,9 @@ def run_stage2(*, model, gates, batches: Batches, drop: list[int], lambda2: floa
                 result.relative_update[i].append(raw * scale)
                 metrics[f"rel_update/{i:02d}"] = raw * scale
             report(metrics, result.steps)
+            if checkpoints is not None:
+                checkpoints.after(result.steps, steps, stepper, first=None,
+                                  record={"relative_update": result.relative_update})
         finished += active
     for w in gates.wrappers:
         w.penalty_norm, w.residual_scale = None, 1.0
@@ -121,4 +134,6 @@ def run_stage2(*, model, gates, batches: Batches, drop: list[int], lambda2: floa
     if trainable == "lora":
         result.model = merge_lora(train_model)
     freeze(result.model)
+    if checkpoints is not None:
+        checkpoints.clear()
     return result

@@ -41,7 +41,7 @@ from trsp_ray.method.training import (
 from trsp_ray.models import families
 from trsp_ray.plan import compute
 from trsp_ray.plan.merge_plan import merge_windows
-from trsp_ray.run.heal_store import heal_checkpoints
+from trsp_ray.run.heal_store import heal_checkpoints, stage2_checkpoints
 from trsp_ray.run.merging import heal_left, merge_layers
 from trsp_ray.run.teacher_store import stored_objective
 from trsp_ray.run.workbench import heal_stream
@@ -159,8 +159,7 @@ def _windows(bench, count: int, seed_offset: int = SELECTION_STREAM) -> list:
 
 
 def fixed_windows(stream, count: int) -> list:
-    """The first `count` windows of a batch stream, as batches of at most its batch size (the
-    removal probes' windows; Ray Train workers take them from the same stream)."""
+    """The first `count` windows of a batch stream, as batches of at most its batch size (both paths read so)."""
     import torch
 
     size = stream.batch_size
@@ -244,7 +243,8 @@ def _stage2(bench, *, model, gates, drop: list[int], s2, report: Report):
                  f"penalty {metrics['stage2/penalty']:.3f}, P-layer scale {metrics['stage2/residual_scale']:.2f}")
 
     return run_stage2(model=model, gates=gates, batches=bench.batches(STAGE2_STREAM), drop=drop,
-                      make_stepper=recovery_stepper(bench), report=progress, **stage2_settings(s2))
+                      make_stepper=recovery_stepper(bench), report=progress, **stage2_settings(s2),
+                      checkpoints=stage2_checkpoints(bench.cfg, s2, model, drop=drop))
 
 
 def _heal(bench, *, model, heal, report: Report, map_layers=()):
