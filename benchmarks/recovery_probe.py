@@ -20,7 +20,9 @@ never used to choose anything in the product.
 row (its per-passage LAMBADA results too) is appended to FILE and a rerun reads it back instead of
 healing again, so a long probe can run in parts and later rows pair with earlier ones. A row's key
 covers its resolved configuration, its heal's settings and the bytes and libraries it read
-(run/content.store_key): after a change to any of them the row is healed again, never read stale.
+(run/content.store_key): after a change to any of them the row is healed again, never read stale. The
+product's code is not in the key (every commit would heal every row again): each row records a digest of the
+package's sources and the commit it ran at, and a row read back under other sources says so beside its line.
 `--fresh` runs every row again even where FILE holds it (the new row is appended and read back after), e.g. to
 store what an older row lacks; `--fresh SET ...` only those sets' rows (the others are read back). Prints one
 line per row and, for every two rows after the dense one, the paired LAMBADA difference and, where both rows
@@ -34,6 +36,7 @@ run in parts too.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -142,7 +145,8 @@ def main() -> None:
                "docs": {k: v["docs"] for k, v in domain_coverage(bench).items()}, "steps": info.get("heal_steps", 0),
                "cost": sum(info.get(k, 0) for k in ("select_cost", "compensation_cost", "merge_cost",
                                                         "merge_solve_cost", "heal_cost")),
-               "seconds": time.time() - t0, "load": os.getloadavg()[0], **({"zeroshot": zeroshot} if zeroshot else {})}
+               "seconds": time.time() - t0, "load": os.getloadavg()[0], "code": code_version(),
+               **({"zeroshot": zeroshot} if zeroshot else {})}
         dense = dense or row
         rows.append(row)
         if args.rows:
@@ -239,9 +243,37 @@ def _name(row: dict) -> str:
     return row["set"] if row["set"] == "dense" else f"{row['set']} @ {budget} {row['objective']}"
 
 
+@functools.cache
+def code_version() -> dict:
+    """The sources a row ran: a digest of every .py file of the trsp_ray package and the commit checked out
+    (None outside a git checkout), with whether the checkout had changes."""
+    import hashlib
+    import subprocess
+    from pathlib import Path
+
+    import trsp_ray
+
+    package = Path(trsp_ray.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(package.rglob("*.py")):
+        h.update(f.relative_to(package).as_posix().encode() + b"\0" + f.read_bytes())
+
+    def git(*cmd):
+        done = subprocess.run(["git", "-C", str(package), *cmd], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return {"sources": h.hexdigest()[:16], "commit": commit,
+            "changed": bool(git("status", "--porcelain", "--", ".")) if commit else None}
+
+
 def _print(row: dict, dense: dict, *, cached: bool) -> None:
     diff, se = paired(row["items"], dense["items"])
     when = "read back" if cached else f"{row['seconds']:.0f}s, load {row['load']:.2f}"
+    if cached and row.get("code", {}).get("sources") != code_version()["sources"]:
+        ran = row.get("code", {}).get("commit")
+        when += (f"; computed by other sources (commit {ran}): --fresh {row['set']} heals it again" if ran else
+                 f"; computed before rows recorded their sources: --fresh {row['set']} heals it again")
     print(f"{_name(row):>28} drop {row['drop']} steps {row['steps']} cost {row['cost'] / 1e3:.0f}k  LAMBADA "
           f"{row['acc']:.3f} ({100 * row['acc'] / dense['acc']:.0f}% dense; vs dense {diff:+.3f} ± {se:.3f})  "
           + " ".join(f"{k} {v:.2f}" for k, v in row["ppl"].items())
