@@ -223,8 +223,10 @@ def test_zero3_ranks_merge_the_one_process_pairs_into_the_same_model(tmp_path, w
 @pytest.mark.ray
 @pytest.mark.slow  # a 2-worker Ray Train run and one process: ~2 min on a loaded 2-core machine
 def test_two_ray_workers_merge_heal_and_export_the_one_process_model(tiny_dir, tmp_path):  # noqa: F811
-    """merge+heal end to end on 2 ZeRO-3 workers: the pairs, the merge's record in the manifest and the exported
-    model (stock, fewer layers) are one process's."""
+    """merge+heal end to end on 2 ZeRO-3 workers, a worker lost after heal step 2: the restart reads every merged
+    pair back from rank 0's store instead of merging again and resumes the heal from its step-2 checkpoint; the
+    pairs, the merge's record in the manifest and the exported model (stock, fewer layers) are one process's, and
+    the store is gone once the heal is done."""
     import json
 
     from test_compensation_ray import _on_workers
@@ -234,7 +236,12 @@ def test_two_ray_workers_merge_heal_and_export_the_one_process_model(tiny_dir, t
 
     base = [f"model={tiny_dir}"] + OVERRIDES + ["method=merge+heal", "merging.windows=16", "merging.choice_windows=4",
                                                  "merging.unit_trials=3"]
-    result = _on_workers(base, tmp_path)
+    result = _on_workers(base + [f"checkpoint_dir={tmp_path / 'wck'}", "distributed.max_failures=1"], tmp_path,
+                         fault=[{"stage2_step": 2}])
+    assert result.attempts() == 2
+    pairs = len(result.drop_order)
+    assert [e["merged_here"] for e in result.events if e["event"] == "merged"] == [pairs, 0]
+    assert not (tmp_path / "wck" / "merged_pairs").exists()
     single = run(load_config(overrides=base + [f"output={tmp_path / 'single'}", f"checkpoint_dir={tmp_path / 's1'}",
                                                "distributed.workers=0", "data.eval_max_windows=2"]))
     assert result.drop_order == single["dropped_layers"]

@@ -277,7 +277,8 @@ def _merge(cfg, bench, *, drop: list[int], events: EventLog, rank: int):
     windows = fixed_windows(_batches(cfg, bench, FIT_STREAM), merge_windows(cfg))
     reset_peak_memory()
     merged, store = merge_on_ranks(cfg, bench, drop=drop, windows=windows, rank=rank, world=bench.world)
-    events.write("merged", peak_gb=peak_memory_gb(), **merged)
+    # merged_here: the pairs this attempt merged (0 where a restart read them all back from rank 0's store)
+    events.write("merged", peak_gb=peak_memory_gb(), merged_here=store.saved if store is not None else None, **merged)
     return merged, store
 
 

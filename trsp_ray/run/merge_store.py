@@ -41,6 +41,7 @@ class MergeCheckpoints:
     def __init__(self, root: str | Path, key: str):
         self.dir = Path(root).expanduser() / "merged_pairs" / key
         self.made: list[Path] = []  # the folders the first save made, deepest first: a finished merge removes them
+        self.saved = 0  # pairs this process merged and stored (a resumed merge's stored pairs are not among them)
 
     def finished(self) -> list[tuple[dict, dict]]:
         """(merge_pairs' "per_pair" entry, the merged block's state_dict) of every pair stored, in order (the
@@ -59,6 +60,7 @@ class MergeCheckpoints:
         if not self.made:
             self.made = new_folders(self.dir)
         atomic.save_torch(self.dir / f"pair-{k}.pt", {"pair": pair, "block": state})
+        self.saved += 1
 
     def clear(self) -> None:
         """Remove the stored pairs, the store's folder where no other merge's pairs are in it, and the
