@@ -221,7 +221,7 @@ def test_zero3_ranks_merge_the_one_process_pairs_into_the_same_model(tmp_path, w
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # a 2-worker Ray Train run and one process: ~2 min on a loaded 2-core machine
+@pytest.mark.slow  # a 2-worker Ray Train run with a restart, and one process: ~10 min on a loaded 2-core machine
 def test_two_ray_workers_merge_heal_and_export_the_one_process_model(tiny_dir, tmp_path):  # noqa: F811
     """merge+heal end to end on 2 ZeRO-3 workers, a worker lost after heal step 2: the restart reads every merged
     pair back from rank 0's store instead of merging again and resumes the heal from its step-2 checkpoint; the
