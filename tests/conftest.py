@@ -8,6 +8,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
+from trsp_ray.common.process_exit import skip_teardown_at_exit  # noqa: E402
+
 REPO_RUNS = Path(__file__).resolve().parents[1] / "runs"
 
 
@@ -41,6 +43,20 @@ def _outputs_in_tmp(tmp_path, monkeypatch):
     yield
     new = sorted(str(p.relative_to(REPO_RUNS)) for p in _repo_runs() - before)
     assert not new, f"the test wrote into the repository's runs/: {new[:5]}"
+
+
+_SESSION: list = []
+
+
+def pytest_sessionstart(session):
+    _SESSION.append(session)
+
+
+# The test run ends like every trsp-ray command (trsp_ray/common/process_exit.py): its status once the
+# atexit handlers ran, without the interpreter's module teardown of torch, Ray and transformers, which
+# segfaulted once after every test had passed and turned the run into exit 139. Registered here,
+# before any of those libraries is imported, so their atexit handlers still run first.
+skip_teardown_at_exit(lambda: int(_SESSION[0].exitstatus) if _SESSION else None)
 
 
 def pytest_configure(config):

@@ -2,6 +2,7 @@
 neither hangs on an idle thread pool nor turns a finished run into a failure in the teardown."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,32 @@ def test_only_the_exit_module_leaves_with_os_exit():
             if isinstance(node, ast.Attribute) and node.attr in ("_exit", "_run_exitfuncs"):
                 found.add(p.relative_to(ROOT).as_posix())
     assert found == {"trsp_ray/common/process_exit.py"}
+
+
+def _pytest_run(tmp_path, body: str, with_conftest: bool) -> subprocess.CompletedProcess:
+    """pytest on one test file holding an object whose destruction aborts the process, with or
+    without the repository's tests/conftest.py loaded as a plugin."""
+    test = tmp_path / "test_teardown_crash.py"
+    test.write_text("import atexit, os, sys\n"
+                    "class Crash:\n"
+                    "    def __del__(self, abort=os.abort):  # bound now: the teardown clears `os`\n"
+                    "        abort()\n"
+                    "CRASH = Crash()\n"
+                    "atexit.register(lambda: print('atexit ran', file=sys.stderr))\n" + body)
+    plugin = ["-p", "conftest"] if with_conftest else []
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, str(test)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+
+
+@pytest.mark.parametrize("body, status", [("def test_ok():\n    assert 1 + 1 == 2\n", 0),
+                                          ("def test_bad():\n    assert 1 + 1 == 3\n", 1)],
+                         ids=["passed", "failed"])
+def test_the_test_run_keeps_its_status_past_a_crash_in_the_teardown(tmp_path, body, status):
+    """tests/conftest.py ends the test run like a trsp-ray command: pytest's status once the atexit
+    handlers ran (the module's own handler still prints), never the teardown's abort. Without the
+    conftest the same run aborts (134): the crash this guards against is real."""
+    done = _pytest_run(tmp_path, body, with_conftest=True)
+    assert done.returncode == status and "atexit ran" in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert ("1 passed" if status == 0 else "1 failed") in done.stdout
+    assert _pytest_run(tmp_path, body, with_conftest=False).returncode == -6  # SIGABRT

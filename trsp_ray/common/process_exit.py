@@ -1,5 +1,6 @@
 """The one exit of every command and job: `trsp-ray` (cli.entry), `jobs/*.py` and
-`python -m trsp_ray.reproduce.cli` end with `exit_after(main)`.
+`python -m trsp_ray.reproduce.cli` end with `exit_after(main)`; a process whose main is not ours (the
+test run: pytest's) registers `skip_teardown_at_exit` instead.
 
 A finished run must end with its status and nothing else. The interpreter's own exit tears torch's,
 transformers' and Ray's modules down one object at a time: 3-4 s of a 2-core machine on every
@@ -34,6 +35,25 @@ def exit_after(main: Callable[[], int | None]) -> NoReturn:
     # concurrent.futures registers itself with (threading._register_atexit)
     threading._shutdown()
     atexit._run_exitfuncs()
+    _flush_and_leave(code)
+
+
+def skip_teardown_at_exit(status: Callable[[], int | None]) -> None:
+    """For a process whose main is not ours (pytest's): leave with `os._exit(status())` once its atexit
+    handlers have run, before the interpreter's module teardown. Register it before the libraries are
+    imported: atexit runs handlers last-in first-out, so every handler registered after it (Ray's
+    shutdown, MLflow's run end) still runs first. A `status()` of None (the run ended before it knew
+    its status) leaves the exit to the interpreter."""
+
+    def leave() -> None:
+        code = status()
+        if code is not None:
+            _flush_and_leave(int(code))
+
+    atexit.register(leave)
+
+
+def _flush_and_leave(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
