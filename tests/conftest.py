@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 from trsp_ray.common.process_exit import skip_teardown_at_exit  # noqa: E402
 
 REPO_RUNS = Path(__file__).resolve().parents[1] / "runs"
+GIB_PER_WORKER = 6
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,16 @@ def workspaces(tmp_path_factory):
         return made[family]
 
     return get
+
+
+def pytest_xdist_auto_num_workers(config):
+    """How many processes pyproject's `-n auto` starts: one per core this process may use, no more
+    than one per GIB_PER_WORKER of memory (a test process with the Ray head and workers it starts),
+    and none when the command names single tests (`file.py::test`), which then run in this process."""
+    if config.args and all("::" in arg for arg in config.args):
+        return 0
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(len(os.sched_getaffinity(0)), int(memory // GIB_PER_WORKER)))
 
 
 def _repo_runs() -> set[Path]:
