@@ -32,8 +32,9 @@ def workspaces(tmp_path_factory):
 
 def pytest_xdist_auto_num_workers(config):
     """How many processes pyproject's `-n auto` starts: one per core this process may use, no more
-    than one per GIB_PER_WORKER of memory (a test process with the Ray head and workers it starts),
-    and none when the command names single tests (`file.py::test`), which then run in this process."""
+    than one per GIB_PER_WORKER of memory (two test processes with the Ray heads and workers they start
+    used at most 7.1 GiB on 2 cores), and none when the command names single tests (`file.py::test`),
+    which then run in this process."""
     if config.args and all("::" in arg for arg in config.args):
         return 0
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

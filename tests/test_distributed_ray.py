@@ -199,7 +199,6 @@ def test_faults_in_stage1_and_stage2_resume_without_recomputing(tiny_dir, tmp_pa
 RETRY = ("Connection refused", "Failed to connect", "No available agent")
 
 
-@pytest.mark.slow  # 163 s in CI-like runs: kept out of CI's 25 minutes (README, Tests)
 def test_ray_job_submit_runs_the_70b_job_small(tiny_dir, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("TRSP_RAY_MLFLOW_DIR", None)  # the job's MLflow store defaults to its storage path

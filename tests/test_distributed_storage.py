@@ -86,7 +86,6 @@ def hub_tiny(tmp_path_factory):
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # 169 s: kept out of CI's 25 minutes; the refusal test below stays in CI (README, Tests)
 def test_prune_job_on_s3_resumes_after_a_fault_and_exits_0(s3, hub_tiny, tmp_path, own_ray_tmpdir):
     storage = f"s3://trsp/ray?{s3['query']}"
     local_tmp = tmp_path / "tmp"  # where the workers fetch the remote checkpoint they resume from
