@@ -33,7 +33,7 @@ def workspaces(tmp_path_factory):
 def pytest_xdist_auto_num_workers(config):
     """How many processes pyproject's `-n auto` starts: one per core this process may use, no more
     than one per GIB_PER_WORKER of memory (two test processes with the Ray heads and workers they start
-    used at most 7.1 GiB on 2 cores), and none when the command names single tests (`file.py::test`),
+    used at most 8.4 GiB on 2 cores), and none when the command names single tests (`file.py::test`),
     which then run in this process."""
     if config.args and all("::" in arg for arg in config.args):
         return 0
