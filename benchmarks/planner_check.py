@@ -2,7 +2,8 @@
 
     python benchmarks/planner_check.py [--seqlen 128] [--batch 4] [--stage2-steps 2] [--method merge+heal]
 
-Starts its own local Ray (2 CPUs), runs stage 1 and stage 2 through `run_distributed`, and reads
+Starts its own local Ray (2 CPUs), runs the default pipeline's selection (Block Influence) and heal,
+or `--method`'s stages (`--method trsp`: stage 1 and stage 2), through `run_distributed`, and reads
 each stage's peak resident memory of rank 0 from the run's log (VmHWM, reset at the start of each
 stage). The planner gets the same model config, world size, dtype (fp32 on CPU), micro batch and
 sequence length. Goal: estimate within 25% of the measurement for both stages. `--method merge+heal`:
@@ -22,7 +23,7 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--stage2-steps", type=int, default=2)
-    parser.add_argument("--method", default="trsp", help="pipeline the workers run (default: trsp)")
+    parser.add_argument("--method", default=None, help="pipeline the workers run (default: the config's default)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE",
                         help="a DeepSpeed option for both the run and the planner, e.g. "
@@ -46,7 +47,7 @@ def main() -> None:
         f"data.seqlen={args.seqlen}", f"data.batch_size={args.batch}",
         "stage1.first_round_steps=2", "stage1.steps_per_round=1", f"stage2.steps={args.stage2_steps}",
         "distributed.workers=2", f"distributed.checkpoint_every={max(1, args.stage2_steps)}",
-        f"distributed.storage_path={storage}", f"method={args.method}", *args.overrides])
+        f"distributed.storage_path={storage}", *([f"method={args.method}"] if args.method else []), *args.overrides])
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         result = run_distributed(cfg, ds_options=parse_options(args.ds))
