@@ -47,10 +47,12 @@ def _repo_runs() -> set[Path]:
 
 @pytest.fixture(autouse=True)
 def _outputs_in_tmp(tmp_path, monkeypatch):
-    """Keep every test's MLflow store out of the repository, and fail a test that writes into the
-    repository's runs/ (a default output directory): a stage-1 store left there is reused by a later
-    run, so it must not come from a test."""
+    """Keep every test's MLflow store and default checkpoint folder (stores of stage 1, the teacher, a
+    merge's pairs) out of the repository, where tests in parallel processes would share them, and fail a
+    test that writes into the repository's runs/ (a default output directory): a stage-1 store left
+    there is reused by a later run, so it must not come from a test."""
     monkeypatch.setenv("TRSP_RAY_MLFLOW_DIR", str(tmp_path / "mlruns"))
+    monkeypatch.setenv("TRSP_RAY_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
     before = _repo_runs()
     yield
     new = sorted(str(p.relative_to(REPO_RUNS)) for p in _repo_runs() - before)

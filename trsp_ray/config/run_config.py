@@ -77,7 +77,7 @@ class RunConfig:
     # moments of trained bf16/fp16 weights, stay fp32 (training.TorchStepper says why).
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     threads: int | None = None  # torch intra-op threads (None = torch default)
-    checkpoint_dir: str | None = None  # stage-1 round checkpoints; default ./runs/checkpoints
+    checkpoint_dir: str | None = None  # stores, checkpoints; default $TRSP_RAY_CHECKPOINT_DIR, else ./runs/checkpoints
     data: DataConfig = field(default_factory=DataConfig)
     gates: GateConfig = field(default_factory=GateConfig)
     stage1: Stage1Config = field(default_factory=Stage1Config)

@@ -12,6 +12,7 @@ results). `store_key` joins the three; a change of any gives another key, never 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from trsp_ray.common.digest import content_key, file_digest
@@ -22,8 +23,9 @@ LIBRARIES = ("torch", "transformers", "lm-eval", "deepspeed")
 
 def checkpoint_root(checkpoint_dir: str | None) -> str:
     """Where a run's stores and checkpoints live (stage 1, the teacher, a merge's pairs, the audition's
-    trials): the config's `checkpoint_dir`, by default ./runs/checkpoints of the working directory."""
-    return checkpoint_dir or str(Path.cwd() / "runs" / "checkpoints")
+    trials): the config's `checkpoint_dir`, else $TRSP_RAY_CHECKPOINT_DIR, by default ./runs/checkpoints
+    of the working directory."""
+    return checkpoint_dir or os.environ.get("TRSP_RAY_CHECKPOINT_DIR") or str(Path.cwd() / "runs" / "checkpoints")
 
 
 def new_folders(path: Path) -> list[Path]:
