@@ -21,6 +21,9 @@ def _offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("TRSP_RAY_MLFLOW_DIR", str(tmp_path / "mlruns"))
+    # the default checkpoint folder a user gets (./runs/checkpoints), which the plans print: these
+    # commands plan and write nothing there (conftest's guard fails a test that does)
+    monkeypatch.delenv("TRSP_RAY_CHECKPOINT_DIR", raising=False)
 
 
 def shown(marker: str) -> tuple[list[str], list[str]]:
